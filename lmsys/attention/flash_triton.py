@@ -1,0 +1,555 @@
+"""FlashAttention-2 in Triton: forward and backward kernels.
+
+Algorithm: Tri Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning" (2023).
+
+Forward: one program per (query block, batch*head). The query tile stays in registers while key/value tiles
+stream past it; an online softmax keeps a running row maximum ``m`` and row sum ``l`` so that the (T, T) score
+matrix never exists in memory. Scores are computed in base 2: the softmax scale is folded together with
+log2(e) into one multiplier so every exponential is an ``exp2``. With a causal mask, key tiles above the
+diagonal are never loaded; the tiles strictly below it run without any mask (stage 1), and only the diagonal
+tiles pay for the mask (stage 2). Query blocks are visited heaviest first, so the last wave of a causal launch
+holds the cheapest blocks. The forward saves only the output and the log-sum-exp (natural log, fp32).
+
+Backward: recomputation. A small kernel computes ``D = rowsum(dO * O)``. The main kernel gives each program
+one key block, for which it accumulates dK and dV over the query blocks that see it, and one query block, for
+which it accumulates dQ over the key blocks it sees. Every gradient tile is owned by exactly one program, so
+there are no atomics; with a causal mask the two halves of a program's work add up to the same amount for
+every program, which keeps the launch balanced.
+
+Any sequence length works: boundary masks are compiled in only when a length is not a multiple of the tile
+(``EVEN_*`` heuristics). With ``TRITON_INTERPRET=1`` the same kernels run on the CPU (small shapes, for tests).
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from lmsys.attention.checks import check_inputs
+
+HEAD_DIMS = (16, 32, 64, 128)
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# A finite "minus infinity" for masked scores: exp2 of it is 0, and a row whose tile is all masked gives no NaN.
+MASKED = -1.0e6
+
+_INTERPRET = triton.knobs.runtime.interpret
+
+
+def _autotune_key(n_q, n_k):
+    """Sequence lengths rounded up to a power of two: one tuning per size class, not per odd length."""
+    return triton.next_power_of_2(max(n_q, n_k))
+
+
+# ------------------------------------------------------------------------------------------------- forward
+
+
+def _fwd_configs():
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bm in (64, 128)
+        for bn in (32, 64, 128)
+        for w in (4, 8)
+        for s in (2, 3, 4)
+        if bn <= bm
+    ]
+
+
+def _prune_fwd_configs(configs, named_args, **kwargs):
+    """Drop tiles larger than the problem and 8 warps on small tiles (too little work per warp)."""
+    n = max(named_args["N_Q"], named_args["N_K"])
+    head_dim = kwargs["HEAD_DIM"]
+    kept = []
+    for c in configs:
+        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        if bm > max(64, triton.next_power_of_2(n)):
+            continue
+        if c.num_warps == 8 and bm * bn < 128 * 128 and head_dim < 128:
+            continue
+        kept.append(c)
+    return kept or configs[:1]
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q, K, V,
+    stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_d, lo, hi, N_K, qk_scale,
+    BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k_ptrs = K + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = V + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        if BOUNDS_MASK:
+            k = tl.load(k_ptrs, mask=cols[:, None] < N_K, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        if CAUSAL_MASK or BOUNDS_MASK:
+            if CAUSAL_MASK and BOUNDS_MASK:
+                keep = (offs_m[:, None] >= cols[None, :]) & (cols[None, :] < N_K)
+            elif CAUSAL_MASK:
+                keep = offs_m[:, None] >= cols[None, :]
+            else:
+                keep = cols[None, :] < N_K
+            qk = qk * qk_scale + tl.where(keep, 0.0, MASKED)
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.math.exp2(qk - m_ij[:, None])
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if BOUNDS_MASK:
+            v = tl.load(v_ptrs, mask=cols[:, None] < N_K, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.autotune(
+    configs=_fwd_configs(),
+    key=["N_BUCKET", "HEAD_DIM", "CAUSAL"],
+    prune_configs_by={"early_config_prune": _prune_fwd_configs},
+)
+@triton.heuristics(
+    {
+        "EVEN_M": lambda a: a["N_Q"] % a["BLOCK_M"] == 0,
+        "EVEN_N": lambda a: a["N_K"] % a["BLOCK_N"] == 0,
+    }
+)
+@triton.jit
+def _flash_fwd_kernel(
+    Q, K, V, O, LSE,
+    N_Q, N_K, H, N_BUCKET, qk_scale,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    pid_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    if CAUSAL:
+        # Heaviest query blocks first: the tail of the launch is made of short programs.
+        start_m = tl.cdiv(N_Q, BLOCK_M) - 1 - pid_m
+    else:
+        start_m = pid_m
+    off_b = (off_bh // H).to(tl.int64)
+    off_h = (off_bh % H).to(tl.int64)
+    Q += off_b * stride_qb + off_h * stride_qh
+    K += off_b * stride_kb + off_h * stride_kh
+    V += off_b * stride_vb + off_h * stride_vh
+    O += off_b * stride_ob + off_h * stride_oh
+    LSE += off_bh.to(tl.int64) * N_Q
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    if EVEN_M:
+        q = tl.load(q_ptrs)
+    else:
+        q = tl.load(q_ptrs, mask=offs_m[:, None] < N_Q, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if CAUSAL:
+        # Stage 1: key tiles strictly below the diagonal, no mask at all.
+        diag = start_m * BLOCK_M
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_d, 0, diag, N_K, qk_scale,
+            BLOCK_N, False, False, DOT_PRECISION,
+        )
+        # Stage 2: the diagonal tiles, masked (and bounds-checked when the length is ragged).
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_d, diag, tl.minimum(diag + BLOCK_M, N_K), N_K, qk_scale,
+            BLOCK_N, True, not EVEN_N, DOT_PRECISION,
+        )
+    else:
+        n_full = (N_K // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_d, 0, n_full, N_K, qk_scale,
+            BLOCK_N, False, False, DOT_PRECISION,
+        )
+        if not EVEN_N:
+            acc, l_i, m_i = _fwd_inner(
+                acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                offs_m, offs_d, n_full, N_K, N_K, qk_scale,
+                BLOCK_N, False, True, DOT_PRECISION,
+            )
+
+    acc = acc / l_i[:, None]
+    lse = (m_i + tl.math.log2(l_i)) * LN2  # back from base 2 to the natural log
+    o_ptrs = O + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    if EVEN_M:
+        tl.store(LSE + offs_m, lse)
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty))
+    else:
+        tl.store(LSE + offs_m, lse, mask=offs_m < N_Q)
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=offs_m[:, None] < N_Q)
+
+
+# ------------------------------------------------------------------------------------------------ backward
+
+
+@triton.jit
+def _flash_bwd_preprocess_kernel(
+    O, DO, DELTA,
+    N_Q, H,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """D = rowsum(dO * O), in fp32."""
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // H).to(tl.int64)
+    off_h = (off_bh % H).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = offs_m[:, None] < N_Q
+    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+                mask=rows, other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom
+                 + offs_d[None, :] * stride_dod, mask=rows, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + off_bh.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
+
+
+def _bwd_configs():
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_SMALL": 16, "BLOCK_BIG": 32}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_SMALL": small, "BLOCK_BIG": big}, num_warps=w, num_stages=s)
+        for small, big in ((16, 64), (32, 64), (32, 128), (64, 128))
+        for w in (4, 8)
+        for s in (2, 3, 4, 5)
+    ]
+
+
+def _prune_bwd_configs(configs, named_args, **kwargs):
+    n = max(named_args["N_Q"], named_args["N_K"])
+    kept = [c for c in configs if c.kwargs["BLOCK_BIG"] <= max(64, triton.next_power_of_2(n))]
+    return kept or configs[:1]
+
+
+@triton.jit
+def _bwd_dkdv_inner(
+    dk, dv, k, v, Q, DO, LSE, DELTA,
+    stride_qm, stride_qd, stride_dom, stride_dod,
+    offs_n, offs_d, lo, hi, N_Q, qk_scale,
+    BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dK, dV of one key tile over the query tiles [lo, hi). Works on transposed scores (keys x queries)."""
+    offs_m0 = tl.arange(0, BLOCK_M)
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        offs_m = start_m + offs_m0
+        q_ptrs = Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+        do_ptrs = DO + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod
+        if BOUNDS_MASK:
+            rows = offs_m < N_Q
+            q = tl.load(q_ptrs, mask=rows[:, None], other=0.0)
+            # lse = +inf on padding rows makes their probabilities exactly 0.
+            lse2 = tl.load(LSE + offs_m, mask=rows, other=float("inf")) * LOG2E
+        else:
+            q = tl.load(q_ptrs)
+            lse2 = tl.load(LSE + offs_m) * LOG2E
+        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
+        if CAUSAL_MASK:
+            pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
+        if BOUNDS_MASK:
+            do = tl.load(do_ptrs, mask=rows[:, None], other=0.0)
+            delta = tl.load(DELTA + offs_m, mask=rows, other=0.0)
+        else:
+            do = tl.load(do_ptrs)
+            delta = tl.load(DELTA + offs_m)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dq_inner(
+    dq, q, do, lse2, delta, K, V,
+    stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_d, lo, hi, N_K, qk_scale,
+    BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dQ of one query tile over the key tiles [lo, hi)."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n0
+        k_ptrs = K + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = V + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        if BOUNDS_MASK:
+            k = tl.load(k_ptrs, mask=cols[:, None] < N_K, other=0.0)
+            v = tl.load(v_ptrs, mask=cols[:, None] < N_K, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if CAUSAL_MASK and BOUNDS_MASK:
+            p = tl.where((offs_m[:, None] >= cols[None, :]) & (cols[None, :] < N_K), p, 0.0)
+        elif CAUSAL_MASK:
+            p = tl.where(offs_m[:, None] >= cols[None, :], p, 0.0)
+        elif BOUNDS_MASK:
+            p = tl.where(cols[None, :] < N_K, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.autotune(
+    configs=_bwd_configs(),
+    key=["N_BUCKET", "HEAD_DIM", "CAUSAL"],
+    prune_configs_by={"early_config_prune": _prune_bwd_configs},
+)
+@triton.heuristics(
+    {
+        "EVEN_M": lambda a: a["N_Q"] % a["BLOCK_BIG"] == 0,
+        "EVEN_N": lambda a: a["N_K"] % a["BLOCK_BIG"] == 0,
+    }
+)
+@triton.jit
+def _flash_bwd_kernel(
+    Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
+    N_Q, N_K, H, N_BUCKET, qk_scale, sm_scale,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_SMALL: tl.constexpr, BLOCK_BIG: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    # dK/dV: a key tile of BLOCK_BIG rows visits query tiles of BLOCK_SMALL rows.
+    # dQ: a query tile of BLOCK_BIG rows visits key tiles of BLOCK_SMALL rows.
+    tl.static_assert(BLOCK_BIG % BLOCK_SMALL == 0)
+    pid = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // H).to(tl.int64)
+    off_h = (off_bh % H).to(tl.int64)
+    Q += off_b * stride_qb + off_h * stride_qh
+    K += off_b * stride_kb + off_h * stride_kh
+    V += off_b * stride_vb + off_h * stride_vh
+    DO += off_b * stride_dob + off_h * stride_doh
+    DQ += off_b * stride_dqb + off_h * stride_dqh
+    DK += off_b * stride_dkb + off_h * stride_dkh
+    DV += off_b * stride_dvb + off_h * stride_dvh
+    LSE += off_bh.to(tl.int64) * N_Q
+    DELTA += off_bh.to(tl.int64) * N_Q
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    start_n = pid * BLOCK_BIG
+    if start_n < N_K:
+        offs_n = start_n + tl.arange(0, BLOCK_BIG)
+        k_ptrs = K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        if EVEN_N:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=offs_n[:, None] < N_K, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_n[:, None] < N_K, other=0.0)
+        dk = tl.zeros([BLOCK_BIG, HEAD_DIM], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_BIG, HEAD_DIM], dtype=tl.float32)
+        lo = 0
+        if CAUSAL:
+            # Query tiles on the diagonal need the mask; those above it (earlier queries) are skipped entirely.
+            lo = start_n + BLOCK_BIG
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
+                offs_n, offs_d, start_n, tl.minimum(lo, N_Q), N_Q, qk_scale,
+                BLOCK_SMALL, True, not EVEN_M, DOT_PRECISION,
+            )
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
+            offs_n, offs_d, lo, N_Q, N_Q, qk_scale,
+            BLOCK_SMALL, False, not EVEN_M, DOT_PRECISION,
+        )
+        dk_ptrs = DK + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
+        dv_ptrs = DV + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
+        if EVEN_N:
+            tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty))
+            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
+        else:
+            tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=offs_n[:, None] < N_K)
+            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < N_K)
+
+    start_m = pid * BLOCK_BIG
+    if start_m < N_Q:
+        offs_m = start_m + tl.arange(0, BLOCK_BIG)
+        q_ptrs = Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+        do_ptrs = DO + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod
+        if EVEN_M:
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+            lse2 = tl.load(LSE + offs_m) * LOG2E
+            delta = tl.load(DELTA + offs_m)
+        else:
+            rows = offs_m < N_Q
+            q = tl.load(q_ptrs, mask=rows[:, None], other=0.0)
+            do = tl.load(do_ptrs, mask=rows[:, None], other=0.0)
+            lse2 = tl.load(LSE + offs_m, mask=rows, other=float("inf")) * LOG2E
+            delta = tl.load(DELTA + offs_m, mask=rows, other=0.0)
+        dq = tl.zeros([BLOCK_BIG, HEAD_DIM], dtype=tl.float32)
+        if CAUSAL:
+            dq = _bwd_dq_inner(
+                dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                offs_m, offs_d, 0, start_m, N_K, qk_scale,
+                BLOCK_SMALL, False, False, DOT_PRECISION,
+            )
+            dq = _bwd_dq_inner(
+                dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                offs_m, offs_d, start_m, tl.minimum(start_m + BLOCK_BIG, N_K), N_K, qk_scale,
+                BLOCK_SMALL, True, not EVEN_N, DOT_PRECISION,
+            )
+        else:
+            dq = _bwd_dq_inner(
+                dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                offs_m, offs_d, 0, N_K, N_K, qk_scale,
+                BLOCK_SMALL, False, not EVEN_N, DOT_PRECISION,
+            )
+        dq_ptrs = DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
+        if EVEN_M:
+            tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty))
+        else:
+            tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=offs_m[:, None] < N_Q)
+
+
+# ------------------------------------------------------------------------------------------------ wrappers
+
+
+def _as_4d(x):
+    """(batch, seq, d) -> (batch, 1, seq, d) view; 4-D passes through. The last dim must be unit-stride."""
+    x = x.unsqueeze(1) if x.dim() == 3 else x
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _dot_precision(dtype):
+    # fp32 inputs: three tf32 products per dot give near-fp32 accuracy on the tensor cores.
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _check(q, k, v, is_causal):
+    check_inputs(q, k, v, is_causal, impl="triton", head_dims=HEAD_DIMS)
+    if q.device.type != "cuda" and not _INTERPRET:
+        raise ValueError(
+            f"the Triton attention kernels need CUDA tensors, got tensors on {q.device}; "
+            "set TRITON_INTERPRET=1 before importing lmsys to run them on the CPU (slow, for tests)"
+        )
+
+
+@torch.library.custom_op("lmsys::flash_attn_fwd", mutates_args=())
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    q4, k4, v4, o4 = _as_4d(q), _as_4d(k), _as_4d(v), o.unsqueeze(1) if o.dim() == 3 else o
+    batch, heads, n_q, head_dim = q4.shape
+    n_k = k4.shape[2]
+    qk_scale = LOG2E / math.sqrt(head_dim)
+
+    def grid(meta):
+        return (triton.cdiv(n_q, meta["BLOCK_M"]), batch * heads)
+
+    _flash_fwd_kernel[grid](
+        q4, k4, v4, o4, lse,
+        n_q, n_k, heads, _autotune_key(n_q, n_k), qk_scale,
+        *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(),
+        HEAD_DIM=head_dim, CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
+    )
+    return o, lse
+
+
+@_fwd_op.register_fake
+def _(q, k, v, is_causal):
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("lmsys::flash_attn_bwd", mutates_args=())
+def _bwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
+    is_causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    q4, k4, v4, o4, do4 = _as_4d(q), _as_4d(k), _as_4d(v), _as_4d(o), _as_4d(do)
+    dq4, dk4, dv4 = (x.unsqueeze(1) if x.dim() == 3 else x for x in (dq, dk, dv))
+    batch, heads, n_q, head_dim = q4.shape
+    n_k = k4.shape[2]
+    delta = torch.empty_like(lse)
+    pre_block = 64
+    _flash_bwd_preprocess_kernel[(triton.cdiv(n_q, pre_block), batch * heads)](
+        o4, do4, delta, n_q, heads, *o4.stride(), *do4.stride(), HEAD_DIM=head_dim, BLOCK_M=pre_block,
+    )
+
+    def grid(meta):
+        return (triton.cdiv(max(n_q, n_k), meta["BLOCK_BIG"]), batch * heads)
+
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    _flash_bwd_kernel[grid](
+        q4, k4, v4, do4, dq4, dk4, dv4, lse, delta,
+        n_q, n_k, heads, _autotune_key(n_q, n_k), sm_scale * LOG2E, sm_scale,
+        *q4.stride(), *k4.stride(), *v4.stride(), *do4.stride(), *dq4.stride(), *dk4.stride(), *dv4.stride(),
+        HEAD_DIM=head_dim, CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
+    )
+    return dq, dk, dv
+
+
+@_bwd_op.register_fake
+def _(q, k, v, o, lse, do, is_causal):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def forward(q, k, v, is_causal=False):
+    """Attention output and log-sum-exp (natural log, fp32, shape of q without its last dim)."""
+    _check(q, k, v, is_causal)
+    return _fwd_op(q, k, v, is_causal)
+
+
+def backward(q, k, v, o, lse, do, is_causal=False):
+    """Gradients (dq, dk, dv) of attention, given the forward's output, log-sum-exp and the output's gradient."""
+    return _bwd_op(q, k, v, o, lse, do, is_causal)
+
+
+class FlashAttentionTriton(torch.autograd.Function):
+    """FlashAttention-2 with Triton kernels: ``FlashAttentionTriton.apply(q, k, v, is_causal)``.
+
+    q, k, v: (batch, seq, d) or (batch, heads, seq, d), fp16/bf16/fp32 on CUDA, head dim 16/32/64/128;
+    causal needs equal query and key lengths. Softmax scale 1/sqrt(d).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal=False):
+        o, lse = forward(q, k, v, is_causal)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.is_causal = is_causal
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = backward(q, k, v, o, lse, do, ctx.is_causal)
+        return dq, dk, dv, None
