@@ -1,0 +1,77 @@
+"""Input validation shared by every attention implementation: one `ValueError` per problem, naming it."""
+
+import torch
+
+_NAMES = ("q", "k", "v")
+
+
+def _describe(x: torch.Tensor) -> str:
+    return f"shape {tuple(x.shape)}, {x.dtype}, {x.device}"
+
+
+def check_inputs(
+    q,
+    k,
+    v,
+    is_causal: bool,
+    *,
+    impl: str,
+    head_dims=None,
+    dtypes=(torch.float16, torch.bfloat16, torch.float32),
+) -> None:
+    """Raise a `ValueError` naming the problem if `q`, `k`, `v` are not valid attention inputs for `impl`.
+
+    Valid inputs are tensors shaped (batch, seq, d) or (batch, heads, seq, d), all with the same number of
+    dimensions, the same batch (and heads), one dtype among `dtypes`, one device; `k` and `v` have the same
+    shape; `q` and `k` share the head dim, which must be one of `head_dims` when that is given; no sequence is
+    empty; causal attention needs as many queries as keys. Device support beyond "all on one device" is left
+    to the caller (the Triton wrapper checks for CUDA or the interpreter itself).
+    """
+    for name, x in zip(_NAMES, (q, k, v), strict=True):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{impl} attention: {name} must be a torch.Tensor, got {type(x).__name__}")
+    for name, x in zip(_NAMES, (q, k, v), strict=True):
+        if x.ndim not in (3, 4):
+            raise ValueError(
+                f"{impl} attention: {name} must be shaped (batch, seq, d) or (batch, heads, seq, d); "
+                f"got {x.ndim} dimensions, shape {tuple(x.shape)}"
+            )
+    if not q.ndim == k.ndim == v.ndim:
+        raise ValueError(
+            f"{impl} attention: q, k and v must have the same number of dimensions; "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    lead = "batch and heads" if q.ndim == 4 else "batch"
+    if not q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
+        raise ValueError(
+            f"{impl} attention: q, k and v must have the same {lead}; "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(
+            f"{impl} attention: k and v must have the same shape; got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"{impl} attention: q and k must have the same head dim; got q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+    if head_dims is not None and q.shape[-1] not in head_dims:
+        supported = ", ".join(str(d) for d in head_dims)
+        raise ValueError(f"head dim {q.shape[-1]} is not supported by {impl}; supported: {supported}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"{impl} attention: q, k and v must have one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if q.dtype not in dtypes:
+        supported = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"dtype {q.dtype} is not supported by {impl}; supported: {supported}")
+    if not q.device == k.device == v.device:
+        raise ValueError(
+            f"{impl} attention: q, k and v must be on one device; got q on {q.device}, k on {k.device}, v on {v.device}"
+        )
+    for name, x in zip(_NAMES, (q, k, v), strict=True):
+        if x.numel() == 0:
+            raise ValueError(f"{impl} attention: {name} is empty ({_describe(x)}); every dimension must be at least 1")
+    if is_causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError(
+            f"{impl} attention: causal attention with {q.shape[-2]} queries and {k.shape[-2]} keys is not supported; "
+            "causal needs seq_q == seq_k (use is_causal=False for different lengths)"
+        )
