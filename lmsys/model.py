@@ -1,0 +1,201 @@
+"""A decoder-only Transformer language model, in one file, in reading order.
+
+Token embedding -> `num_layers` pre-norm blocks -> final RMSNorm -> untied LM head. Each block is
+    x = x + attention(rmsnorm(x))     causal multi-head self-attention, RoPE on queries and keys
+    x = x + ffn(rmsnorm(x))           SwiGLU: w2(silu(w1 x) * w3 x)
+Linear layers have no bias. There are no learned positions (RoPE), so the parameter count does not depend on the
+context length: 2 * vocab * d_model + num_layers * (4 d_model^2 + 3 d_model d_ff + 2 d_model) + d_model.
+
+The attention kernel is looked up by name in `lmsys.attention.ATTENTION` (`ModelConfig.attention`), so a new kernel
+plugs in without editing this file. Sizes are data: `SIZES` maps preset names to `ModelConfig`s; change one with
+`dataclasses.replace(SIZES["large"], context_length=1024, attention="sdpa")`.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmsys import attention, profiling
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 whatever the input dtype, returned in the input dtype."""
+
+    def __init__(self, d_model: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A bf16 mean of squares loses the small components; the norm is cheap, so do it in fp32.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (x32 * self.weight).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE (Su et al., 2021): rotate each pair (x[2i], x[2i+1]) of a head by the angle pos * theta^(-2i/D).
+
+    After rotation the dot product of a query at m and a key at n depends only on m - n.
+    """
+
+    def __init__(self, head_dim: int, context_length: int, theta: float):
+        super().__init__()
+        inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (D/2,)
+        angles = torch.outer(torch.arange(context_length, dtype=torch.float32), inv_freq)  # (T, D/2)
+        # Derived from the config, so kept out of the state dict.
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[-2]
+        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)  # (T, D/2)
+        x1, x2 = x[..., 0::2], x[..., 1::2]  # (B, H, T, D/2) each
+        rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, H, T, D/2, 2)
+        return rotated.flatten(-2)  # (B, H, T, D), pairs back in their interleaved places
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention with a causal mask; the core (softmax(QK^T / sqrt(D)) V) is a pluggable kernel."""
+
+    def __init__(self, config: "ModelConfig"):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)  # one matmul for Q, K and V
+        self.out = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.rope = RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta)
+        self.attend = attention.ATTENTION[config.attention]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        with profiling.range("attention"):
+            with profiling.range("attention/qkv_proj"):
+                qkv = self.qkv(x).view(B, T, 3, self.num_heads, C // self.num_heads)  # (B, T, 3, H, D)
+                q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, T, D) each
+            with profiling.range("attention/rope"):
+                q, k = self.rope(q), self.rope(k)
+            with profiling.range("attention/kernel"):
+                y = self.attend(q, k, v, True)  # (B, H, T, D)
+            with profiling.range("attention/out_proj"):
+                return self.out(y.transpose(1, 2).reshape(B, T, C))  # (B, T, C)
+
+
+class SwiGLU(nn.Module):
+    """The gated feed-forward layer of Shazeer (2020): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff, bias=False)
+        self.w2 = nn.Linear(d_ff, d_model, bias=False)
+        self.w3 = nn.Linear(d_model, d_ff, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with profiling.range("ffn"):
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """A pre-norm Transformer block: attention and feed-forward, each added to the residual stream."""
+
+    def __init__(self, config: "ModelConfig"):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ffn_norm = RMSNorm(config.d_model)
+        self.ffn = SwiGLU(config.d_model, config.d_ff)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.ffn(self.ffn_norm(x))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a `TransformerLM`; `attention` names an entry of `lmsys.attention.ATTENTION`."""
+
+    vocab_size: int = 10_000
+    context_length: int = 512
+    d_model: int = 768
+    d_ff: int = 3072
+    num_layers: int = 12
+    num_heads: int = 12
+    rope_theta: float = 10_000.0
+    attention: str = "naive"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "context_length", "d_model", "d_ff", "num_layers", "num_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.d_model % self.num_heads or (self.d_model // self.num_heads) % 2:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be num_heads ({self.num_heads}) times an even head size (RoPE "
+                "rotates pairs)"
+            )
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
+        if self.attention not in attention.ATTENTION:
+            raise ValueError(f"unknown attention {self.attention!r}; choose one of {sorted(attention.ATTENTION)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+
+SIZES = {
+    "tiny": ModelConfig(context_length=64, d_model=64, d_ff=256, num_layers=2, num_heads=4),
+    "small": ModelConfig(d_model=768, d_ff=3072, num_layers=12, num_heads=12),
+    "medium": ModelConfig(d_model=1024, d_ff=4096, num_layers=24, num_heads=16),
+    "large": ModelConfig(d_model=1280, d_ff=5120, num_layers=36, num_heads=20),
+    "xl": ModelConfig(d_model=1600, d_ff=6400, num_layers=48, num_heads=25),
+    "2.7B": ModelConfig(d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
+}
+
+
+class TransformerLM(nn.Module):
+    """Tokens (B, T) -> next-token logits (B, T, vocab_size).
+
+    Build on the target device without a CPU round trip: `with torch.device("cuda"): TransformerLM(config)`.
+    On the meta device it allocates nothing and still runs shapes through.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self._layer_names = [f"layer_{i}" for i in range(config.num_layers)]
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 style initialisation: N(0, 0.02), residual output projections scaled by 1/sqrt(2 num_layers)."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.num_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(("attn.out.weight", "ffn.w2.weight")):
+                param.normal_(0.0, residual_std)
+            else:
+                param.normal_(0.0, 0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[-1] > self.config.context_length:
+            raise ValueError(
+                f"sequence length {tokens.shape[-1]} exceeds the context length {self.config.context_length}"
+            )
+        x = self.embedding(tokens)  # (B, T, C)
+        for name, layer in zip(self._layer_names, self.layers):
+            with profiling.range(name):
+                x = layer(x)
+        with profiling.range("lm_head"):
+            return self.lm_head(self.norm(x))  # (B, T, V)
+
+    def num_parameters(self, embedding: bool = True) -> int:
+        """Parameter count; `embedding=False` leaves out the token embedding (a lookup, not a matmul)."""
+        total = sum(p.numel() for p in self.parameters())
+        return total if embedding else total - self.embedding.weight.numel()

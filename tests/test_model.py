@@ -1,0 +1,161 @@
+"""Correctness of the Transformer LM: shapes and parameter counts of every preset, causality, RoPE, RMSNorm, bf16."""
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmsys.model import SIZES, ModelConfig, RMSNorm, RotaryEmbedding, TransformerLM
+
+# The counts the issue gives, to the digits it gives them: millions to 0.1M, billions to 0.01B.
+EXPECTED_MILLIONS = {"small": 128.6, "medium": 423.2, "large": 969.4}
+EXPECTED_BILLIONS = {"xl": 2.00, "2.7B": 3.41}
+
+
+def tiny(**changes) -> ModelConfig:
+    return dataclasses.replace(SIZES["tiny"], **changes)
+
+
+@pytest.mark.parametrize("name", list(SIZES))
+def test_logits_shape_and_dtype_on_meta_device(name):
+    config = SIZES[name]
+    with torch.device("meta"):
+        model = TransformerLM(config)
+        tokens = torch.zeros(2, config.context_length, dtype=torch.long)
+    logits = model(tokens)
+    assert logits.shape == (2, config.context_length, config.vocab_size)
+    assert logits.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", list(EXPECTED_MILLIONS) + list(EXPECTED_BILLIONS))
+def test_parameter_count(name):
+    with torch.device("meta"):
+        count = TransformerLM(SIZES[name]).num_parameters()
+    if name in EXPECTED_MILLIONS:
+        assert round(count / 1e6, 1) == EXPECTED_MILLIONS[name]
+    else:
+        assert round(count / 1e9, 2) == EXPECTED_BILLIONS[name]
+
+
+def test_parameter_count_follows_the_formula():
+    config = tiny(vocab_size=37, d_model=24, d_ff=40, num_layers=3, num_heads=3)
+    d, f, V, L = config.d_model, config.d_ff, config.vocab_size, config.num_layers
+    model = TransformerLM(config)
+    assert model.num_parameters() == 2 * V * d + L * (4 * d * d + 3 * d * f + 2 * d) + d
+    assert model.num_parameters(embedding=False) == model.num_parameters() - V * d
+
+
+@pytest.fixture(scope="module")
+def tiny_model_fp64() -> TransformerLM:
+    torch.manual_seed(0)
+    return TransformerLM(tiny(vocab_size=50)).double().eval()
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_changing_later_tokens_never_changes_earlier_logits(tiny_model_fp64, data):
+    T = data.draw(st.integers(1, tiny_model_fp64.config.context_length), label="T")
+    t = data.draw(st.integers(0, T - 1), label="t")
+    tokens = torch.tensor(data.draw(st.lists(st.integers(0, 49), min_size=T, max_size=T), label="tokens"))
+    changed = tokens.clone()
+    changed[t + 1 :] = torch.tensor(data.draw(st.lists(st.integers(0, 49), min_size=T - t - 1, max_size=T - t - 1)))
+    with torch.no_grad():
+        before, after = tiny_model_fp64(tokens[None]), tiny_model_fp64(changed[None])
+    torch.testing.assert_close(after[0, : t + 1], before[0, : t + 1], rtol=1e-12, atol=1e-12)
+
+
+def test_each_position_depends_on_the_previous_token(tiny_model_fp64):
+    """The other half of causality: the mask must not hide the past (a model ignoring context passes the property)."""
+    tokens = torch.randint(50, (1, 16), generator=torch.Generator().manual_seed(1))
+    changed = tokens.clone()
+    changed[0, 7] = (tokens[0, 7] + 1) % 50
+    with torch.no_grad():
+        difference = (tiny_model_fp64(changed) - tiny_model_fp64(tokens)).abs().amax(dim=-1)[0]  # (T,)
+    assert torch.all(difference[:7] == 0)
+    assert torch.all(difference[7:] > 0)
+
+
+@pytest.mark.parametrize("batch,T", [(1, 1), (3, 17), (2, 64)])
+def test_fp32_logits_match_fp64(seed, batch, T):
+    model = TransformerLM(SIZES["tiny"])
+    tokens = torch.randint(SIZES["tiny"].vocab_size, (batch, T))
+    with torch.no_grad():
+        logits = model(tokens)
+        expected = model.double()(tokens)
+    torch.testing.assert_close(logits, expected.float(), rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_autocast_logits_are_close_to_fp32(seed):
+    model = TransformerLM(SIZES["tiny"])
+    tokens = torch.randint(SIZES["tiny"].vocab_size, (2, 33))
+    with torch.no_grad():
+        expected = model(tokens)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(tokens)
+    assert logits.dtype == torch.bfloat16
+    scale = expected.abs().amax().item()
+    torch.testing.assert_close(logits.float(), expected, rtol=0.0, atol=0.05 * scale)
+
+
+def test_sdpa_model_matches_naive_model(seed):
+    naive = TransformerLM(tiny(attention="naive")).double()
+    sdpa = TransformerLM(tiny(attention="sdpa")).double()
+    sdpa.load_state_dict(naive.state_dict())
+    tokens = torch.randint(SIZES["tiny"].vocab_size, (2, 45))
+    torch.testing.assert_close(sdpa(tokens), naive(tokens))
+
+
+@pytest.mark.parametrize("shape", [(5,), (3, 7, 33), (2, 1, 4, 129)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_matches_fp64_and_keeps_dtype(seed, shape, dtype):
+    norm = RMSNorm(shape[-1])
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = (torch.randn(shape) * 3).to(dtype)
+    x64 = x.double()
+    expected = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+    out = norm(x)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, expected.to(dtype))  # default tolerances of `dtype`
+
+
+def test_rope_keeps_norms_and_makes_scores_depend_only_on_offset(seed):
+    D, T = 16, 40
+    rope = RotaryEmbedding(D, T, 10_000.0).double()
+    q, k = torch.randn(D, dtype=torch.float64), torch.randn(D, dtype=torch.float64)
+    rotated_q = rope(q.expand(1, 1, T, D))[0, 0]  # (T, D): the same query at every position
+    rotated_k = rope(k.expand(1, 1, T, D))[0, 0]
+    torch.testing.assert_close(rotated_q.norm(dim=-1), q.norm().expand(T))
+    scores = rotated_q @ rotated_k.T  # (T, T), entry (m, n) for query at m, key at n
+    for offset in (0, 3, 17):
+        diagonal = torch.diagonal(scores, offset=offset)
+        # The angle tables are fp32, so the property holds to fp32 precision.
+        torch.testing.assert_close(diagonal, diagonal[:1].expand_as(diagonal), rtol=1e-5, atol=1e-5)
+
+
+def test_rope_position_zero_is_identity(seed):
+    x = torch.randn(2, 3, 1, 8)
+    torch.testing.assert_close(RotaryEmbedding(8, 4, 10_000.0)(x), x)
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        (dict(d_model=30, num_heads=4), "d_model"),
+        (dict(d_model=12, num_heads=4), "even head size"),
+        (dict(num_layers=0), "num_layers"),
+        (dict(rope_theta=0.0), "rope_theta"),
+        (dict(attention="nope"), "unknown attention 'nope'"),
+    ],
+)
+def test_invalid_config_raises(changes, message):
+    with pytest.raises(ValueError, match=message):
+        tiny(**changes)
+
+
+def test_sequence_longer_than_context_raises():
+    model = TransformerLM(SIZES["tiny"])
+    with pytest.raises(ValueError, match="exceeds the context length"):
+        model(torch.zeros(1, SIZES["tiny"].context_length + 1, dtype=torch.long))
