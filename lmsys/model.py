@@ -189,7 +189,7 @@ class TransformerLM(nn.Module):
                 f"sequence length {tokens.shape[-1]} exceeds the context length {self.config.context_length}"
             )
         x = self.embedding(tokens)  # (B, T, C)
-        for name, layer in zip(self._layer_names, self.layers):
+        for name, layer in zip(self._layer_names, self.layers, strict=True):
             with profiling.range(name):
                 x = layer(x)
         with profiling.range("lm_head"):

@@ -25,7 +25,7 @@ _enabled = False
 class _Range:
     """An NVTX range (on CUDA machines) and a `record_function` range with the same name."""
 
-    __slots__ = ("name", "_record")
+    __slots__ = ("_record", "name")
 
     def __init__(self, name: str):
         self.name = name
@@ -44,7 +44,7 @@ class _Range:
         return False
 
 
-def range(name: str) -> contextlib.AbstractContextManager:  # noqa: A001 (read as `profiling.range`)
+def range(name: str) -> contextlib.AbstractContextManager:
     """A context manager marking a named range; the shared no-op context while ranges are off or compiling."""
     # is_compiling() first: dynamo then folds the branch without reading (and guarding on) `_enabled`.
     if torch.compiler.is_compiling() or not _enabled:
@@ -106,7 +106,7 @@ def profile(
 
 def table(prof: torch.profiler.profile, row_limit: int = 30) -> str:
     """The profiler's per-operator table, sorted by device time on CUDA and by CPU time otherwise."""
-    sort_by = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    sort_by = "device_time_total" if torch.cuda.is_available() else "cpu_time_total"
     return prof.key_averages().table(sort_by=sort_by, row_limit=row_limit)
 
 
@@ -163,4 +163,3 @@ class Throughput:
 def _synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-

@@ -26,7 +26,13 @@ PRECISIONS = {
 def case(size: str, precision: str, attention: str, batch: int = 4, context: int = 512, full_grid: bool = False):
     marks = [pytest.mark.full_grid] if full_grid else []
     return pytest.param(
-        size, precision, attention, batch, context, marks=marks, id=f"{size}-{precision}-{attention}-b{batch}-t{context}"
+        size,
+        precision,
+        attention,
+        batch,
+        context,
+        marks=marks,
+        id=f"{size}-{precision}-{attention}-b{batch}-t{context}",
     )
 
 
@@ -35,7 +41,11 @@ GPU_CASES = [
     *(case("large", precision, "sdpa") for precision in PRECISIONS),
     *(case("large", precision, "naive", full_grid=True) for precision in PRECISIONS),
     *(case(size, precision, "sdpa", full_grid=True) for size in ("medium", "xl", "2.7B") for precision in PRECISIONS),
-    *(case(size, precision, "flash_triton", full_grid=True) for size in ("large", "2.7B") for precision in ("bf16", "bf16-compile")),
+    *(
+        case(size, precision, "flash_triton", full_grid=True)
+        for size in ("large", "2.7B")
+        for precision in ("bf16", "bf16-compile")
+    ),
 ]
 CPU_CASES = [case("tiny", "fp32", "sdpa", batch=2, context=64)]
 

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmsys.model import SIZES, ModelConfig, RMSNorm, RotaryEmbedding, TransformerLM
+from lmsys.train import cross_entropy
 
 # The counts the issue gives, to the digits it gives them: millions to 0.1M, billions to 0.01B.
 EXPECTED_MILLIONS = {"small": 128.6, "medium": 423.2, "large": 969.4}
@@ -99,12 +100,44 @@ def test_bf16_autocast_logits_are_close_to_fp32(seed):
     torch.testing.assert_close(logits.float(), expected, rtol=0.0, atol=0.05 * scale)
 
 
-def test_sdpa_model_matches_naive_model(seed):
-    naive = TransformerLM(tiny(attention="naive")).double()
-    sdpa = TransformerLM(tiny(attention="sdpa")).double()
-    sdpa.load_state_dict(naive.state_dict())
+def _logits_and_grads(model: TransformerLM, tokens: torch.Tensor, autocast: torch.dtype | None = None):
+    with torch.autocast(tokens.device.type, dtype=autocast, enabled=autocast is not None):
+        logits = model(tokens)
+    cross_entropy(logits, tokens.roll(-1, dims=-1)).backward()
+    return logits, {name: param.grad for name, param in model.named_parameters()}
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flash_torch"])
+def test_model_with_other_attention_matches_naive_in_fp64(seed, attention):
+    reference = TransformerLM(tiny()).double()
+    model = TransformerLM(tiny(attention=attention)).double()
+    model.load_state_dict(reference.state_dict())
     tokens = torch.randint(SIZES["tiny"].vocab_size, (2, 45))
-    torch.testing.assert_close(sdpa(tokens), naive(tokens))
+    logits, grads = _logits_and_grads(model, tokens)
+    expected_logits, expected_grads = _logits_and_grads(reference, tokens)
+    torch.testing.assert_close(logits, expected_logits)
+    torch.testing.assert_close(grads, expected_grads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["sdpa", "flash_torch", "flash_triton"])
+def test_model_with_other_attention_matches_naive_on_gpu_in_bf16(gpu, seed, attention):
+    with torch.device(gpu):
+        reference = TransformerLM(tiny())
+        model = TransformerLM(tiny(attention=attention))
+    model.load_state_dict(reference.state_dict())
+    tokens = torch.randint(SIZES["tiny"].vocab_size, (3, 61), device=gpu)
+    logits, grads = _logits_and_grads(model, tokens, torch.bfloat16)
+    expected_logits, expected_grads = _logits_and_grads(reference, tokens, torch.bfloat16)
+    # Both run in bf16; the kernels round differently, so compare against each tensor's own scale.
+    _assert_close_to_scale(logits, expected_logits, "logits")
+    for name, expected in expected_grads.items():
+        _assert_close_to_scale(grads[name], expected, f"gradient of {name}")
+
+
+def _assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, what: str, fraction: float = 0.03) -> None:
+    atol = fraction * expected.abs().amax().item()
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=0.0, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
 @pytest.mark.parametrize("shape", [(5,), (3, 7, 33), (2, 1, 4, 129)])

@@ -34,17 +34,18 @@ def test_matches_torch_adamw_over_100_steps(seed, lr, betas, eps, weight_decay):
     grad_generator = torch.Generator().manual_seed(seed + 1)
     for step in range(100):
         grads = [torch.randn(p.shape, dtype=p.dtype, generator=grad_generator) for p in ours]
-        for index, (mine, reference, grad) in enumerate(zip(ours, theirs, grads)):
+        for index, (mine, reference, grad) in enumerate(zip(ours, theirs, grads, strict=True)):
             # Every fifth step one parameter has no gradient, so parameters reach different step counts.
             has_grad = not (step % 5 == 0 and index == step % len(SHAPES))
             mine.grad = grad.clone() if has_grad else None
             reference.grad = grad.clone() if has_grad else None
         for optimizer in optimizers:
             optimizer.step()
-    for mine, reference in zip(ours, theirs):
+    for mine, reference in zip(ours, theirs, strict=True):
         torch.testing.assert_close(mine, reference)
-    for mine, reference in zip(ours, theirs):
-        torch.testing.assert_close(optimizers[0].state[mine]["exp_avg_sq"], optimizers[1].state[reference]["exp_avg_sq"])
+        mine_state, reference_state = optimizers[0].state[mine], optimizers[1].state[reference]
+        torch.testing.assert_close(mine_state["exp_avg"], reference_state["exp_avg"])
+        torch.testing.assert_close(mine_state["exp_avg_sq"], reference_state["exp_avg_sq"])
 
 
 def test_defaults_match_torch():

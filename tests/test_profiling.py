@@ -27,9 +27,11 @@ ATTENTION_RANGES = {
 
 
 @pytest.fixture
-def tiny_step(seed):
-    model = TransformerLM(TINY)
-    return make_train_step(model, AdamW(model.parameters())), random_batch(2, 16, TINY.vocab_size, "cpu")
+def tiny_step(seed, device):
+    """One training step of the tiny model and its batch, on the CUDA device when there is one (NVTX ranges too)."""
+    with torch.device(device):
+        model = TransformerLM(TINY)
+    return make_train_step(model, AdamW(model.parameters())), random_batch(2, 16, TINY.vocab_size, device)
 
 
 def test_ranges_are_off_by_default_and_share_one_null_context():
@@ -38,14 +40,13 @@ def test_ranges_are_off_by_default_and_share_one_null_context():
 
 
 def test_enabled_turns_ranges_on_and_restores_the_setting_even_after_an_error():
-    with pytest.raises(KeyError):
-        with profiling.enabled():
-            assert profiling.is_enabled()
-            assert profiling.range("a") is not profiling.range("b")
-            with profiling.enabled(False):
-                assert not profiling.is_enabled()
-            assert profiling.is_enabled()
-            raise KeyError("inside")
+    with pytest.raises(KeyError), profiling.enabled():
+        assert profiling.is_enabled()
+        assert profiling.range("a") is not profiling.range("b")
+        with profiling.enabled(False):
+            assert not profiling.is_enabled()
+        assert profiling.is_enabled()
+        raise KeyError("inside")
     assert not profiling.is_enabled()
 
 
@@ -80,9 +81,8 @@ def test_profile_rejects_negative_warmup():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
 def test_memory_snapshot_needs_cuda():
-    with pytest.raises(RuntimeError, match="CUDA"):
-        with profiling.memory_snapshot("unused.pickle"):
-            pass
+    with pytest.raises(RuntimeError, match="CUDA"), profiling.memory_snapshot("unused.pickle"):
+        pass
 
 
 @pytest.mark.gpu

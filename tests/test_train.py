@@ -47,7 +47,7 @@ def test_random_batch_targets_are_inputs_shifted_by_one():
     assert inputs.shape == targets.shape == (3, 11)
     assert inputs.dtype == targets.dtype == torch.long
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
-    assert 0 <= int(inputs.min()) and int(targets.max()) < 7
+    assert int(inputs.min()) >= 0 and int(targets.max()) < 7
     again, _ = random_batch(3, 11, 7, "cpu", generator=torch.Generator().manual_seed(0))
     assert torch.equal(inputs, again)
 
@@ -73,7 +73,7 @@ def test_step_updates_every_parameter_and_clears_gradients(seed):
     step = make_train_step(model, AdamW(model.parameters()))
     loss = step(*random_batch(2, 16, TINY.vocab_size, "cpu"))
     assert loss.shape == () and not loss.requires_grad
-    for old, (name, new) in zip(before, model.named_parameters()):
+    for old, (name, new) in zip(before, model.named_parameters(), strict=True):
         assert new.grad is None, name
         assert not torch.equal(old, new), f"{name} was not updated"
 
@@ -110,5 +110,5 @@ def test_compiled_step_matches_eager_with_ranges_off_and_on(seed):
     # Ranges inside the compiled model are skipped, not traced; the step outside it still records its own.
     with profiling.enabled():
         torch.testing.assert_close(compiled_step(*batch), eager_step(*batch), rtol=1e-4, atol=1e-5)
-    for mine, reference in zip(compiled.parameters(), eager.parameters()):
+    for mine, reference in zip(compiled.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-5)
