@@ -1,0 +1,374 @@
+"""Attention correctness: every implementation against naive attention on float64 copies of its inputs.
+
+Checked: the output, the log-sum-exp, dQ, dK and dV (for a random output gradient), on shapes drawn by hypothesis
+(odd lengths, lengths that are not multiples of the tiles, 3-D and 4-D inputs, seq_q != seq_k without a causal
+mask). The PyTorch FlashAttention runs on the CPU at full coverage. The Triton kernels run on CUDA, or without
+CUDA under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1) on small shapes in float32 and
+float16 only: the interpreter's `tl.dot` does not support bfloat16 (triton-lang/triton#11584).
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmsys.attention import (
+    ATTENTION,
+    FlashAttentionTorch,
+    FlashAttentionTriton,
+    flash_attention,
+    flash_torch,
+    flash_triton,
+    naive_attention,
+)
+from lmsys.attention.checks import check_inputs
+
+# The Triton interpreter (triton 3.6) converts one-element arrays to scalars in a way NumPy deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+
+IMPLS = {"torch": flash_torch, "triton": flash_triton}
+FUNCTIONS = {"torch": FlashAttentionTorch, "triton": FlashAttentionTriton}
+HAS_CUDA = torch.cuda.is_available()
+# Without CUDA the Triton kernels run interpreted: slow, so the Triton tests stay small there.
+TRITON_DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+TRITON_DTYPES = (torch.float32, torch.float16) if not HAS_CUDA else (torch.float32, torch.float16, torch.bfloat16)
+TRITON_HEAD_DIMS = (16, 32, 64) if not HAS_CUDA else (16, 32, 64, 128)
+
+# Largest error allowed, relative to the largest |value| of the float64 reference tensor, or to 1 if that is smaller:
+# inputs are unit normal, so a result that cancels to about 0 (dQ and dK with a single key) still carries
+# rounding noise of the inputs' scale.
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 5e-2}
+
+LENGTHS = (1, 2, 15, 16, 17, 63, 64, 65, 100, 127, 128, 129, 200, 257)
+SMALL_LENGTHS = (1, 15, 16, 17, 31, 32, 33, 64, 100, 130)
+
+
+def make_inputs(q_shape, k_shape, dtype, device, generator=None, scale=1.0):
+    """q, k, v (and nothing else) drawn from a standard normal times `scale`."""
+    q = torch.randn(q_shape, generator=generator, dtype=torch.float64) * scale
+    k = torch.randn(k_shape, generator=generator, dtype=torch.float64) * scale
+    v = torch.randn(k_shape, generator=generator, dtype=torch.float64)
+    return tuple(x.to(dtype=dtype, device=device) for x in (q, k, v))
+
+
+def reference(q, k, v, do, is_causal):
+    """Output, log-sum-exp and (dq, dk, dv) of naive attention on float64 copies of the inputs."""
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    o = naive_attention(q64, k64, v64, is_causal)
+    grads = torch.autograd.grad(o, (q64, k64, v64), do.double())
+    with torch.no_grad():
+        scores = q64 @ k64.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if is_causal:
+            above_diagonal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill(above_diagonal, float("-inf"))
+        lse = scores.logsumexp(dim=-1)
+    return (o.detach(), lse, *grads)
+
+
+def assert_matches(actual, expected, dtype, name):
+    """`actual` is finite and within the dtype's tolerance of the float64 `expected`."""
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all(), f"{name} has NaN or inf"
+    tol = TOLERANCE[dtype]
+    atol = tol * max(expected.abs().max().item(), 1.0)
+    torch.testing.assert_close(actual.double(), expected, rtol=tol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def check_flash(impl, q, k, v, is_causal, do):
+    """The impl's forward and backward functions against the float64 reference: o, lse, dq, dk, dv."""
+    o, lse = IMPLS[impl].forward(q, k, v, is_causal)
+    assert o.dtype == q.dtype
+    assert lse.shape == q.shape[:-1]
+    assert lse.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32)
+    dq, dk, dv = IMPLS[impl].backward(q, k, v, o, lse, do, is_causal)
+    for x in (dq, dk, dv):
+        assert x.dtype == q.dtype
+    expected = reference(q, k, v, do, is_causal)
+    for name, actual, exp in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, dq, dk, dv), expected, strict=True):
+        assert_matches(actual, exp, q.dtype, f"{impl} {name}")
+
+
+@st.composite
+def problems(draw, lengths, head_dims, max_batch=3, max_heads=3):
+    """(q shape, k shape, is_causal, seed): 3-D or 4-D, causal with equal lengths, or any two lengths."""
+    batch = draw(st.integers(1, max_batch))
+    heads = draw(st.none() | st.integers(1, max_heads))
+    is_causal = draw(st.booleans())
+    n_q = draw(st.sampled_from(lengths))
+    n_k = n_q if is_causal else draw(st.sampled_from(lengths))
+    d = draw(st.sampled_from(head_dims))
+    lead = (batch,) if heads is None else (batch, heads)
+    return (*lead, n_q, d), (*lead, n_k, d), is_causal, draw(st.integers(0, 2**32 - 1))
+
+
+def run_problem(impl, problem, dtype, device):
+    q_shape, k_shape, is_causal, seed = problem
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v = make_inputs(q_shape, k_shape, dtype, device, generator)
+    do = torch.randn(q_shape, generator=generator, dtype=torch.float64).to(dtype=dtype, device=device)
+    check_flash(impl, q, k, v, is_causal, do)
+
+
+# ------------------------------------------------------------------------------------------ the reference
+
+
+@pytest.mark.parametrize(
+    "q_shape, k_shape, is_causal",
+    [
+        ((2, 3, 17, 16), (2, 3, 17, 16), True),
+        ((2, 3, 17, 16), (2, 3, 17, 16), False),
+        ((2, 33, 8), (2, 33, 8), True),
+        ((1, 2, 5, 24), (1, 2, 40, 24), False),
+    ],
+)
+def test_naive_matches_sdpa_math(q_shape, k_shape, is_causal, seed):
+    q, k, v = make_inputs(q_shape, k_shape, torch.float64, "cpu")
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    torch.testing.assert_close(naive_attention(q, k, v, is_causal), expected)
+
+
+# -------------------------------------------------------------------------------- against float64, hypothesis
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@settings(max_examples=30, deadline=None)
+@given(problem=problems(LENGTHS, head_dims=(1, 8, 16, 24, 32, 64, 128)))
+def test_flash_torch_matches_reference(problem, dtype):
+    run_problem("torch", problem, dtype, "cpu")
+
+
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@settings(max_examples=8, deadline=None)
+@given(problem=problems(SMALL_LENGTHS, head_dims=TRITON_HEAD_DIMS, max_batch=2, max_heads=2))
+def test_flash_triton_matches_reference(problem, dtype):
+    run_problem("triton", problem, dtype, TRITON_DEVICE)
+
+
+@pytest.mark.parametrize(
+    "q_shape, k_shape, is_causal",
+    [
+        ((1, 2, 1000, 64), (1, 2, 1000, 64), True),
+        ((2, 1000, 32), (2, 777, 32), False),
+    ],
+)
+def test_flash_torch_long_sequences(q_shape, k_shape, is_causal, seed):
+    q, k, v = make_inputs(q_shape, k_shape, torch.float64, "cpu")
+    check_flash("torch", q, k, v, is_causal, torch.randn_like(q))
+
+
+# ------------------------------------------------------------------------------------ both impls, explicit
+
+
+@pytest.fixture(params=["torch", "triton"])
+def impl(request):
+    """The FlashAttention implementation under test."""
+    return request.param
+
+
+def impl_device(impl):
+    return TRITON_DEVICE if impl == "triton" else torch.device("cpu")
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_autograd_function_matches_forward_and_backward(impl, is_causal, seed):
+    q, k, v = make_inputs((2, 2, 70, 32), (2, 2, 70, 32), torch.float32, impl_device(impl))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    do = torch.randn_like(q)
+    o = flash_attention(q, k, v, causal=is_causal, impl=impl)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    expected = reference(q, k, v, do, is_causal)
+    for name, actual, exp in zip(("o", "dq", "dk", "dv"), (o, *grads), (expected[0], *expected[2:]), strict=True):
+        assert_matches(actual.detach(), exp, torch.float32, f"{impl} {name}")
+
+
+def test_non_contiguous_inputs(impl, seed):
+    """Heads split off a (B, T, H, D) projection arrive as strided views, as in the model."""
+    device = impl_device(impl)
+    q, k, v = (x.transpose(1, 2) for x in make_inputs((2, 50, 3, 16), (2, 50, 3, 16), torch.float32, device))
+    assert not q.is_contiguous()
+    check_flash(impl, q, k, v, True, torch.randn_like(q).transpose(1, 2).contiguous().transpose(1, 2))
+
+
+def test_large_scores_stay_finite(impl, seed):
+    """Scores in the hundreds: the running maximum keeps every exponential finite."""
+    q, k, v = make_inputs((1, 2, 80, 32), (1, 2, 80, 32), torch.float32, impl_device(impl), scale=10.0)
+    check_flash(impl, q, k, v, True, torch.randn_like(q))
+
+
+def test_saves_no_score_matrix(impl, seed):
+    """The forward keeps only inputs, output and log-sum-exp for backward: nothing of size seq_q * seq_k."""
+    q, k, v = make_inputs((1, 1, 128, 16), (1, 1, 128, 16), torch.float32, impl_device(impl))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        flash_attention(q, k, v, causal=True, impl=impl)
+    assert saved and max(saved) <= q.numel()
+
+
+def test_attention_dict_backends_agree(seed):
+    q, k, v = make_inputs((2, 2, 40, 16), (2, 2, 40, 16), torch.float32, "cpu")
+    expected = naive_attention(q.double(), k.double(), v.double(), True)
+    assert set(ATTENTION) == {"naive", "sdpa", "flash_torch", "flash_triton"}
+    for name, attention in ATTENTION.items():
+        device = TRITON_DEVICE if name == "flash_triton" else torch.device("cpu")
+        out = attention(q.to(device), k.to(device), v.to(device), True)
+        assert_matches(out.cpu(), expected, torch.float32, name)
+
+
+def test_flash_attention_rejects_unknown_impl():
+    q = torch.zeros(1, 4, 16)
+    with pytest.raises(ValueError, match="unknown flash attention impl 'cuda'; choose one of: triton, torch"):
+        flash_attention(q, q, q, impl="cuda")
+
+
+# ------------------------------------------------------------------------------------------- torch.compile
+
+
+def test_flash_torch_under_torch_compile(seed):
+    compiled = torch.compile(lambda q, k, v: FlashAttentionTorch.apply(q, k, v, True), fullgraph=True)
+    q, k, v = (x.requires_grad_() for x in make_inputs((1, 2, 100, 16), (1, 2, 100, 16), torch.float32, "cpu"))
+    do = torch.randn_like(q)
+    o = compiled(q, k, v)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    expected = reference(q, k, v, do, True)
+    for name, actual, exp in zip(("o", "dq", "dk", "dv"), (o, *grads), (expected[0], *expected[2:]), strict=True):
+        assert_matches(actual.detach(), exp, torch.float32, f"compiled {name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl_name", ["triton", "torch"])
+def test_flash_under_torch_compile_gpu(gpu, impl_name, seed):
+    function = FUNCTIONS[impl_name]
+    compiled = torch.compile(lambda q, k, v: function.apply(q, k, v, True), fullgraph=True)
+    q, k, v = (x.requires_grad_() for x in make_inputs((2, 4, 1000, 64), (2, 4, 1000, 64), torch.bfloat16, gpu))
+    do = torch.randn_like(q)
+    o = compiled(q, k, v)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    expected = reference(q, k, v, do, True)
+    for name, actual, exp in zip(("o", "dq", "dk", "dv"), (o, *grads), (expected[0], *expected[2:]), strict=True):
+        assert_matches(actual.detach(), exp, torch.bfloat16, f"compiled {impl_name} {name}")
+
+
+# --------------------------------------------------------------------------------------- GPU, realistic sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    "q_shape, k_shape, is_causal",
+    [
+        ((2, 8, 2048, 64), (2, 8, 2048, 64), True),
+        ((2, 8, 2048, 64), (2, 8, 2048, 64), False),
+        ((1, 4, 4096, 128), (1, 4, 4096, 128), True),
+        ((1, 4, 4096, 128), (1, 4, 4096, 128), False),
+        ((2, 4, 1000, 64), (2, 4, 1000, 64), True),
+        ((1, 2, 1537, 128), (1, 2, 1000, 128), False),
+        ((4, 1537, 32), (4, 1537, 32), True),
+        ((3, 1000, 16), (3, 1537, 16), False),
+    ],
+)
+def test_flash_triton_gpu(gpu, q_shape, k_shape, is_causal, dtype, seed):
+    q, k, v = make_inputs(q_shape, k_shape, dtype, gpu)
+    check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_flash_torch_gpu(gpu, is_causal, dtype, seed):
+    q, k, v = make_inputs((2, 4, 2048, 64), (2, 4, 2048, 64), dtype, gpu)
+    check_flash("torch", q, k, v, is_causal, torch.randn_like(q))
+
+
+# -------------------------------------------------------------------------------------------- bad inputs
+
+
+def _t(*shape, dtype=torch.float32, device="cpu"):
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+BAD_INPUTS = {
+    "not a tensor": (lambda: ([[0.0] * 16] * 4, _t(1, 4, 16), _t(1, 4, 16)), False, "q must be a torch.Tensor, got"),
+    "2-D": (lambda: (_t(4, 16), _t(4, 16), _t(4, 16)), False, r"got 2 dimensions, shape \(4, 16\)"),
+    "5-D": (lambda: (_t(1, 1, 1, 4, 16),) * 3, False, "got 5 dimensions"),
+    "3-D and 4-D": (lambda: (_t(1, 1, 4, 16), _t(1, 4, 16), _t(1, 4, 16)), False, "same number of dimensions"),
+    "batch": (lambda: (_t(2, 4, 16), _t(3, 4, 16), _t(3, 4, 16)), False, "must have the same batch;"),
+    "heads": (lambda: (_t(1, 2, 4, 16), _t(1, 3, 4, 16), _t(1, 3, 4, 16)), False, "same batch and heads"),
+    "k and v lengths": (lambda: (_t(1, 4, 16), _t(1, 4, 16), _t(1, 5, 16)), False, "k and v must have the same shape"),
+    "v head dim": (lambda: (_t(1, 4, 16), _t(1, 4, 16), _t(1, 4, 32)), False, "k and v must have the same shape"),
+    "q and k head dims": (lambda: (_t(1, 4, 32), _t(1, 4, 16), _t(1, 4, 16)), False, "same head dim"),
+    "mixed dtypes": (
+        lambda: (_t(1, 4, 16), _t(1, 4, 16, dtype=torch.float16), _t(1, 4, 16)),
+        False,
+        "must have one dtype; got q torch.float32, k torch.float16",
+    ),
+    "integer dtype": (lambda: (_t(1, 4, 16, dtype=torch.int64),) * 3, False, "dtype torch.int64 is not supported"),
+    "devices": (
+        lambda: (_t(1, 4, 16), _t(1, 4, 16, device="meta"), _t(1, 4, 16)),
+        False,
+        "must be on one device; got q on cpu, k on meta",
+    ),
+    "causal lengths": (
+        lambda: (_t(1, 4, 16), _t(1, 5, 16), _t(1, 5, 16)),
+        True,
+        "causal attention with 4 queries and 5 keys is not supported",
+    ),
+    "empty queries": (lambda: (_t(1, 0, 16), _t(1, 4, 16), _t(1, 4, 16)), False, "q is empty"),
+    "empty keys": (lambda: (_t(1, 4, 16), _t(1, 0, 16), _t(1, 0, 16)), False, "k is empty"),
+}
+
+
+@pytest.mark.parametrize("backend", ["naive", "flash_torch", "flash_triton"])
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_raises_value_error(backend, case):
+    make, is_causal, message = BAD_INPUTS[case]
+    with pytest.raises(ValueError, match=message):
+        ATTENTION[backend](*make(), is_causal)
+
+
+@pytest.mark.parametrize(
+    "dtype, d, message",
+    [
+        (torch.float32, 48, "head dim 48 is not supported by triton; supported: 16, 32, 64, 128"),
+        (torch.float64, 64, "dtype torch.float64 is not supported by triton; supported: float16, bfloat16, float32"),
+    ],
+)
+def test_triton_rejects_head_dim_and_dtype(dtype, d, message):
+    q = _t(1, 4, d, dtype=dtype, device=TRITON_DEVICE)
+    with pytest.raises(ValueError, match=message):
+        FlashAttentionTriton.apply(q, q, q, False)
+
+
+def test_check_inputs_accepts_valid_inputs():
+    q = _t(2, 3, 5, 16)
+    check_inputs(q, _t(2, 3, 7, 16), _t(2, 3, 7, 16), False, impl="test", head_dims=(16,))
+    check_inputs(q, q, q, True, impl="test")
+
+
+def test_triton_without_interpreter_rejects_cpu_tensors():
+    """With TRITON_INTERPRET=0 and no CUDA device, a CPU tensor gets a ValueError, not a Triton crash."""
+    code = (
+        "import torch\n"
+        "from lmsys.attention import flash_attention\n"
+        "q = torch.zeros(1, 4, 16)\n"
+        "try:\n"
+        "    flash_attention(q, q, q, impl='triton')\n"
+        "except ValueError as error:\n"
+        "    raise SystemExit(str(error))\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "the Triton attention kernels need CUDA tensors, got tensors on cpu" in result.stderr
