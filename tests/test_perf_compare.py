@@ -1,0 +1,158 @@
+"""The verdict rule of lmsys.perf.compare, with plain numbers."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmsys.perf import compare
+
+
+def rounds(median_ms: float, noise: float, n: int = 30, seed: int = 0) -> list[float]:
+    """n per-round times around median_ms with relative Gaussian noise."""
+    rng = np.random.default_rng(seed)
+    return list(median_ms * 1e-3 * (1 + noise * rng.standard_normal(n)))
+
+
+def test_identical_runs_pass():
+    base = rounds(1.0, 0.01)
+    result = compare.compare_time(base, base, tolerance=0.05)
+    assert result.verdict == compare.PASS
+    assert result.ratio == 1.0
+    assert result.ratio_low <= 1.0 <= result.ratio_high
+
+
+def test_twenty_percent_slower_is_slower():
+    result = compare.compare_time(rounds(1.2, 0.01, seed=1), rounds(1.0, 0.01, seed=2), tolerance=0.05)
+    assert result.verdict == compare.SLOWER
+    assert result.change == pytest.approx(0.2, abs=0.01)
+    assert result.ratio_low > 1.05
+
+
+def test_three_percent_slower_within_five_percent_passes():
+    result = compare.compare_time(rounds(1.03, 0.01, seed=1), rounds(1.0, 0.01, seed=2), tolerance=0.05)
+    assert result.verdict == compare.PASS
+
+
+def test_twenty_percent_faster_is_improved():
+    result = compare.compare_time(rounds(0.8, 0.01, seed=1), rounds(1.0, 0.01, seed=2), tolerance=0.05)
+    assert result.verdict == compare.IMPROVED
+
+
+def test_median_beyond_tolerance_is_not_enough_when_the_spread_is_large():
+    # Same distribution, 30% round-to-round noise: the medians differ by more than 5% by chance alone.
+    now, base = rounds(1.0, 0.3, n=15, seed=15), rounds(1.0, 0.3, n=15, seed=115)
+    result = compare.compare_time(now, base, tolerance=0.05)
+    assert result.ratio > 1.2
+    assert result.verdict == compare.PASS
+
+
+@pytest.mark.parametrize("noise", [0.01, 0.1, 0.3])
+def test_no_false_alarms_between_runs_of_one_distribution(noise):
+    verdicts = {compare.compare_time(rounds(1.0, noise, seed=s), rounds(1.0, noise, seed=s + 100), 0.05).verdict
+                for s in range(20)}
+    assert verdicts == {compare.PASS}
+
+
+def test_baseline_without_rounds_uses_the_current_spread_only():
+    result = compare.compare_time(rounds(1.2, 0.01), [1e-3], tolerance=0.05)
+    assert result.verdict == compare.SLOWER
+    assert compare.compare_time(rounds(1.0, 0.01), [1e-3], tolerance=0.05).verdict == compare.PASS
+
+
+def test_the_same_numbers_always_give_the_same_bounds():
+    now, base = rounds(1.04, 0.05, seed=3), rounds(1.0, 0.05, seed=4)
+    assert compare.compare_time(now, base, 0.05) == compare.compare_time(now, base, 0.05)
+
+
+@settings(max_examples=25, deadline=None)
+@given(scale=st.floats(1e-7, 1e2), seed=st.integers(0, 1000))
+def test_the_verdict_does_not_depend_on_the_unit(scale, seed):
+    now, base = np.array(rounds(1.1, 0.05, seed=seed)), np.array(rounds(1.0, 0.05, seed=seed + 1))
+    reference = compare.compare_time(now, base, 0.05)
+    scaled = compare.compare_time(now * scale, base * scale, 0.05)
+    assert scaled.verdict == reference.verdict
+    assert scaled.ratio == pytest.approx(reference.ratio)
+
+
+@pytest.mark.parametrize(
+    ("now", "base", "tolerance"),
+    [([], [1.0], 0.05), ([1.0], [], 0.05), ([float("nan")], [1.0], 0.05), ([-1.0], [1.0], 0.05),
+     ([1.0], [0.0], 0.05), ([1.0], [1.0], -0.1)],
+)
+def test_bad_time_inputs_are_rejected(now, base, tolerance):
+    with pytest.raises(ValueError):
+        compare.compare_time(now, base, tolerance)
+
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize(
+    ("peak", "baseline", "verdict"),
+    [
+        (110 * MIB, 100 * MIB, compare.MORE_MEMORY),  # +10%: over 1% and over 1 MiB
+        (int(100.5 * MIB), 100 * MIB, compare.PASS),  # +0.5%: within 1%
+        (110 * 2**10, 100 * 2**10, compare.PASS),  # +10% of 100 KiB: under the 1 MiB floor
+        (int(1.9 * MIB), 1 * MIB, compare.PASS),  # +90% but only 0.9 MiB
+        (90 * MIB, 100 * MIB, compare.IMPROVED),
+        (100 * MIB, 100 * MIB, compare.PASS),
+    ],
+)
+def test_memory_needs_both_the_relative_tolerance_and_the_floor(peak, baseline, verdict):
+    assert compare.compare_memory(peak, baseline, tolerance=0.01, floor=MIB).verdict == verdict
+
+
+def test_memory_change_is_relative_and_absent_for_a_zero_baseline():
+    assert compare.compare_memory(110, 100, 0.01, 0).change == pytest.approx(0.1)
+    assert compare.compare_memory(2 * MIB, 0, 0.01, MIB).change is None
+
+
+def test_judge_combines_time_and_memory():
+    slower = compare.compare_time(rounds(1.2, 0.01), rounds(1.0, 0.01, seed=9), 0.05)
+    faster = compare.compare_time(rounds(0.8, 0.01), rounds(1.0, 0.01, seed=9), 0.05)
+    fatter = compare.compare_memory(110 * MIB, 100 * MIB, 0.01, MIB)
+    same = compare.compare_memory(100 * MIB, 100 * MIB, 0.01, MIB)
+    assert compare.judge(None, None).label == compare.NEW
+    assert not compare.judge(None, None).failed
+    assert compare.judge(slower, same).label == compare.SLOWER
+    assert compare.judge(faster, fatter).label == compare.MORE_MEMORY
+    assert compare.judge(slower, fatter).label == "SLOWER+MORE-MEMORY"
+    assert compare.judge(faster, same).label == compare.IMPROVED
+    assert compare.judge(faster, same).failed is False
+    assert compare.judge(slower, None).failed is True
+
+
+def test_failure_message_names_the_benchmark_and_the_change():
+    slower = compare.compare_time([1.23e-3] * 5, [1.02e-3] * 5, 0.05)
+    fatter = compare.compare_memory(110 * MIB, 100 * MIB, 0.01, MIB)
+    message = compare.judge(slower, fatter).message("test_x[bf16]")
+    assert message.startswith("SLOWER: test_x[bf16] median 1.23 ms vs baseline 1.02 ms (+20.6%, tolerance 5%")
+    assert "MORE-MEMORY: test_x[bf16] peak allocated above start 110 MiB vs baseline 100 MiB (+10.0%" in message
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "problem"),
+    [((), {}, "needs time="), ((0.1,), {}, "keyword arguments only"), ((), {"tme": 0.1}, "unknown key(s) tme"),
+     ((), {"time": "x"}, "time='x'"), ((), {"memory": -1}, "memory=-1"), ((), {"time": True}, "time=True"),
+     ((), {"time": float("inf")}, "time=inf")],
+)
+def test_bad_tolerance_marker_arguments(args, kwargs, problem):
+    with pytest.raises(ValueError, match=problem.replace("(", r"\(").replace(")", r"\)")):
+        compare.check_tolerances(args, kwargs)
+
+
+def test_good_tolerance_marker_arguments():
+    assert compare.check_tolerances((), {"time": 0.1, "memory": 0}) == {"time": 0.1, "memory": 0.0}
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"), [(1.5, "1.5 s"), (1.23e-3, "1.23 ms"), (178.6e-6, "178.6 us"), (5e-9, "5 ns")]
+)
+def test_format_seconds(seconds, text):
+    assert compare.format_seconds(seconds) == text
+
+
+@pytest.mark.parametrize(("nbytes", "text"), [(512, "512 B"), (2**20, "1 MiB"), (int(17.7 * 2**30), "17.7 GiB")])
+def test_format_bytes(nbytes, text):
+    assert compare.format_bytes(nbytes) == text
