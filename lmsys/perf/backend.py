@@ -1,0 +1,202 @@
+"""What the plugin needs from the hardware: a name, a clock that covers the device's work, an L2 flush and a memory
+high-water mark. One class per kind of device; `detect_backend` picks one.
+
+Tests and other plugins can supply their own object with the same methods (see `Backend`) through the
+`pytest_perf_backend(config)` hook; the plugin's tests do that to get a deterministic clock and fake memory readings.
+
+CUDA is initialized lazily, on the first use of the name or a measurement: a pytest run that never benchmarks
+(the correctness tests, which may fork worker processes) must not inherit an initialized CUDA context.
+"""
+
+import gc
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """Device memory around one call, in bytes: what was allocated/reserved before it and the peaks during it."""
+
+    allocated_before: int
+    reserved_before: int
+    peak_allocated: int
+    peak_reserved: int
+
+    @property
+    def peak_allocated_above_start(self) -> int:
+        """The call's own footprint: the peak allocated minus what was allocated before the call."""
+        return self.peak_allocated - self.allocated_before
+
+    @property
+    def peak_reserved_above_start(self) -> int:
+        """How far the caching allocator's reservation grew during the call."""
+        return self.peak_reserved - self.reserved_before
+
+    def as_extra_info(self) -> dict[str, int]:
+        """The reading as pytest-benchmark extra_info entries (these names are what baselines store)."""
+        return {
+            "peak_allocated_bytes": self.peak_allocated,
+            "peak_reserved_bytes": self.peak_reserved,
+            "peak_allocated_above_start_bytes": self.peak_allocated_above_start,
+            "peak_reserved_above_start_bytes": self.peak_reserved_above_start,
+            "allocated_before_bytes": self.allocated_before,
+            "reserved_before_bytes": self.reserved_before,
+        }
+
+
+class Backend(Protocol):
+    """The interface the plugin measures through (a CUDA GPU, the CPU, or a test's fake)."""
+
+    is_gpu: bool
+    name: str
+    timer_name: str
+
+    def describe(self) -> dict[str, Any]: ...
+    def synchronize(self) -> None: ...
+    def time_call(self, call: Callable[[], Any]) -> float: ...
+    def make_l2_flush(self) -> Callable[[], None]: ...
+    def measure_memory(self, call: Callable[[], Any]) -> tuple[Any, MemoryReading | None]: ...
+    def release_memory(self) -> None: ...
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+class CpuBackend:
+    """The CPU: times with pytest-benchmark's clock (--benchmark-timer), has no L2 flush and no memory reading."""
+
+    is_gpu = False
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.timer_name = f"{getattr(clock, '__module__', '')}.{getattr(clock, '__name__', repr(clock))}"
+
+    @cached_property
+    def name(self) -> str:
+        """The processor model."""
+        return _cpu_model()
+
+    def describe(self) -> dict[str, Any]:
+        """Device facts for the JSON's machine_info."""
+        return {"kind": "cpu", "name": self.name, "machine": platform.machine()}
+
+    def synchronize(self) -> None:
+        """Nothing runs asynchronously on the CPU."""
+
+    def time_call(self, call: Callable[[], Any]) -> float:
+        """Seconds that one call takes by the clock."""
+        start = self.clock()
+        call()
+        return self.clock() - start
+
+    def make_l2_flush(self) -> Callable[[], None]:
+        """No cache flush on the CPU: cold_l2 is ignored there."""
+        return lambda: None
+
+    def measure_memory(self, call: Callable[[], Any]) -> tuple[Any, MemoryReading | None]:
+        """Calls once; the CPU has no allocator high-water mark to read."""
+        return call(), None
+
+    def release_memory(self) -> None:
+        """Collects garbage."""
+        gc.collect()
+
+
+class CudaBackend:
+    """The current CUDA device: CUDA events around each round, an L2 flush by overwriting a buffer twice the L2's size,
+    and the caching allocator's peak statistics."""
+
+    is_gpu = True
+    timer_name = "torch.cuda.Event"
+
+    @cached_property
+    def index(self) -> int:
+        """The device index measured on (the current device at first use)."""
+        return torch.cuda.current_device()
+
+    @cached_property
+    def properties(self):
+        """torch.cuda.get_device_properties of the device (initializes CUDA)."""
+        return torch.cuda.get_device_properties(self.index)
+
+    @property
+    def name(self) -> str:
+        """The device name as CUDA reports it, e.g. 'NVIDIA H100 80GB HBM3'."""
+        return self.properties.name
+
+    def describe(self) -> dict[str, Any]:
+        """Device facts for the JSON's machine_info."""
+        props = self.properties
+        return {
+            "kind": "cuda",
+            "index": self.index,
+            "name": props.name,
+            "compute_capability": f"{props.major}.{props.minor}",
+            "sm_count": props.multi_processor_count,
+            "memory_bytes": props.total_memory,
+            "l2_cache_bytes": getattr(props, "L2_cache_size", None),
+        }
+
+    def synchronize(self) -> None:
+        """Waits for all work queued on the device."""
+        torch.cuda.synchronize(self.index)
+
+    @cached_property
+    def _events(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        # Reused across rounds: each round waits for its end event before the pair is recorded again.
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def time_call(self, call: Callable[[], Any]) -> float:
+        """Seconds of device time between events recorded before and after the call on the current stream."""
+        start, end = self._events
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    def make_l2_flush(self) -> Callable[[], None]:
+        """A function that evicts the L2 cache by writing a buffer twice its size; the buffer lives as long as it."""
+        l2_bytes = getattr(self.properties, "L2_cache_size", 0) or 128 * 2**20
+        buffer = torch.empty(2 * l2_bytes // 4, dtype=torch.int32, device=self.index)
+        return buffer.zero_
+
+    def measure_memory(self, call: Callable[[], Any]) -> tuple[Any, MemoryReading]:
+        """Calls once under reset peak statistics; returns the call's result and the reading."""
+        self.synchronize()
+        torch.cuda.reset_peak_memory_stats(self.index)
+        allocated = torch.cuda.memory_allocated(self.index)
+        reserved = torch.cuda.memory_reserved(self.index)
+        result = call()
+        self.synchronize()
+        reading = MemoryReading(
+            allocated_before=allocated,
+            reserved_before=reserved,
+            peak_allocated=torch.cuda.max_memory_allocated(self.index),
+            peak_reserved=torch.cuda.max_memory_reserved(self.index),
+        )
+        return result, reading
+
+    def release_memory(self) -> None:
+        """Collects garbage and returns the allocator's cached blocks to the device (after an out-of-memory error)."""
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def detect_backend(clock: Callable[[], float]) -> CpuBackend | CudaBackend:
+    """The CUDA backend when a GPU is visible (without initializing CUDA), else the CPU backend with `clock`."""
+    return CudaBackend() if torch.cuda.is_available() else CpuBackend(clock)

@@ -1,0 +1,73 @@
+"""The timing loop: warm up, decide how many rounds fit the time budget, time each round through the backend.
+
+One round is one call of the benchmarked function; with cold L2 the flush runs before the round, outside the timed
+span. The budget follows pytest-benchmark's options: rounds = --benchmark-max-time / (wall time of one round,
+flush and synchronization included), at least --benchmark-min-rounds and at most MAX_ROUNDS (unless min-rounds asks
+for more); warmup covers WARMUP_SHARE of the budget, 1 to MAX_WARMUP_ROUNDS rounds, unless the test fixes it.
+"""
+
+import gc
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from math import ceil
+from typing import Any
+
+MAX_ROUNDS = 1000
+MAX_WARMUP_ROUNDS = 100
+WARMUP_SHARE = 0.1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a benchmark is timed: warmup rounds (untimed) and timed rounds."""
+
+    warmup_rounds: int
+    rounds: int
+
+
+def plan(round_seconds: float, max_time: float, min_rounds: int, warmup_rounds: int | None) -> Plan:
+    """Warmup and timed rounds for a function whose round takes round_seconds of wall time."""
+    per_round = max(round_seconds, 1e-9)
+    rounds = max(min_rounds, min(ceil(max_time / per_round), MAX_ROUNDS))
+    if warmup_rounds is None:
+        warmup_rounds = max(1, min(ceil(WARMUP_SHARE * max_time / per_round), MAX_WARMUP_ROUNDS))
+    return Plan(warmup_rounds=warmup_rounds, rounds=rounds)
+
+
+@contextmanager
+def gc_paused(pause: bool):
+    """Disables the garbage collector inside the block when asked (--benchmark-disable-gc)."""
+    was_enabled = gc.isenabled()
+    if pause:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if pause and was_enabled:
+            gc.enable()
+
+
+def time_rounds(backend, call: Callable[[], Any], rounds: int, flush: Callable[[], None] | None) -> list[float]:
+    """Per-round seconds of `rounds` calls, each preceded by an untimed flush when one is given."""
+    samples = []
+    for _ in range(rounds):
+        if flush is not None:
+            flush()
+        samples.append(backend.time_call(call))
+    return samples
+
+
+def warm_up(backend, call: Callable[[], Any], flush, max_time: float, min_rounds: int, warmup_rounds: int | None) -> Plan:
+    """Runs the untimed first call (compilation, autotuning), one calibration round and the warmup; returns the plan.
+
+    The calibration round counts as the first warmup round.
+    """
+    call()
+    backend.synchronize()
+    start = time.perf_counter()
+    time_rounds(backend, call, 1, flush)
+    chosen = plan(time.perf_counter() - start, max_time, min_rounds, warmup_rounds)
+    time_rounds(backend, call, chosen.warmup_rounds - 1, flush)
+    return chosen

@@ -1,0 +1,336 @@
+"""The lmsys.perf pytest plugin, end to end: pytester runs of tiny suites on a fake GPU (tests/perf_fakes.py) with a
+deterministic clock and fake memory readings. A first run saves a baseline, a second run (other noise seed, maybe
+slower or fatter) compares against it; the tests assert outcomes, output lines and the files on disk."""
+
+import json
+import re
+
+import pandas as pd
+import pytest
+from perf_fakes import INNER_CONFTEST
+
+pytest_plugins = ["pytester"]
+
+# max-time 0 makes every run exactly min-rounds rounds, whatever the machine's speed.
+RUN_ARGS = ("--benchmark-max-time=0", "--benchmark-min-rounds=21", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-rfEs")
+GPU = "Fake GPU 80GB"
+MACHINE = "Fake_GPU_80GB"
+MIB = 2**20
+
+
+def write_suite(pytester, tests: dict, seed: int, gpu: str = GPU) -> None:
+    """An inner suite: one test per entry, benchmarking fake.work(**spec); 'marker' and 'call' (extra keyword
+    arguments of the gpu_benchmark call, as source text) are taken out of the spec."""
+    pytester.makeini("[pytest]\n")
+    pytester.makeconftest(INNER_CONFTEST.format(name=gpu))
+    lines = ["import pytest", ""]
+    for index, (name, spec) in enumerate(tests.items()):
+        spec = {"noise": 0.01, "memory": 64 * MIB, **spec}
+        marker = spec.pop("marker", None)
+        call = spec.pop("call", "")
+        if marker:
+            lines.append(f"@pytest.mark.{marker}")
+        args = ", ".join(f"{key}={value!r}" for key, value in spec.items())
+        lines += [
+            f"def {name}(gpu_benchmark, fake):",
+            f"    gpu_benchmark(fake.work({args}, seed={seed * 100 + index}){call})",
+            "",
+        ]
+    pytester.makepyfile(test_suite="\n".join(lines))
+
+
+def run(pytester, *args):
+    return pytester.runpytest_inprocess(*RUN_ARGS, *args)
+
+
+def save_baseline(pytester, tests: dict, name: str = "base", gpu: str = GPU):
+    write_suite(pytester, tests, seed=1, gpu=gpu)
+    result = run(pytester, f"--benchmark-save={name}")
+    assert result.ret == 0, result.stdout.str()
+    return result
+
+
+def baseline_files(pytester, machine: str = MACHINE) -> list:
+    return sorted((pytester.path / "baselines" / machine).glob("*.json"))
+
+
+def test_unchanged_run_passes(pytester):
+    tests = {"test_a": {"ms": 1.0}, "test_b": {"ms": 3.0, "memory": 300 * MIB}}
+    save_baseline(pytester, tests)
+    write_suite(pytester, tests, seed=2)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*compared with *0001_base.json", "*test_a*PASS*", "*test_b*PASS*"])
+
+
+def test_twenty_percent_slower_fails_only_that_test(pytester):
+    save_baseline(pytester, {"test_a": {"ms": 1.0}, "test_b": {"ms": 1.0}, "test_c": {"ms": 2.0}})
+    write_suite(pytester, {"test_a": {"ms": 1.0}, "test_b": {"ms": 1.2}, "test_c": {"ms": 2.0}}, seed=2)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines([
+        "*SLOWER: test_b median 1.2* ms vs baseline 1* ms (+*%, tolerance 5%*",
+        "*confirmed: the time was re-measured once and was SLOWER again*",
+        "FAILED test_suite.py::test_b - *SLOWER: test_b median*",
+    ])
+    change = float(re.search(r"SLOWER: test_b .*\(\+([0-9.]+)%", result.stdout.str()).group(1))
+    assert 18 < change < 22
+
+
+def test_three_percent_slower_within_five_percent_tolerance_passes(pytester):
+    save_baseline(pytester, {"test_a": {"ms": 1.0}})
+    write_suite(pytester, {"test_a": {"ms": 1.03}}, seed=2)
+    result = run(pytester, "--benchmark-compare", "--perf-time-tolerance=0.05")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*test_a*+[23].?%*PASS*"])
+
+
+def test_same_distribution_with_large_noise_passes(pytester):
+    tests = {f"test_{i}": {"ms": 1.0, "noise": 0.3} for i in range(4)}
+    save_baseline(pytester, tests)
+    write_suite(pytester, tests, seed=2)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(passed=4)
+
+
+def test_memory_growth_of_ten_percent_fails(pytester):
+    save_baseline(pytester, {"test_a": {"ms": 1.0, "memory": 100 * MIB}, "test_b": {"ms": 1.0}})
+    write_suite(pytester, {"test_a": {"ms": 1.0, "memory": 110 * MIB}, "test_b": {"ms": 1.0}}, seed=2)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "*MORE-MEMORY: test_a peak allocated above start 110 MiB vs baseline 100 MiB (+10.0%, tolerance 1% and 1 MiB)*",
+        "*test_a*+10.0%*MORE-MEMORY*",
+    ])
+
+
+def test_no_baseline_means_new_and_passes(pytester):
+    write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=1)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([
+        "*test_a*NEW*",
+        f"*no baseline for {MACHINE} in *{MACHINE}: nothing compared, every benchmark is NEW*",
+    ])
+
+
+def test_a_benchmark_missing_from_the_baseline_is_new(pytester):
+    save_baseline(pytester, {"test_a": {"ms": 1.0}})
+    write_suite(pytester, {"test_a": {"ms": 1.0}, "test_b": {"ms": 1.0}}, seed=2)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*test_a*PASS*", "*test_b*NEW*"])
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [(b'{"benchmarks": [', "is not valid JSON"), (b'{"machine_info": {}, "benchmarks": [{}]}', "has no 'fullname'")],
+    ids=["truncated", "not-pytest-benchmark"],
+)
+def test_corrupt_baseline_is_a_clear_error_and_stays_untouched(pytester, content, problem):
+    save_baseline(pytester, {"test_a": {"ms": 1.0}})
+    (path,) = baseline_files(pytester)
+    path.write_bytes(content)
+    result = run(pytester, "--benchmark-compare", "--benchmark-save=again")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*baseline file {path}*{problem}*", "*Nothing was compared or overwritten*"])
+    assert baseline_files(pytester) == [path]
+    assert path.read_bytes() == content
+
+
+def test_baseline_of_another_gpu_is_never_compared(pytester):
+    save_baseline(pytester, {"test_a": {"ms": 1.0}}, gpu="Fake GPU A")
+    write_suite(pytester, {"test_a": {"ms": 2.0}}, seed=2, gpu="Fake GPU B")
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*test_a*NEW*", "*no baseline for Fake_GPU_B in *Fake_GPU_B: nothing compared*"])
+
+    (other,) = baseline_files(pytester, "Fake_GPU_A")
+    result = run(pytester, f"--benchmark-compare={other}")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([f"*not compared: {other} was recorded on Fake_GPU_A, this run is on Fake_GPU_B*"])
+
+
+def test_compare_picks_the_newest_baseline_unless_one_is_named(pytester):
+    save_baseline(pytester, {"test_a": {"ms": 1.0}}, name="fast")
+    save_baseline(pytester, {"test_a": {"ms": 2.0}}, name="slow")
+    write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=2)
+    result = run(pytester, "--benchmark-compare")
+    result.stdout.fnmatch_lines(["*compared with *0002_slow.json", "*test_a*-50.?%*IMPROVED*"])
+    result = run(pytester, "--benchmark-compare=0001")
+    result.stdout.fnmatch_lines(["*compared with *0001_fast.json", "*test_a*PASS*"])
+
+
+def test_saving_keeps_samples_environment_and_never_overwrites(pytester):
+    save_baseline(pytester, {"test_a": {"ms": 1.0}})
+    (first,) = baseline_files(pytester)
+    before = first.read_bytes()
+    save_baseline(pytester, {"test_a": {"ms": 1.0}})
+    assert [p.name for p in baseline_files(pytester)] == ["0001_base.json", "0002_base.json"]
+    assert first.read_bytes() == before
+    assert not list((pytester.path / "baselines" / MACHINE).glob(".tmp-*"))
+    doc = json.loads(first.read_text())
+    (bench,) = doc["benchmarks"]
+    assert len(bench["stats"]["data"]) == 21
+    assert bench["extra_info"]["peak_allocated_above_start_bytes"] == 64 * MIB
+    assert doc["machine_info"]["lmsys"]["machine_id"] == MACHINE
+    assert doc["machine_info"]["lmsys"]["device"]["name"] == GPU
+    assert set(doc["machine_info"]["lmsys"]["software"]) >= {"torch", "triton", "cuda", "cudnn", "nccl", "driver"}
+
+
+# pytest-benchmark warns on its own that the machine_info differs; the plugin's warning is the one asserted.
+@pytest.mark.filterwarnings("ignore:Benchmark machine_info is different")
+def test_baseline_from_other_software_is_compared_with_a_warning(pytester):
+    save_baseline(pytester, {"test_a": {"ms": 1.0}})
+    (path,) = baseline_files(pytester)
+    doc = json.loads(path.read_text())
+    doc["machine_info"]["lmsys"]["software"]["torch"] = "0.0.1"
+    path.write_text(json.dumps(doc))
+    write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=2)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(["*test_a*PASS*", f"*{path} was recorded with other software (torch 0.0.1 -> *); compared anyway*"])
+
+
+def test_transient_slowdown_is_remeasured_and_passes(pytester):
+    save_baseline(pytester, {"test_a": {"ms": 1.0}})
+    # Slow for the untimed call, the calibration round and the 21 timed rounds; back to normal for the re-measurement.
+    write_suite(pytester, {"test_a": {"ms": 1.0, "slow_calls": 23, "slow_ms": 1.5}}, seed=2)
+    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*test_a*PASS (re-measured)*"])
+    (bench,) = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    assert bench["extra_info"]["remeasured"] is True
+    assert bench["stats"]["median"] == pytest.approx(1e-3, rel=0.02)
+
+
+def test_tolerance_marker_overrides_the_defaults(pytester):
+    save_baseline(pytester, {
+        "test_time_default": {"ms": 1.0}, "test_time_marked": {"ms": 1.0},
+        "test_memory_default": {"ms": 1.0, "memory": 100 * MIB}, "test_memory_marked": {"ms": 1.0, "memory": 100 * MIB},
+    })
+    write_suite(pytester, {
+        "test_time_default": {"ms": 1.08},
+        "test_time_marked": {"ms": 1.08, "marker": "perf_tolerance(time=0.10)"},
+        "test_memory_default": {"ms": 1.0, "memory": 105 * MIB},
+        "test_memory_marked": {"ms": 1.0, "memory": 105 * MIB, "marker": "perf_tolerance(memory=0.10)"},
+    }, seed=2)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(passed=2, failed=2)
+    result.stdout.fnmatch_lines(["FAILED *test_time_default - *SLOWER*", "FAILED *test_memory_default - *MORE-MEMORY*"])
+
+
+@pytest.mark.parametrize(
+    ("marker", "problem"),
+    [
+        ("perf_tolerance(tme=0.1)", "unknown key(s) tme; allowed: time, memory"),
+        ("perf_tolerance(time='fast')", "time='fast' must be a non-negative number"),
+        ("perf_tolerance(memory=-0.01)", "memory=-0.01 must be a non-negative number"),
+        ("perf_tolerance(0.1)", "takes keyword arguments only"),
+    ],
+)
+def test_bad_tolerance_marker_is_a_usage_error_naming_the_test(pytester, marker, problem):
+    write_suite(pytester, {"test_ok": {"ms": 1.0}, "test_marked": {"ms": 1.0, "marker": marker}}, seed=1)
+    result = run(pytester)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*test_suite.py::test_marked: bad @pytest.mark.perf_tolerance: {problem}*"])
+
+
+def test_gpu_mem_report_prints_largest_first_and_writes_csv_and_json(pytester):
+    tests = {"test_small": {"ms": 1.0, "memory": 10 * MIB}, "test_big": {"ms": 1.0, "memory": 300 * MIB},
+             "test_mid": {"ms": 1.0, "memory": 20 * MIB}}
+    save_baseline(pytester, tests)
+    tests["test_big"]["memory"] = 303 * MIB
+    write_suite(pytester, tests, seed=2)
+    result = run(pytester, "--benchmark-compare", "--gpu-mem-report=reports/mem.csv")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines([
+        "*GPU memory high-water marks (largest first)*",
+        "*test_big*815 MiB*303 MiB*1.092 GiB*300 MiB*+1.0%*",
+        "*test_mid*532 MiB*20 MiB*",
+        "*test_small*522 MiB*10 MiB*",
+        "*memory report written to *mem.csv",
+    ])
+    table = pd.read_csv(pytester.path / "reports" / "mem.csv")
+    assert list(table["benchmark"]) == ["test_suite.py::test_big", "test_suite.py::test_mid", "test_suite.py::test_small"]
+    assert list(table["peak_allocated_above_start_bytes"]) == [303 * MIB, 20 * MIB, 10 * MIB]
+    assert table["change"][0] == pytest.approx(0.01)
+
+    run(pytester, "--gpu-mem-report=mem.json").assert_outcomes(passed=3)
+    rows = json.loads((pytester.path / "mem.json").read_text())
+    assert [row["peak_reserved_above_start_bytes"] for row in rows] == [606 * MIB, 40 * MIB, 20 * MIB]
+
+
+def test_gpu_mem_report_without_a_gpu_says_so_and_passes(pytester):
+    pytester.makeini("[pytest]\n")
+    pytester.makepyfile(test_cpu="def test_noop(gpu_benchmark):\n    gpu_benchmark(lambda: None)\n")
+    result = run(pytester, "--gpu-mem-report=mem.csv")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*no GPU memory readings: this run has no CUDA device (CPU timings only)*"])
+    table = pd.read_csv(pytester.path / "mem.csv")
+    assert list(table["benchmark"]) == ["test_cpu.py::test_noop"]
+    assert table["peak_allocated_bytes"].isna().all()
+
+
+def test_gpu_mem_report_file_needs_a_known_extension(pytester):
+    write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=1)
+    result = run(pytester, "--gpu-mem-report=mem.txt")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--gpu-mem-report=mem.txt: the file must end in .csv or .json*"])
+
+
+def test_out_of_memory_skips_with_the_amount_and_the_session_goes_on(pytester):
+    write_suite(pytester, {}, seed=1)
+    pytester.makepyfile(test_suite="""
+        import torch
+
+        def test_oom(gpu_benchmark):
+            def fn():
+                raise torch.cuda.OutOfMemoryError(
+                    "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB")
+            gpu_benchmark(fn)
+
+        def test_after(gpu_benchmark, fake):
+            assert fake.released == 1
+            gpu_benchmark(fake.work(1.0))
+    """)
+    result = run(pytester)
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED*CUDA out of memory on Fake GPU 80GB: tried to allocate 20.00 GiB"])
+
+
+def test_full_grid_tests_run_only_with_the_option(pytester):
+    write_suite(pytester, {"test_point": {"ms": 1.0, "marker": "full_grid"}, "test_a": {"ms": 1.0}}, seed=1)
+    result = run(pytester)
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED*a point of the full grid: run with --full-grid to include it"])
+    run(pytester, "--full-grid").assert_outcomes(passed=2)
+
+
+def test_throughput_against_the_device_peak_and_cold_l2(pytester):
+    flops = 494_700_000_000  # per call of 1 ms: 494.7 TFLOP/s, half the H100's dense bf16 peak
+    nbytes = 1_675_000_000  # per 1 ms: 1675 GB/s, half its HBM3 bandwidth
+    write_suite(pytester, {"test_a": {"ms": 1.0, "noise": 0.0, "call": f", flops={flops}, bytes={nbytes}, cold_l2=True"}},
+                seed=1, gpu="NVIDIA H100 80GB HBM3")
+    result = run(pytester, "--benchmark-json=out.json")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*test_a*494.7*1675*50.0% / 50.0%*"])
+    (bench,) = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    info = bench["extra_info"]
+    # The fake flush costs a whole second of clock time: it must not be in any sample.
+    assert bench["stats"]["max"] == pytest.approx(1e-3)
+    assert info["cold_l2"] is True
+    assert info["precision"] == "bf16"
+    assert info["tflops"] == pytest.approx(494.7)
+    assert info["fraction_of_peak_tflops"] == pytest.approx(0.5)
+    assert info["fraction_of_peak_gbps"] == pytest.approx(0.5)
+    assert info["peak_allocated_bytes"] == info["allocated_before_bytes"] + 64 * MIB
+
+
+def test_unknown_gpu_shows_rates_without_a_fraction_of_peak(pytester):
+    write_suite(pytester, {"test_a": {"ms": 1.0, "noise": 0.0, "call": ", flops=10**12"}}, seed=1)
+    result = run(pytester, "--benchmark-json=out.json")
+    result.assert_outcomes(passed=1)
+    (bench,) = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    assert bench["extra_info"]["tflops"] == pytest.approx(1000.0)
+    assert "fraction_of_peak_tflops" not in bench["extra_info"]
