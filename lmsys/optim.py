@@ -55,7 +55,8 @@ class AdamW(torch.optim.Optimizer):
             exp_avg_sqs = [s["exp_avg_sq"] for s in states]
             lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
 
-            torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
+            if group["weight_decay"] != 0:
+                torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
             torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
             torch._foreach_mul_(exp_avg_sqs, beta2)
             torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
