@@ -75,11 +75,13 @@ def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: in
 def training_step_flops(params: int, batch: int, seq_len: int, n_layers: int, d_model: int, causal: bool = True) -> int:
     """Model FLOPs of one training step of a decoder-only Transformer (forward + backward).
 
-    6 * params * tokens for the weight matmuls plus, per layer, 3x the attention forward over d_model = heads * head_dim.
+    6 * params * tokens for the weight matmuls plus, per layer, 3x the attention forward over
+    d_model = heads * head_dim.
     Pass as `params` the weights that take part in matmuls (an input-embedding lookup does no FLOPs; a tied output
     projection does).
     """
-    for name, value in (("params", params), ("batch", batch), ("seq_len", seq_len), ("n_layers", n_layers), ("d_model", d_model)):
+    sizes = {"params": params, "batch": batch, "seq_len": seq_len, "n_layers": n_layers, "d_model": d_model}
+    for name, value in sizes.items():
         _check_count(name, value)
     attention = n_layers * 3 * attention_flops(batch, 1, seq_len, seq_len, d_model, causal, "fwd")
     return 6 * params * batch * seq_len + attention

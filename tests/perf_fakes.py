@@ -81,7 +81,7 @@ class FakeGpu:
     def release_memory(self) -> None:
         self.released += 1
 
-    def work(self, ms: float, noise: float = 0.0, memory: int = 0, seed: int = 0, slow_calls: int = 0, slow_ms: float = 0.0):
+    def work(self, ms: float, noise: float = 0.0, memory: int = 0, seed: int = 0, slow_calls: int = 0, slow_ms: float = 0):
         """A function for gpu_benchmark: each call takes `ms` milliseconds times (1 + noise * N(0, 1)) on the clock and
         allocates `memory` bytes at its peak; its first `slow_calls` calls take `slow_ms` instead."""
         rng = random.Random(seed)

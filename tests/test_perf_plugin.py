@@ -12,7 +12,11 @@ from perf_fakes import INNER_CONFTEST
 pytest_plugins = ["pytester"]
 
 # max-time 0 makes every run exactly min-rounds rounds, whatever the machine's speed.
-RUN_ARGS = ("--benchmark-max-time=0", "--benchmark-min-rounds=21", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-rfEs")
+# The hypothesis plugin would be imported afresh by every inner run (pytester restores sys.modules): 2 s each.
+RUN_ARGS = (
+    "--benchmark-max-time=0", "--benchmark-min-rounds=21", "-rfEs",
+    "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
+)
 GPU = "Fake GPU 80GB"
 MACHINE = "Fake_GPU_80GB"
 MIB = 2**20
@@ -189,7 +193,9 @@ def test_baseline_from_other_software_is_compared_with_a_warning(pytester):
     write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=2)
     result = run(pytester, "--benchmark-compare")
     result.assert_outcomes(passed=1, warnings=1)
-    result.stdout.fnmatch_lines(["*test_a*PASS*", f"*{path} was recorded with other software (torch 0.0.1 -> *); compared anyway*"])
+    result.stdout.fnmatch_lines(
+        ["*test_a*PASS*", f"*{path} was recorded with other software (torch 0.0.1 -> *); compared anyway*"]
+    )
 
 
 def test_transient_slowdown_is_remeasured_and_passes(pytester):
@@ -252,7 +258,7 @@ def test_gpu_mem_report_prints_largest_first_and_writes_csv_and_json(pytester):
         "*memory report written to *mem.csv",
     ])
     table = pd.read_csv(pytester.path / "reports" / "mem.csv")
-    assert list(table["benchmark"]) == ["test_suite.py::test_big", "test_suite.py::test_mid", "test_suite.py::test_small"]
+    assert list(table["benchmark"]) == [f"test_suite.py::test_{size}" for size in ("big", "mid", "small")]
     assert list(table["peak_allocated_above_start_bytes"]) == [303 * MIB, 20 * MIB, 10 * MIB]
     assert table["change"][0] == pytest.approx(0.01)
 
@@ -263,6 +269,13 @@ def test_gpu_mem_report_prints_largest_first_and_writes_csv_and_json(pytester):
 
 def test_gpu_mem_report_without_a_gpu_says_so_and_passes(pytester):
     pytester.makeini("[pytest]\n")
+    # The real CPU backend, also on a machine that has a GPU.
+    pytester.makeconftest("""
+        from lmsys.perf.backend import CpuBackend
+
+        def pytest_perf_backend(config):
+            return CpuBackend()
+    """)
     pytester.makepyfile(test_cpu="def test_noop(gpu_benchmark):\n    gpu_benchmark(lambda: None)\n")
     result = run(pytester, "--gpu-mem-report=mem.csv")
     result.assert_outcomes(passed=1)
@@ -310,8 +323,8 @@ def test_full_grid_tests_run_only_with_the_option(pytester):
 def test_throughput_against_the_device_peak_and_cold_l2(pytester):
     flops = 494_700_000_000  # per call of 1 ms: 494.7 TFLOP/s, half the H100's dense bf16 peak
     nbytes = 1_675_000_000  # per 1 ms: 1675 GB/s, half its HBM3 bandwidth
-    write_suite(pytester, {"test_a": {"ms": 1.0, "noise": 0.0, "call": f", flops={flops}, bytes={nbytes}, cold_l2=True"}},
-                seed=1, gpu="NVIDIA H100 80GB HBM3")
+    call = f", flops={flops}, bytes={nbytes}, cold_l2=True"
+    write_suite(pytester, {"test_a": {"ms": 1.0, "noise": 0.0, "call": call}}, seed=1, gpu="NVIDIA H100 80GB HBM3")
     result = run(pytester, "--benchmark-json=out.json")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*test_a*494.7*1675*50.0% / 50.0%*"])

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-# Differences in these make timings incomparable in principle; a baseline that differs is still compared, with a warning.
+# A change in these can move timings by itself; a baseline that differs is still compared, with a warning.
 VERSION_KEYS = ("torch", "triton", "cuda", "cudnn", "driver")
 
 

@@ -1,7 +1,8 @@
 """The `gpu_benchmark` fixture: pytest-benchmark's `benchmark`, timed so that each sample covers the device's work,
 with a memory high-water mark, throughput against the device's peak, and a verdict against the baseline.
 
-    result = gpu_benchmark(fn, *args, flops=None, bytes=None, cold_l2=False, warmup_rounds=None, precision=None, **kwargs)
+    result = gpu_benchmark(fn, *args, flops=None, bytes=None, cold_l2=False, warmup_rounds=None, precision=None,
+                           **kwargs)
 
 What one call does, in order:
 1. an untimed call of fn (compilation and autotuning land here), one calibration round, then warmup rounds
@@ -12,10 +13,11 @@ What one call does, in order:
 3. when comparing and the time is SLOWER, the rounds are timed once more and that second measurement decides
    (and is the one stored);
 4. one more call under reset peak-memory statistics: its result is returned and its high-water marks are stored;
-5. the samples go into pytest-benchmark's stats (its table, JSON and --benchmark-save see them), and extra_info gets
-   the memory readings, TFLOP/s and GB/s from `flops`/`bytes` (the work of ONE call) and their fraction of the
-   device's peak in `precision` ('bf16', 'fp16', 'tf32', 'fp32'; by default the dtype of the first floating-point
-   tensor argument, or bf16 when there is none);
+5. the samples go into pytest-benchmark's stats (its table, JSON and --benchmark-save see them); extra_info gets
+   the wall-clock seconds per timed round (what the loop costs, synchronization and flush included), the memory
+   readings, TFLOP/s and GB/s from `flops`/`bytes` (the work of ONE call) and their fraction of the device's peak
+   in `precision` ('bf16', 'fp16', 'tf32', 'fp32'; by default the dtype of the first floating-point tensor
+   argument, or bf16 when there is none);
 6. the verdict is kept for the plugin, which fails the test after its body has run when it is SLOWER or MORE-MEMORY.
 
 Tolerances come from --perf-time-tolerance/--perf-mem-tolerance, or per test from
@@ -39,8 +41,12 @@ SESSION_KEY = pytest.StashKey[PerfSession]()
 RECORD_KEY = pytest.StashKey[Record]()
 
 
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _check_work(name: str, value) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+    if value is not None and not _is_count(value):
         raise ValueError(f"gpu_benchmark: {name} must be a non-negative int (the work of one call), got {value!r}")
 
 
@@ -69,7 +75,7 @@ def oom_reason(message: str, device_name: str) -> str:
     return f"CUDA out of memory on {device_name}: tried to allocate {amount}"
 
 
-def rates(median_seconds: float, device_name: str, flops: int | None, nbytes: int | None, precision: str | None) -> dict:
+def rates(median_seconds: float, device_name: str, flops: int | None, nbytes: int | None, precision: str | None):
     """TFLOP/s, GB/s and their fractions of the device's peak (absent when unknown) as extra_info entries."""
     out: dict[str, Any] = {}
     if median_seconds <= 0:
@@ -111,7 +117,7 @@ class GpuBenchmark:
         """Benchmarks fn(*args, **kwargs) and returns the result of its last call."""
         _check_work("flops", flops)
         _check_work("bytes", bytes)
-        if warmup_rounds is not None and (isinstance(warmup_rounds, bool) or not isinstance(warmup_rounds, int) or warmup_rounds < 0):
+        if warmup_rounds is not None and not _is_count(warmup_rounds):
             raise ValueError(f"gpu_benchmark: warmup_rounds must be a non-negative int or None, got {warmup_rounds!r}")
         if precision is not None and precision not in flops_formulas.PRECISIONS:
             raise ValueError(f"gpu_benchmark: precision must be one of {flops_formulas.PRECISIONS}, got {precision!r}")
@@ -130,14 +136,14 @@ class GpuBenchmark:
         flush = backend.make_l2_flush() if cold_l2 else None
         with timing.gc_paused(session.disable_gc):
             plan = timing.warm_up(backend, call, flush, session.max_time, session.min_rounds, warmup_rounds)
-            samples = timing.time_rounds(backend, call, plan.rounds, flush)
+            samples, wall = timing.measure(backend, call, plan.rounds, flush)
             time_comparison = None
             remeasured = False
             if baseline is not None:
                 time_comparison = compare.compare_time(samples, baselines.samples(baseline), time_tolerance)
                 if time_comparison.verdict == compare.SLOWER:
                     remeasured = True
-                    samples = timing.time_rounds(backend, call, plan.rounds, flush)
+                    samples, wall = timing.measure(backend, call, plan.rounds, flush)
                     time_comparison = compare.compare_time(samples, baselines.samples(baseline), time_tolerance)
         del flush
         result, memory = backend.measure_memory(call)
@@ -169,7 +175,7 @@ class GpuBenchmark:
         )
         bench.extra_info.update(
             device=backend.name, timer=backend.timer_name, cold_l2=bool(cold_l2),
-            warmup_rounds=plan.warmup_rounds, remeasured=remeasured, **record.rates,
+            warmup_rounds=plan.warmup_rounds, wall_seconds_per_round=wall, remeasured=remeasured, **record.rates,
         )
         if memory is not None:
             bench.extra_info.update(memory.as_extra_info())

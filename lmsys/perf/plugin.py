@@ -15,7 +15,13 @@ from pytest_benchmark.utils import load_timer
 from lmsys.perf import compare, hookspecs
 from lmsys.perf.backend import detect_backend
 from lmsys.perf.fixture import RECORD_KEY, SESSION_KEY, gpu_benchmark, oom_reason
-from lmsys.perf.report import MEMORY_REPORT_SUFFIXES, memory_frame, memory_report_lines, summary_lines, write_memory_report
+from lmsys.perf.report import (
+    MEMORY_REPORT_SUFFIXES,
+    memory_frame,
+    memory_report_lines,
+    summary_lines,
+    write_memory_report,
+)
 from lmsys.perf.session import PYTEST_BENCHMARK_DEFAULT_STORAGE, PerfSession
 
 __all__ = ["gpu_benchmark"]
@@ -126,17 +132,20 @@ def pytest_sessionstart(session):
 
 def pytest_report_header(config):
     session = config.stash[SESSION_KEY]
-    where = f"{session.storage_path}/{session.machine_id}" if "machine_id" in vars(session) else session.storage_path
-    lines = [
-        f"lmsys perf: baselines in {where}; tolerances: time {session.time_tolerance:.0%}, "
-        f"memory {session.memory_tolerance:.0%} and {compare.format_bytes(session.memory_floor)}"
-    ]
+    tolerances = (
+        f"time {session.time_tolerance:.0%}, memory {session.memory_tolerance:.0%} "
+        f"and {compare.format_bytes(session.memory_floor)}"
+    )
+    lines = [f"lmsys perf: baselines in {session.folder or session.storage_path}; tolerances: {tolerances}"]
     lines += [f"lmsys perf: comparing with {path}" for path in session.compared_files]
     return lines
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info["lmsys"] = config.stash[SESSION_KEY].environment
+    # The CPU's momentary clock says nothing about the machine, but made every comparison warn that it differs.
+    for volatile in ("hz_actual", "hz_actual_friendly"):
+        (machine_info.get("cpu") or {}).pop(volatile, None)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,7 +15,7 @@ from pytest_benchmark.storage.file import FileStorage
 
 from lmsys.perf import baselines, environment
 from lmsys.perf.backend import MemoryReading
-from lmsys.perf.compare import Verdict
+from lmsys.perf.compare import SLOWER, Verdict
 from lmsys.perf.storage import BaselineStorage
 
 # pytest-benchmark's default --benchmark-storage; when it is unchanged the plugin stores in rootdir/baselines.
@@ -45,7 +45,7 @@ class Record:
     def failure_message(self) -> str:
         """What the failing test reports: the verdict's message and whether a re-measurement confirmed it."""
         message = self.verdict.message(self.name)
-        if self.remeasured and self.verdict.time is not None and self.verdict.time.verdict == "SLOWER":
+        if self.remeasured and self.verdict.time is not None and self.verdict.time.verdict == SLOWER:
             message += "\n(confirmed: the time was re-measured once and was SLOWER again)"
         return message
 
@@ -71,6 +71,8 @@ class PerfSession:
     # fullname -> the benchmark's entry in the newest compared file that has it
     baseline_benchmarks: dict[str, dict] = field(default_factory=dict)
     storage_path: Path | None = None
+    # storage_path / machine_id, once attach() has resolved the machine id (only when saving or comparing)
+    folder: Path | None = None
 
     @property
     def comparing(self) -> bool:
@@ -101,6 +103,8 @@ class PerfSession:
         if not (saving or self.comparing):
             return
         bench_session.machine_id = self.machine_id
+        if self.storage_path is not None:
+            self.folder = self.storage_path / self.machine_id
         if isinstance(bench_session.storage, FileStorage):
             bench_session.storage = BaselineStorage(
                 bench_session.storage.path, logger=bench_session.logger, default_machine_id=self.machine_id
@@ -138,9 +142,8 @@ class PerfSession:
                 self.notes.append(text)
                 bench_session.config.issue_config_time_warning(PerfWarning(text), stacklevel=2)
         if not comparable:
-            folder = storage.path / self.machine_id
             self.notes.append(
-                f"no baseline for {self.machine_id} in {folder}: nothing compared, every benchmark is NEW "
+                f"no baseline for {self.machine_id} in {self.folder}: nothing compared, every benchmark is NEW "
                 "(save one with --benchmark-save=NAME)"
             )
             bench_session.compared_mapping = {}

@@ -59,7 +59,14 @@ def time_rounds(backend, call: Callable[[], Any], rounds: int, flush: Callable[[
     return samples
 
 
-def warm_up(backend, call: Callable[[], Any], flush, max_time: float, min_rounds: int, warmup_rounds: int | None) -> Plan:
+def measure(backend, call: Callable[[], Any], rounds: int, flush: Callable[[], None] | None):
+    """time_rounds, and the wall-clock seconds per round that it took."""
+    start = time.perf_counter()
+    samples = time_rounds(backend, call, rounds, flush)
+    return samples, (time.perf_counter() - start) / rounds
+
+
+def warm_up(backend, call: Callable[[], Any], flush, max_time: float, min_rounds: int, warmup_rounds: int | None):
     """Runs the untimed first call (compilation, autotuning), one calibration round and the warmup; returns the plan.
 
     The calibration round counts as the first warmup round.
