@@ -1,0 +1,222 @@
+"""Attention providers side by side: time, TFLOP/s and memory high-water of forward, backward and both.
+
+Providers: the naive reference (eager and compiled), FlashAttention-2 in PyTorch (compiled), FlashAttention-2 in
+Triton, and PyTorch SDPA restricted to its FlashAttention-2 or its cuDNN backend. A provider that cannot run a
+configuration is skipped with the reason: the Triton kernels and cuDNN need CUDA, and SDPA's backends refuse some
+dtypes (FlashAttention-2 and cuDNN take no float32 on CUDA; the reason quoted is SDPA's own).
+
+Configurations, from the CS336 seeds (GPU sizes; the CPU runs one small point of each test):
+- `test_attention_seeds_grid`: batch 8, no heads ((B, T, D) inputs), not causal, d in {16, 32, 64, 128} x
+  seq in {256, 1024, 4096, 8192, 16384}, fp32 (the seeds' dtype) and bf16. Naive attention runs out of memory
+  at the top: the `gpu_benchmark` fixture records that as a skip with the size asked for.
+- `test_attention_causal_grid`: batch 1, causal, (B, T, D), seq 128 ... 65536 (powers of two) x d in
+  {16, 32, 64, 128} x {bf16, fp32}.
+- `test_attention_anchors`: the (batch, heads, seq, d) rows of shared/ANCHORS.md, e.g. (4, 16, 8192, 128) causal.
+- `test_attention_leaderboard`: the CS336 leaderboard, q, k, v of shape (16, 16384, 64), bf16, causal, forward +
+  backward, every provider under torch.compile.
+Modes: "fwd" (no autograd graph), "bwd" (the forward runs once, untimed; each call is one backward through the
+kept graph) and "fwd_bwd". Gradients are taken with a random dO through `torch.autograd.grad`, so nothing
+accumulates into `.grad` across rounds.
+
+The default run is a representative subset: the leaderboard, the (4, 16, 8192, 128) causal bf16 forward, and bf16
+forward + backward at seq 4096 (d 64 and 128 in the causal grid, d 64 in the seeds' grid); every other point is
+marked `full_grid` (run them with --full-grid).
+"""
+
+import warnings
+
+import pytest
+import torch
+from torch._functorch import config as functorch_config
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from lmsys.attention import FlashAttentionTorch, FlashAttentionTriton, naive_attention, sdpa_attention
+from lmsys.flops import attention_flops
+
+PROVIDERS = ("naive", "naive_compiled", "flash_torch_compiled", "flash_triton", "sdpa_flash", "sdpa_cudnn")
+NEEDS_CUDA = {
+    "flash_triton": "the Triton kernels need a CUDA device (the interpreter is for tests, not timing)",
+    "sdpa_cudnn": "SDPA's cuDNN backend needs a CUDA device",
+}
+SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+MODES = ("fwd", "bwd", "fwd_bwd")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _flash_torch(q, k, v, is_causal):
+    return FlashAttentionTorch.apply(q, k, v, is_causal)
+
+
+def _flash_triton(q, k, v, is_causal):
+    return FlashAttentionTriton.apply(q, k, v, is_causal)
+
+
+def _sdpa_with(backend: SDPBackend):
+    def attend(q, k, v, is_causal):
+        with sdpa_kernel(backend):
+            if q.dim() == 3:  # SDPA's fused backends want (B, H, T, D): add a heads dim of 1 (a view).
+                return sdpa_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), is_causal).squeeze(1)
+            return sdpa_attention(q, k, v, is_causal)
+
+    return attend
+
+
+def _refusal(backend: SDPBackend, q, k, v, is_causal) -> str | None:
+    """Why SDPA's `backend` refuses these inputs, in SDPA's words (its warnings), or None when it runs them."""
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        try:
+            _sdpa_with(backend)(q, k, v, is_causal)
+        except RuntimeError as exc:
+            return " ".join(str(w.message) for w in caught) or str(exc)
+    return None
+
+
+def attention_for(provider: str, q, k, v, is_causal: bool, compile_all: bool = False):
+    """The provider's attention function for these inputs, or a pytest.skip saying why it cannot run them."""
+    if provider in NEEDS_CUDA and q.device.type != "cuda":
+        pytest.skip(NEEDS_CUDA[provider])
+    if provider in SDPA_BACKENDS:
+        reason = _refusal(SDPA_BACKENDS[provider], q, k, v, is_causal)
+        if reason is not None:
+            pytest.skip(f"SDPA's {provider.removeprefix('sdpa_')} backend refuses {q.dtype} {tuple(q.shape)}: {reason}")
+    attend = {
+        "naive": naive_attention,
+        "naive_compiled": naive_attention,
+        "flash_torch_compiled": _flash_torch,
+        "flash_triton": _flash_triton,
+        **{name: _sdpa_with(backend) for name, backend in SDPA_BACKENDS.items()},
+    }[provider]
+    if compile_all or provider.endswith("_compiled"):
+        attend = torch.compile(attend, dynamic=False)
+    return attend
+
+
+@pytest.fixture
+def fresh_compiler():
+    """Compile every test's function anew: compiled graphs of earlier shapes would hit dynamo's recompile limit."""
+    torch.compiler.reset()
+    yield
+    torch.compiler.reset()
+
+
+def run_case(gpu_benchmark, device, provider, shape, is_causal, dtype, mode, compile_all=False):
+    """Benchmark one provider in one mode on fresh random (q, k, v) of `shape`; returns nothing, checks finiteness."""
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
+    attend = attention_for(provider, q, k, v, is_causal, compile_all)
+    batch, heads = (shape[0], 1) if len(shape) == 3 else shape[:2]
+    work = attention_flops(batch, heads, shape[-2], shape[-2], shape[-1], is_causal, mode)
+    if mode == "fwd":
+
+        def forward(q, k, v):
+            with torch.no_grad():
+                return attend(q, k, v, is_causal)
+
+        out = gpu_benchmark(forward, q, k, v, flops=work)
+        assert torch.isfinite(out).all()
+        return
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    do = torch.randn_like(q)
+    if mode == "fwd_bwd":
+
+        def forward_backward(q, k, v, do):
+            return torch.autograd.grad(attend(q, k, v, is_causal), (q, k, v), do)
+
+        grads = gpu_benchmark(forward_backward, q, k, v, do, flops=work)
+    else:
+        # A compiled backward normally frees ("donates") the saved activations; timing it again over the same
+        # graph needs them kept. The flag is read when the forward compiles.
+        with functorch_config.patch(donated_buffer=False):
+            out = attend(q, k, v, is_causal)
+
+        def backward(out, do):
+            return torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+
+        grads = gpu_benchmark(backward, out, do, flops=work)
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def point(shape, causal, dtype, mode, default=False):
+    """One configuration as a pytest.param: behind --full-grid unless it is in the default subset."""
+    marks = [] if default else [pytest.mark.full_grid]
+    if shape[-2] <= 1024:
+        # Runs of tens of microseconds: launch jitter alone moves them by more than the default 5%.
+        marks.append(pytest.mark.perf_tolerance(time=0.15))
+    name = f"{'x'.join(map(str, shape))}-{'causal' if causal else 'full'}-{dtype}-{mode}"
+    return pytest.param(shape, causal, dtype, mode, marks=marks, id=name)
+
+
+def _seeds_points():
+    if not HAS_CUDA:
+        return [point((2, 128, 64), False, "fp32", "fwd_bwd", default=True)]
+    return [
+        point((8, seq, d), False, dtype, mode, default=(seq, d, dtype, mode) == (4096, 64, "bf16", "fwd_bwd"))
+        for d in (16, 32, 64, 128)
+        for seq in (256, 1024, 4096, 8192, 16384)
+        for dtype in ("fp32", "bf16")
+        for mode in MODES
+    ]
+
+
+def _causal_points():
+    if not HAS_CUDA:
+        return [point((1, 256, 64), True, "fp32", "fwd_bwd", default=True)]
+    return [
+        point((1, seq, d), True, dtype, mode, default=seq == 4096 and d >= 64 and (dtype, mode) == ("bf16", "fwd_bwd"))
+        for d in (16, 32, 64, 128)
+        for seq in (2**i for i in range(7, 17))
+        for dtype in ("bf16", "fp32")
+        for mode in MODES
+    ]
+
+
+# (shape, causal, dtype) rows of shared/ANCHORS.md; the first one's forward is in the default subset.
+ANCHOR_SHAPES = [
+    ((4, 16, 8192, 128), True, "bf16"),
+    ((4, 16, 8192, 128), False, "bf16"),
+    ((1, 16, 16384, 64), True, "bf16"),
+    ((1, 16, 4096, 64), True, "bf16"),
+    ((8, 16, 1024, 64), True, "bf16"),
+    ((4, 16, 2048, 64), True, "fp32"),
+]
+
+
+def _anchor_points():
+    if not HAS_CUDA:
+        return [point((1, 2, 128, 32), True, "bf16", mode, default=True) for mode in ("fwd", "bwd")]
+    return [
+        point(shape, causal, dtype, mode, default=(shape, causal, dtype, mode) == (*ANCHOR_SHAPES[0], "fwd"))
+        for shape, causal, dtype in ANCHOR_SHAPES
+        for mode in MODES
+    ]
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("shape, causal, dtype, mode", _seeds_points())
+def test_attention_seeds_grid(gpu_benchmark, fresh_compiler, device, seed, provider, shape, causal, dtype, mode):
+    run_case(gpu_benchmark, device, provider, shape, causal, DTYPES[dtype], mode)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("shape, causal, dtype, mode", _causal_points())
+def test_attention_causal_grid(gpu_benchmark, fresh_compiler, device, seed, provider, shape, causal, dtype, mode):
+    run_case(gpu_benchmark, device, provider, shape, causal, DTYPES[dtype], mode)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("shape, causal, dtype, mode", _anchor_points())
+def test_attention_anchors(gpu_benchmark, fresh_compiler, device, seed, provider, shape, causal, dtype, mode):
+    run_case(gpu_benchmark, device, provider, shape, causal, DTYPES[dtype], mode)
+
+
+# Every provider is compiled here, so "naive" would repeat "naive_compiled".
+@pytest.mark.parametrize("provider", [p for p in PROVIDERS if p != "naive"])
+def test_attention_leaderboard(gpu_benchmark, fresh_compiler, device, seed, provider):
+    """CS336 leaderboard: (16, 16384, 64) bf16 causal, forward + backward, compiled (CPU: (2, 256, 64)).
+
+    The dO is random; the leaderboard's harness backpropagates o.sum() (dO of ones), which times SDPA's cuDNN
+    backend lower (4.35 ms against 4.71 ms on the H100, shared/ANCHORS.md).
+    """
+    shape = (16, 16384, 64) if HAS_CUDA else (2, 256, 64)
+    run_case(gpu_benchmark, device, provider, shape, True, torch.bfloat16, "fwd_bwd", compile_all=True)
