@@ -347,3 +347,39 @@ def test_unknown_gpu_shows_rates_without_a_fraction_of_peak(pytester):
     (bench,) = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
     assert bench["extra_info"]["tflops"] == pytest.approx(1000.0)
     assert "fraction_of_peak_tflops" not in bench["extra_info"]
+
+
+def test_fixture_returns_the_last_result_checks_its_arguments_and_is_single_use(pytester):
+    write_suite(pytester, {}, seed=1)
+    pytester.makepyfile(test_suite="""
+        import pytest
+        from pytest_benchmark.fixture import FixtureAlreadyUsed
+
+        def test_result(gpu_benchmark, fake):
+            # untimed call, calibration round, 21 timed rounds, memory call: the last result is the 24th call's
+            assert gpu_benchmark(fake.work(1.0)) == 24
+            with pytest.raises(FixtureAlreadyUsed):
+                gpu_benchmark(fake.work(1.0))
+
+        @pytest.mark.parametrize("bad", [{"flops": -1}, {"bytes": 1.5}, {"warmup_rounds": True}, {"precision": "int8"}])
+        def test_bad_arguments(gpu_benchmark, fake, bad):
+            with pytest.raises(ValueError, match="gpu_benchmark: "):
+                gpu_benchmark(fake.work(1.0), **bad)
+
+        def test_warmup_rounds(gpu_benchmark, fake):
+            # untimed call, calibration round plus 9 more warmup rounds, 21 timed rounds, memory call
+            assert gpu_benchmark(fake.work(1.0), warmup_rounds=10) == 33
+    """)
+    run(pytester).assert_outcomes(passed=6)
+
+
+def test_disabled_benchmarks_call_once_and_judge_nothing(pytester):
+    save_baseline(pytester, {"test_a": {"ms": 1.0}})
+    write_suite(pytester, {}, seed=1)
+    pytester.makepyfile(test_suite="""
+        def test_a(gpu_benchmark, fake):
+            assert gpu_benchmark(fake.work(5.0)) == 1
+    """)
+    result = run(pytester, "--benchmark-disable", "--benchmark-compare")
+    result.assert_outcomes(passed=1)
+    result.stdout.no_fnmatch_line("*SLOWER*")
