@@ -122,7 +122,7 @@ class GpuBenchmark:
         if precision is not None and precision not in flops_formulas.PRECISIONS:
             raise ValueError(f"gpu_benchmark: precision must be one of {flops_formulas.PRECISIONS}, got {precision!r}")
         bench = self._benchmark
-        # pytest-benchmark's fixture is single-use; taking its mode makes a second call (of either) fail loudly.
+        # pytest-benchmark's fixture is single-use; taking its (private) mode makes a second call of either fail loudly.
         if bench._mode:
             raise FixtureAlreadyUsed(f"Fixture can only be used once. Previously it was used in {bench._mode} mode.")
         bench._mode = "gpu_benchmark(...)"
@@ -156,7 +156,7 @@ class GpuBenchmark:
             )
         verdict = compare.judge(time_comparison, memory_comparison) if session.comparing else None
 
-        # The one place this reaches into pytest-benchmark: the stats object its own timing loop would fill.
+        # Private pytest-benchmark API, the same in 5.2 and 5.3: the stats object its own timing loop would fill.
         stats = bench._make_stats(1)
         for sample in samples:
             stats.update(sample)
