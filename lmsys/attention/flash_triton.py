@@ -29,10 +29,10 @@ import triton.language as tl
 from lmsys.attention.checks import check_inputs
 
 HEAD_DIMS = (16, 32, 64, 128)
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 # A finite "minus infinity" for masked scores: exp2 of it is 0, and a row whose tile is all masked gives no NaN.
-MASKED = -1.0e6
+MASKED = tl.constexpr(-1.0e6)
 
 _INTERPRET = triton.knobs.runtime.interpret
 
@@ -47,13 +47,14 @@ def _autotune_key(n_q, n_k):
 
 def _fwd_configs():
     if _INTERPRET:
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16, "USE_TMA": False}, num_warps=4, num_stages=1)]
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma}, num_warps=w, num_stages=s)
         for bm in (64, 128)
-        for bn in (32, 64, 128)
+        for bn in (64, 128)
         for w in (4, 8)
         for s in (2, 3, 4)
+        for tma in (False, True)
         if bn <= bm
     ]
 
@@ -74,22 +75,33 @@ def _prune_fwd_configs(configs, named_args, **kwargs):
 
 
 @triton.jit
+def _load_rows(src, start, offs_rows, offs_d, stride_row, stride_d, n_rows, BOUNDS_MASK: tl.constexpr,
+               USE_TMA: tl.constexpr):
+    """Rows [start, start + len(offs_rows)) of a (n_rows, HEAD_DIM) matrix; rows past the end read as 0."""
+    if USE_TMA:
+        # A tensor descriptor (TMA on Hopper) zero-fills rows past n_rows by itself.
+        return src.load([start, 0])
+    else:
+        ptrs = src + (start + offs_rows)[:, None] * stride_row + offs_d[None, :] * stride_d
+        if BOUNDS_MASK:
+            return tl.load(ptrs, mask=(start + offs_rows)[:, None] < n_rows, other=0.0)
+        else:
+            return tl.load(ptrs)
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, K, V,
     stride_kn, stride_kd, stride_vn, stride_vd,
     offs_m, offs_d, lo, hi, N_K, qk_scale,
     BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        k_ptrs = K + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd
-        v_ptrs = V + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd
-        if BOUNDS_MASK:
-            k = tl.load(k_ptrs, mask=cols[:, None] < N_K, other=0.0)
-        else:
-            k = tl.load(k_ptrs)
+        k = _load_rows(K, start_n, offs_n, offs_d, stride_kn, stride_kd, N_K, BOUNDS_MASK, USE_TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         if CAUSAL_MASK or BOUNDS_MASK:
             if CAUSAL_MASK and BOUNDS_MASK:
@@ -107,10 +119,7 @@ def _fwd_inner(
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if BOUNDS_MASK:
-            v = tl.load(v_ptrs, mask=cols[:, None] < N_K, other=0.0)
-        else:
-            v = tl.load(v_ptrs)
+        v = _load_rows(V, start_n, offs_n, offs_d, stride_vn, stride_vd, N_K, BOUNDS_MASK, USE_TMA)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_ij
     return acc, l_i, m_i
@@ -135,10 +144,11 @@ def _flash_fwd_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_OK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    TMA: tl.constexpr = USE_TMA and TMA_OK
     pid_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     if CAUSAL:
@@ -156,11 +166,13 @@ def _flash_fwd_kernel(
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    if EVEN_M:
-        q = tl.load(q_ptrs)
+    if TMA:
+        q_src = tl.make_tensor_descriptor(Q, [N_Q, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM])
+        K = tl.make_tensor_descriptor(K, [N_K, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM])
+        V = tl.make_tensor_descriptor(V, [N_K, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM])
     else:
-        q = tl.load(q_ptrs, mask=offs_m[:, None] < N_Q, other=0.0)
+        q_src = Q
+    q = _load_rows(q_src, start_m * BLOCK_M, tl.arange(0, BLOCK_M), offs_d, stride_qm, stride_qd, N_Q, not EVEN_M, TMA)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -171,26 +183,26 @@ def _flash_fwd_kernel(
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
             offs_m, offs_d, 0, diag, N_K, qk_scale,
-            BLOCK_N, False, False, DOT_PRECISION,
+            BLOCK_N, False, False, DOT_PRECISION, TMA,
         )
         # Stage 2: the diagonal tiles, masked (and bounds-checked when the length is ragged).
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
             offs_m, offs_d, diag, tl.minimum(diag + BLOCK_M, N_K), N_K, qk_scale,
-            BLOCK_N, True, not EVEN_N, DOT_PRECISION,
+            BLOCK_N, True, not EVEN_N, DOT_PRECISION, TMA,
         )
     else:
         n_full = (N_K // BLOCK_N) * BLOCK_N
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
             offs_m, offs_d, 0, n_full, N_K, qk_scale,
-            BLOCK_N, False, False, DOT_PRECISION,
+            BLOCK_N, False, False, DOT_PRECISION, TMA,
         )
         if not EVEN_N:
             acc, l_i, m_i = _fwd_inner(
                 acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                 offs_m, offs_d, n_full, N_K, N_K, qk_scale,
-                BLOCK_N, False, True, DOT_PRECISION,
+                BLOCK_N, False, True, DOT_PRECISION, TMA,
             )
 
     acc = acc / l_i[:, None]
@@ -232,12 +244,13 @@ def _flash_bwd_preprocess_kernel(
 
 def _bwd_configs():
     if _INTERPRET:
-        return [triton.Config({"BLOCK_SMALL": 16, "BLOCK_BIG": 32}, num_warps=4, num_stages=1)]
+        return [triton.Config({"BLOCK_BIG": 32, "BLOCK_M1": 16, "BLOCK_N2": 16}, num_warps=4, num_stages=1)]
     return [
-        triton.Config({"BLOCK_SMALL": small, "BLOCK_BIG": big}, num_warps=w, num_stages=s)
-        for small, big in ((16, 64), (32, 64), (32, 128), (64, 128))
+        triton.Config({"BLOCK_BIG": big, "BLOCK_M1": m1, "BLOCK_N2": n2}, num_warps=w, num_stages=s)
+        for big, m1, n2 in ((64, 16, 16), (64, 32, 32), (128, 32, 32), (128, 32, 64), (128, 64, 32), (128, 64, 64))
         for w in (4, 8)
-        for s in (2, 3, 4, 5)
+        for s in (2, 3, 4)
+        if w == 4 or big == 128
     ]
 
 
@@ -343,11 +356,12 @@ def _flash_bwd_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_SMALL: tl.constexpr, BLOCK_BIG: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_BIG: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    # dK/dV: a key tile of BLOCK_BIG rows visits query tiles of BLOCK_SMALL rows.
-    # dQ: a query tile of BLOCK_BIG rows visits key tiles of BLOCK_SMALL rows.
-    tl.static_assert(BLOCK_BIG % BLOCK_SMALL == 0)
+    # dK/dV: a key tile of BLOCK_BIG rows visits query tiles of BLOCK_M1 rows.
+    # dQ: a query tile of BLOCK_BIG rows visits key tiles of BLOCK_N2 rows.
+    tl.static_assert(BLOCK_BIG % BLOCK_M1 == 0)
+    tl.static_assert(BLOCK_BIG % BLOCK_N2 == 0)
     pid = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
@@ -383,12 +397,12 @@ def _flash_bwd_kernel(
             dk, dv = _bwd_dkdv_inner(
                 dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
                 offs_n, offs_d, start_n, tl.minimum(lo, N_Q), N_Q, qk_scale,
-                BLOCK_SMALL, True, not EVEN_M, DOT_PRECISION,
+                BLOCK_M1, True, not EVEN_M, DOT_PRECISION,
             )
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
             offs_n, offs_d, lo, N_Q, N_Q, qk_scale,
-            BLOCK_SMALL, False, not EVEN_M, DOT_PRECISION,
+            BLOCK_M1, False, not EVEN_M, DOT_PRECISION,
         )
         dk_ptrs = DK + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
         dv_ptrs = DV + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
@@ -420,18 +434,18 @@ def _flash_bwd_kernel(
             dq = _bwd_dq_inner(
                 dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                 offs_m, offs_d, 0, start_m, N_K, qk_scale,
-                BLOCK_SMALL, False, False, DOT_PRECISION,
+                BLOCK_N2, False, False, DOT_PRECISION,
             )
             dq = _bwd_dq_inner(
                 dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                 offs_m, offs_d, start_m, tl.minimum(start_m + BLOCK_BIG, N_K), N_K, qk_scale,
-                BLOCK_SMALL, True, not EVEN_N, DOT_PRECISION,
+                BLOCK_N2, True, not EVEN_N, DOT_PRECISION,
             )
         else:
             dq = _bwd_dq_inner(
                 dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
                 offs_m, offs_d, 0, N_K, N_K, qk_scale,
-                BLOCK_SMALL, False, not EVEN_N, DOT_PRECISION,
+                BLOCK_N2, False, not EVEN_N, DOT_PRECISION,
             )
         dq_ptrs = DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
         if EVEN_M:
@@ -447,6 +461,16 @@ def _as_4d(x):
     """(batch, seq, d) -> (batch, 1, seq, d) view; 4-D passes through. The last dim must be unit-stride."""
     x = x.unsqueeze(1) if x.dim() == 3 else x
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _tma_ok(*tensors):
+    """Tensor descriptors need 16-byte aligned base addresses and row strides."""
+    return all(x.data_ptr() % 16 == 0 and (x.stride(-2) * x.element_size()) % 16 == 0 for x in tensors)
+
+
+def _scratch(size, alignment, stream):
+    # Global memory in which kernels build their tensor descriptors.
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _dot_precision(dtype):
@@ -470,16 +494,19 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) 
     q4, k4, v4, o4 = _as_4d(q), _as_4d(k), _as_4d(v), o.unsqueeze(1) if o.dim() == 3 else o
     batch, heads, n_q, head_dim = q4.shape
     n_k = k4.shape[2]
-    qk_scale = LOG2E / math.sqrt(head_dim)
+    qk_scale = LOG2E.value / math.sqrt(head_dim)
 
     def grid(meta):
         return (triton.cdiv(n_q, meta["BLOCK_M"]), batch * heads)
 
+    tma_ok = q.is_cuda and _tma_ok(q4, k4, v4)
+    if tma_ok:
+        triton.set_allocator(_scratch)
     _flash_fwd_kernel[grid](
         q4, k4, v4, o4, lse,
         n_q, n_k, heads, _autotune_key(n_q, n_k), qk_scale,
         *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(),
-        HEAD_DIM=head_dim, CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
+        HEAD_DIM=head_dim, CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype), TMA_OK=tma_ok,
     )
     return o, lse
 
@@ -511,7 +538,7 @@ def _bwd_op(
     sm_scale = 1.0 / math.sqrt(head_dim)
     _flash_bwd_kernel[grid](
         q4, k4, v4, do4, dq4, dk4, dv4, lse, delta,
-        n_q, n_k, heads, _autotune_key(n_q, n_k), sm_scale * LOG2E, sm_scale,
+        n_q, n_k, heads, _autotune_key(n_q, n_k), sm_scale * LOG2E.value, sm_scale,
         *q4.stride(), *k4.stride(), *v4.stride(), *do4.stride(), *dq4.stride(), *dk4.stride(), *dv4.stride(),
         HEAD_DIM=head_dim, CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
     )
