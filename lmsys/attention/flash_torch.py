@@ -26,7 +26,7 @@ from lmsys.attention.checks import check_inputs
 
 BLOCK_K = 64
 # Above MAX_KEY_TILES * BLOCK_K keys the tile grows instead, so the unrolled loop (and compile time) stays bounded.
-MAX_KEY_TILES = 32
+MAX_KEY_TILES = 16
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
