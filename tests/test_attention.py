@@ -156,9 +156,13 @@ def test_flash_triton_matches_reference(problem, dtype):
     [
         ((1, 2, 1000, 64), (1, 2, 1000, 64), True),
         ((2, 1000, 32), (2, 777, 32), False),
+        # Past MAX_KEY_TILES * BLOCK_K keys the key tile grows.
+        ((1, 1100, 16), (1, 1100, 16), True),
+        ((1, 3, 50, 16), (1, 3, 1300, 16), False),
     ],
 )
 def test_flash_torch_long_sequences(q_shape, k_shape, is_causal, seed):
+    assert flash_torch.MAX_KEY_TILES * flash_torch.BLOCK_K < 1100
     q, k, v = make_inputs(q_shape, k_shape, torch.float64, "cpu")
     check_flash("torch", q, k, v, is_causal, torch.randn_like(q))
 
