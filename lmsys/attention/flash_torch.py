@@ -1,7 +1,7 @@
 """FlashAttention-2 in plain PyTorch: tiled forward with an online softmax, backward by recomputation.
 
 Algorithm (Dao, "FlashAttention-2", 2023, algorithms 1 and 2). The keys and values are cut into tiles of
-`BLOCK_K` positions. The forward walks over the key tiles keeping, per query row, the running maximum `m`, the
+`BLOCK_K` positions (a multiple of it for more than MAX_KEY_TILES * BLOCK_K keys). The forward walks over the key tiles keeping, per query row, the running maximum `m`, the
 running sum `l` of exp(s - m) and the unnormalized output; each new tile rescales them by exp(m_old - m_new).
 It returns the output and the log-sum-exp `L = m + log(l)` of the scaled scores, the only statistics saved for
 backward. The backward recomputes P = exp(S - L) tile by tile, with D = rowsum(dO * O):
@@ -15,7 +15,8 @@ every query row before its first key, and only its diagonal band is masked.
 
 The loop over key tiles is a static Python loop over a shape known at trace time, so `torch.compile` unrolls it
 into one graph without breaks. Low-precision inputs are multiplied in their own dtype (P and dS are cast down
-before their products, as the GPU kernels do); statistics and accumulators are float32, float64 for float64.
+before their products, as the GPU kernels do), and torch's bf16/fp16 matmuls also round S and dP to that dtype,
+which the Triton kernels keep in float32; statistics and accumulators are float32, float64 for float64 inputs.
 """
 
 import math
