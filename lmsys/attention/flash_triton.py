@@ -47,6 +47,9 @@ def _autotune_key(n_q, n_k):
 
 # Shared memory per SM on Hopper is 227 KiB; configs whose tiles cannot fit are dropped before tuning.
 _SMEM_BYTES = 227 * 1024
+# Up to this length a launch takes microseconds and tuning buys little: the first two configs that fit are
+# compiled and timed, not all of them (each config is a compilation per dtype, head dim and mask variant).
+_SMALL_PROBLEM = 2048
 
 
 def _fwd_configs():
@@ -75,6 +78,8 @@ def _prune_fwd_configs(configs, named_args, **kwargs):
         smem = elt * head_dim * (bm + 2 * bn * c.num_stages)
         if bm <= max(64, triton.next_power_of_2(n)) and smem <= _SMEM_BYTES:
             kept.append(c)
+    if n <= _SMALL_PROBLEM:
+        kept = [c for c in kept if c.kwargs["BLOCK_M"] == 64][:1] + [c for c in kept if c.kwargs["BLOCK_M"] == 128][:1]
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)]
 
 
@@ -271,6 +276,8 @@ def _prune_bwd_configs(configs, named_args, **kwargs):
         smem = elt * head_dim * (2 * big + 2 * small * c.num_stages)
         if big <= max(64, triton.next_power_of_2(n)) and smem <= _SMEM_BYTES:
             kept.append(c)
+    if n <= _SMALL_PROBLEM:
+        kept = [c for c in kept if c.kwargs["BLOCK_BIG"] == 64][:1] + [c for c in kept if c.kwargs["BLOCK_BIG"] == 128][:1]
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_BIG"] * c.num_stages)]
 
 
