@@ -165,6 +165,31 @@ def test_compare_picks_the_newest_baseline_unless_one_is_named(pytester):
     result.stdout.fnmatch_lines(["*compared with *0001_fast.json", "*test_a*PASS*"])
 
 
+
+@pytest.mark.parametrize(("b_ms", "verdict"), [(1.0, "PASS"), (1.2, "SLOWER")], ids=["unchanged", "b-slower"])
+def test_each_benchmark_is_compared_with_the_newest_file_that_has_it(pytester, b_ms, verdict):
+    save_baseline(pytester, {"test_a": {"ms": 1.0}, "test_b": {"ms": 1.0}}, name="full")
+    # A partial run saves test_a alone, at a new speed: test_a's baseline is then 2 ms, test_b's stays in 0001.
+    write_suite(pytester, {"test_a": {"ms": 2.0}, "test_b": {"ms": 1.0}}, seed=1)
+    assert run(pytester, "-k", "test_a", "--benchmark-save=part").ret == 0
+    assert [p.name for p in baseline_files(pytester)] == ["0001_full.json", "0002_part.json"]
+    write_suite(pytester, {"test_a": {"ms": 2.0}, "test_b": {"ms": b_ms}}, seed=2)
+    result = run(pytester, "--benchmark-compare")
+    failed = int(verdict == "SLOWER")
+    result.assert_outcomes(passed=2 - failed, failed=failed)
+    result.stdout.fnmatch_lines([
+        "lmsys perf: comparing with *0001_full.json",
+        "lmsys perf: comparing with *0002_part.json",
+        "*compared with *0001_full.json",
+        "*compared with *0002_part.json",
+        "*test_a*PASS*",
+        f"*test_b*{verdict}*",
+        "test_b (0001_full)*",
+        "test_a (0002_part)*",
+    ])
+    if failed:
+        result.stdout.fnmatch_lines(["SLOWER: test_b median 1.2* ms vs baseline 1.0* ms*"])
+
 def test_saving_keeps_samples_environment_and_never_overwrites(pytester):
     save_baseline(pytester, {"test_a": {"ms": 1.0}})
     (first,) = baseline_files(pytester)

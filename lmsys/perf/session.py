@@ -52,7 +52,7 @@ class Record:
 
 @dataclass
 class PerfSession:
-    """State of one pytest run. `compare` is the --benchmark-compare value (True for the newest baseline)."""
+    """State of one pytest run. `compare` is the --benchmark-compare value (True: each benchmark's newest baseline)."""
 
     backend: Any
     rootpath: Path
@@ -119,10 +119,10 @@ class PerfSession:
     def _load(self, bench_session) -> None:
         storage = bench_session.storage
         try:
-            files = storage.query(NEWEST_GLOB)[-1:] if self.compare is True else storage.query(self.compare)
+            files = storage.query(NEWEST_GLOB if self.compare is True else self.compare)
         except ValueError as exc:
             raise pytest.UsageError(f"--benchmark-compare={self.compare}: {exc}") from None
-        comparable = []
+        docs = {}
         for path in files:
             try:
                 doc = baselines.read_baseline(path)
@@ -135,26 +135,39 @@ class PerfSession:
             if recorded != self.machine_id:
                 self.notes.append(f"not compared: {path} was recorded on {recorded}, this run is on {self.machine_id}")
                 continue
-            comparable.append(path)
-            differences = environment.version_differences(doc["machine_info"], self.environment)
-            if differences:
-                text = f"{path} was recorded with other software ({'; '.join(differences)}); compared anyway"
-                self.notes.append(text)
-                bench_session.config.issue_config_time_warning(PerfWarning(text), stacklevel=2)
-        if not comparable:
+            docs[path] = doc
+        if not docs:
             self.notes.append(
                 f"no baseline for {self.machine_id} in {self.folder}: nothing compared, every benchmark is NEW "
                 "(save one with --benchmark-save=NAME)"
             )
             bench_session.compared_mapping = {}
             return
-        bench_session.compare = self.compare
-        bench_session.handle_loading()
-        keys = {_storage_key(path, storage.path): path for path in comparable}
-        bench_session.compared_mapping = {k: v for k, v in bench_session.compared_mapping.items() if k in keys}
-        for key, benchmarks in bench_session.compared_mapping.items():
-            self.compared_files.append(keys[key])
+        if self.compare is True:
+            # A partial run (-k) saves only its own benchmarks, so each benchmark takes the newest file that has it
+            # (docs go oldest to newest, so a later file's entry replaces an earlier one).
+            newest = {bench["fullname"]: (path, bench) for path, doc in docs.items() for bench in doc["benchmarks"]}
+            mapping = {path: {} for path in docs}
+            for fullname, (path, bench) in newest.items():
+                mapping[path][fullname] = bench
+            self.compared_files = [path for path, benchmarks in mapping.items() if benchmarks]
+            bench_session.compared_mapping = {
+                _storage_key(path, storage.path): mapping[path] for path in self.compared_files
+            }
+        else:
+            bench_session.compare = self.compare
+            bench_session.handle_loading()
+            keys = {_storage_key(path, storage.path): path for path in docs}
+            bench_session.compared_mapping = {k: v for k, v in bench_session.compared_mapping.items() if k in keys}
+            self.compared_files = [keys[key] for key in bench_session.compared_mapping]
+        for benchmarks in bench_session.compared_mapping.values():
             self.baseline_benchmarks.update(benchmarks)
+        for path in self.compared_files:
+            differences = environment.version_differences(docs[path]["machine_info"], self.environment)
+            if differences:
+                text = f"{path} was recorded with other software ({'; '.join(differences)}); compared anyway"
+                self.notes.append(text)
+                bench_session.config.issue_config_time_warning(PerfWarning(text), stacklevel=2)
 
 
 def _storage_key(path: Path, root: Path) -> Path:
