@@ -165,7 +165,6 @@ def test_compare_picks_the_newest_baseline_unless_one_is_named(pytester):
     result.stdout.fnmatch_lines(["*compared with *0001_fast.json", "*test_a*PASS*"])
 
 
-
 @pytest.mark.parametrize(("b_ms", "verdict"), [(1.0, "PASS"), (1.2, "SLOWER")], ids=["unchanged", "b-slower"])
 def test_each_benchmark_is_compared_with_the_newest_file_that_has_it(pytester, b_ms, verdict):
     save_baseline(pytester, {"test_a": {"ms": 1.0}, "test_b": {"ms": 1.0}}, name="full")
@@ -189,6 +188,7 @@ def test_each_benchmark_is_compared_with_the_newest_file_that_has_it(pytester, b
     ])
     if failed:
         result.stdout.fnmatch_lines(["SLOWER: test_b median 1.2* ms vs baseline 1.0* ms*"])
+
 
 def test_saving_keeps_samples_environment_and_never_overwrites(pytester):
     save_baseline(pytester, {"test_a": {"ms": 1.0}})
