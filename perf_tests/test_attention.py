@@ -18,9 +18,10 @@ Modes: "fwd" (no autograd graph), "bwd" (the forward runs once, untimed; each ca
 kept graph) and "fwd_bwd". Gradients are taken with a random dO through `torch.autograd.grad`, so nothing
 accumulates into `.grad` across rounds.
 
-The default run is a representative subset: the leaderboard, the (4, 16, 8192, 128) causal bf16 forward, and bf16
-forward + backward at seq 4096 (d 64 and 128 in the causal grid, d 64 in the seeds' grid); every other point is
-marked `full_grid` (run them with --full-grid).
+The default run is a representative subset: the leaderboard and the (4, 16, 8192, 128) causal bf16 forward with
+every provider, and bf16 forward + backward at seq 4096 (d 64 and 128 in the causal grid, d 64 in the seeds' grid)
+with the fused kernels (flash_triton and SDPA's); every other point is marked `full_grid` (run them with
+--full-grid).
 """
 
 import warnings
@@ -192,14 +193,29 @@ def _anchor_points():
     ]
 
 
-@pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("shape, causal, dtype, mode", _seeds_points())
+# Compiling these takes minutes per shape (flash_torch unrolls its tile loop) or they are 10-50x off the fused
+# kernels: in the grids they run only with --full-grid; the leaderboard and the anchors always have them.
+SLOW_PROVIDERS = ("naive", "naive_compiled", "flash_torch_compiled")
+
+
+def with_providers(points):
+    """Each grid point once per provider; a slow provider's default point moves behind --full-grid."""
+    params = []
+    for p in points:
+        for provider in PROVIDERS:
+            marks = list(p.marks)
+            if provider in SLOW_PROVIDERS and not any(m.name == "full_grid" for m in marks):
+                marks.append(pytest.mark.full_grid)
+            params.append(pytest.param(provider, *p.values, marks=marks, id=f"{p.id}-{provider}"))
+    return params
+
+
+@pytest.mark.parametrize("provider, shape, causal, dtype, mode", with_providers(_seeds_points()))
 def test_attention_seeds_grid(gpu_benchmark, fresh_compiler, device, seed, provider, shape, causal, dtype, mode):
     run_case(gpu_benchmark, device, provider, shape, causal, DTYPES[dtype], mode)
 
 
-@pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("shape, causal, dtype, mode", _causal_points())
+@pytest.mark.parametrize("provider, shape, causal, dtype, mode", with_providers(_causal_points()))
 def test_attention_causal_grid(gpu_benchmark, fresh_compiler, device, seed, provider, shape, causal, dtype, mode):
     run_case(gpu_benchmark, device, provider, shape, causal, DTYPES[dtype], mode)
 
