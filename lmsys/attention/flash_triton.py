@@ -45,11 +45,14 @@ def _autotune_key(n_q, n_k):
 # ------------------------------------------------------------------------------------------------- forward
 
 
-# Shared memory per SM on Hopper is 227 KiB; configs whose tiles cannot fit are dropped before tuning.
-_SMEM_BYTES = 227 * 1024
 # Up to this length a launch takes microseconds and tuning buys little: the first two configs that fit are
 # compiled and timed, not all of them (each config is a compilation per dtype, head dim and mask variant).
 _SMALL_PROBLEM = 2048
+
+
+def _fits_fp32(block_rows, num_stages):
+    """fp32 operands take twice the shared memory: only the small tiles verified on the H100 up to d=128 fit."""
+    return block_rows <= 64 and num_stages <= 2
 
 
 def _fwd_configs():
@@ -69,15 +72,14 @@ def _fwd_configs():
 
 
 def _prune_fwd_configs(configs, named_args, **kwargs):
-    """Drop tiles much larger than the problem and tiles whose pipeline buffers overflow shared memory."""
+    """Drop tiles much larger than the problem, and for fp32 the tiles that overflow shared memory."""
     n = max(named_args["N_Q"], named_args["N_K"])
-    head_dim, elt = kwargs["HEAD_DIM"], named_args["Q"].element_size()
-    kept = []
-    for c in configs:
-        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-        smem = elt * head_dim * (bm + 2 * bn * c.num_stages)
-        if bm <= max(64, triton.next_power_of_2(n)) and smem <= _SMEM_BYTES:
-            kept.append(c)
+    fp32 = named_args["Q"].element_size() == 4
+    kept = [
+        c for c in configs
+        if c.kwargs["BLOCK_M"] <= max(64, triton.next_power_of_2(n))
+        and (not fp32 or _fits_fp32(c.kwargs["BLOCK_M"], c.num_stages))
+    ]
     if n <= _SMALL_PROBLEM:
         kept = [c for c in kept if c.kwargs["BLOCK_M"] == 64][:1] + [c for c in kept if c.kwargs["BLOCK_M"] == 128][:1]
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)]
@@ -267,15 +269,14 @@ def _bwd_configs():
 
 
 def _prune_bwd_configs(configs, named_args, **kwargs):
-    """As for the forward: no tiles much larger than the problem, no pipelines that overflow shared memory."""
+    """As for the forward: no tiles much larger than the problem, for fp32 only the small tiles."""
     n = max(named_args["N_Q"], named_args["N_K"])
-    head_dim, elt = kwargs["HEAD_DIM"], named_args["Q"].element_size()
-    kept = []
-    for c in configs:
-        big, small = c.kwargs["BLOCK_BIG"], max(c.kwargs["BLOCK_M1"], c.kwargs["BLOCK_N2"])
-        smem = elt * head_dim * (2 * big + 2 * small * c.num_stages)
-        if big <= max(64, triton.next_power_of_2(n)) and smem <= _SMEM_BYTES:
-            kept.append(c)
+    fp32 = named_args["Q"].element_size() == 4
+    kept = [
+        c for c in configs
+        if c.kwargs["BLOCK_BIG"] <= max(64, triton.next_power_of_2(n))
+        and (not fp32 or _fits_fp32(c.kwargs["BLOCK_BIG"], c.num_stages))
+    ]
     if n <= _SMALL_PROBLEM:
         kept = [c for c in kept if c.kwargs["BLOCK_BIG"] == 64][:1] + [c for c in kept if c.kwargs["BLOCK_BIG"] == 128][:1]
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_BIG"] * c.num_stages)]
