@@ -241,29 +241,27 @@ def test_flash_attention_rejects_unknown_impl():
 # ------------------------------------------------------------------------------------------- torch.compile
 
 
-def test_flash_torch_under_torch_compile(seed):
-    compiled = torch.compile(lambda q, k, v: FlashAttentionTorch.apply(q, k, v, True), fullgraph=True)
-    q, k, v = (x.requires_grad_() for x in make_inputs((1, 2, 100, 16), (1, 2, 100, 16), torch.float32, "cpu"))
-    do = torch.randn_like(q)
-    o = compiled(q, k, v)
-    grads = torch.autograd.grad(o, (q, k, v), do)
-    expected = reference(q, k, v, do, True)
-    for name, actual, exp in zip(("o", "dq", "dk", "dv"), (o, *grads), (expected[0], *expected[2:]), strict=True):
-        assert_matches(actual.detach(), exp, torch.float32, f"compiled {name}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("impl_name", ["triton", "torch"])
-def test_flash_under_torch_compile_gpu(gpu, impl_name, seed):
+@pytest.mark.parametrize(
+    "impl_name, dtype, on_gpu",
+    [
+        ("torch", torch.float32, False),
+        pytest.param("torch", torch.bfloat16, True, marks=pytest.mark.gpu),
+        pytest.param("triton", torch.bfloat16, True, marks=pytest.mark.gpu),
+    ],
+)
+def test_flash_under_torch_compile(impl_name, dtype, on_gpu, device, seed):
+    if on_gpu and device.type != "cuda":
+        pytest.skip("needs a CUDA device")
     function = FUNCTIONS[impl_name]
     compiled = torch.compile(lambda q, k, v: function.apply(q, k, v, True), fullgraph=True)
-    q, k, v = (x.requires_grad_() for x in make_inputs((2, 4, 1000, 64), (2, 4, 1000, 64), torch.bfloat16, gpu))
+    shape = (2, 4, 1000, 64) if on_gpu else (1, 2, 100, 16)
+    q, k, v = (x.requires_grad_() for x in make_inputs(shape, shape, dtype, device if on_gpu else "cpu"))
     do = torch.randn_like(q)
     o = compiled(q, k, v)
     grads = torch.autograd.grad(o, (q, k, v), do)
     expected = reference(q, k, v, do, True)
     for name, actual, exp in zip(("o", "dq", "dk", "dv"), (o, *grads), (expected[0], *expected[2:]), strict=True):
-        assert_matches(actual.detach(), exp, torch.bfloat16, f"compiled {impl_name} {name}")
+        assert_matches(actual.detach(), exp, dtype, f"compiled {impl_name} {name}")
 
 
 # --------------------------------------------------------------------------------------- GPU, realistic sizes

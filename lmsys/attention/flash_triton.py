@@ -20,6 +20,7 @@ Any sequence length works: boundary masks are compiled in only when a length is 
 (``EVEN_*`` heuristics). With ``TRITON_INTERPRET=1`` the same kernels run on the CPU (small shapes, for tests).
 """
 
+import functools
 import math
 
 import torch
@@ -45,14 +46,25 @@ def _autotune_key(n_q, n_k):
 # ------------------------------------------------------------------------------------------------- forward
 
 
-# Up to this length a launch takes microseconds and tuning buys little: the first two configs that fit are
+# Up to this length a launch takes microseconds and tuning buys little: one config per tile height is
 # compiled and timed, not all of them (each config is a compilation per dtype, head dim and mask variant).
 _SMALL_PROBLEM = 2048
 
 
-def _fits_fp32(block_rows, num_stages):
-    """fp32 operands take twice the shared memory: only the small tiles verified on the H100 up to d=128 fit."""
-    return block_rows <= 64 and num_stages <= 2
+def _prune_configs(configs, named_args, rows, **kwargs):
+    """Drop tiles much taller (`rows`) than the problem, and for fp32 all but the small tiles verified on the H100
+    to fit shared memory up to d=128 (fp32 operands take twice the room). Up to _SMALL_PROBLEM tokens, keep one
+    config of each tile height."""
+    n = max(named_args["N_Q"], named_args["N_K"])
+    fp32 = named_args["Q"].element_size() == 4
+    kept = [
+        c for c in configs
+        if c.kwargs[rows] <= max(64, triton.next_power_of_2(n))
+        and (not fp32 or (c.kwargs[rows] <= 64 and c.num_stages <= 2))
+    ]
+    if n <= _SMALL_PROBLEM:
+        kept = [next(c for c in kept if c.kwargs[rows] == h) for h in {c.kwargs[rows]: None for c in kept}]
+    return kept
 
 
 def _fwd_configs():
@@ -69,20 +81,6 @@ def _fwd_configs():
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma}, num_warps=w, num_stages=st)
         for bm, bn, w, st, tma in tiles
     ]
-
-
-def _prune_fwd_configs(configs, named_args, **kwargs):
-    """Drop tiles much larger than the problem, and for fp32 the tiles that overflow shared memory."""
-    n = max(named_args["N_Q"], named_args["N_K"])
-    fp32 = named_args["Q"].element_size() == 4
-    kept = [
-        c for c in configs
-        if c.kwargs["BLOCK_M"] <= max(64, triton.next_power_of_2(n))
-        and (not fp32 or _fits_fp32(c.kwargs["BLOCK_M"], c.num_stages))
-    ]
-    if n <= _SMALL_PROBLEM:
-        kept = [c for c in kept if c.kwargs["BLOCK_M"] == 64][:1] + [c for c in kept if c.kwargs["BLOCK_M"] == 128][:1]
-    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)]
 
 
 @triton.jit
@@ -139,7 +137,7 @@ def _fwd_inner(
 @triton.autotune(
     configs=_fwd_configs(),
     key=["N_BUCKET", "HEAD_DIM", "CAUSAL"],
-    prune_configs_by={"early_config_prune": _prune_fwd_configs},
+    prune_configs_by={"early_config_prune": functools.partial(_prune_configs, rows="BLOCK_M")},
 )
 @triton.heuristics(
     {
@@ -268,20 +266,6 @@ def _bwd_configs():
     ]
 
 
-def _prune_bwd_configs(configs, named_args, **kwargs):
-    """As for the forward: no tiles much larger than the problem, for fp32 only the small tiles."""
-    n = max(named_args["N_Q"], named_args["N_K"])
-    fp32 = named_args["Q"].element_size() == 4
-    kept = [
-        c for c in configs
-        if c.kwargs["BLOCK_BIG"] <= max(64, triton.next_power_of_2(n))
-        and (not fp32 or _fits_fp32(c.kwargs["BLOCK_BIG"], c.num_stages))
-    ]
-    if n <= _SMALL_PROBLEM:
-        kept = [c for c in kept if c.kwargs["BLOCK_BIG"] == 64][:1] + [c for c in kept if c.kwargs["BLOCK_BIG"] == 128][:1]
-    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_BIG"] * c.num_stages)]
-
-
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v, Q, DO, LSE, DELTA,
@@ -358,7 +342,7 @@ def _bwd_dq_inner(
 @triton.autotune(
     configs=_bwd_configs(),
     key=["N_BUCKET", "HEAD_DIM", "CAUSAL"],
-    prune_configs_by={"early_config_prune": _prune_bwd_configs},
+    prune_configs_by={"early_config_prune": functools.partial(_prune_configs, rows="BLOCK_BIG")},
 )
 @triton.heuristics(
     {
