@@ -16,8 +16,12 @@ which it accumulates dQ over the key blocks it sees. Every gradient tile is owne
 there are no atomics; with a causal mask the two halves of a program's work add up to the same amount for
 every program, which keeps the launch balanced.
 
-Any sequence length works: boundary masks are compiled in only when a length is not a multiple of the tile
-(``EVEN_*`` heuristics). With ``TRITON_INTERPRET=1`` the same kernels run on the CPU (small shapes, for tests).
+Tuning: tile sizes, warps and pipeline depth are autotuned per (length rounded up to a power of two, head dim,
+causal, dtype); the forward may load its tiles through tensor descriptors (TMA on Hopper) instead of pointers,
+whichever is faster. The Python wrappers are ``torch.library`` custom ops, so ``torch.compile`` treats the kernels
+as opaque calls. Any sequence length works: boundary masks are compiled in only when a length is not a multiple
+of the tile (``EVEN_*`` heuristics). With ``TRITON_INTERPRET=1`` the same kernels run on the CPU (small shapes,
+for tests).
 """
 
 import functools
