@@ -33,7 +33,8 @@ def test_cross_entropy_of_bf16_logits_is_fp32_with_fp32_gradients(seed):
     loss.backward()
     assert loss.dtype == torch.float32
     expected = F.cross_entropy(logits.detach().double().reshape(-1, 50), targets.reshape(-1))
-    torch.testing.assert_close(loss.double(), expected)
+    # fp32 arithmetic against a float64 reference: fp32 tolerances (float64's default failed now and then).
+    torch.testing.assert_close(loss.double(), expected, rtol=2e-6, atol=1e-6)
     assert logits.grad.dtype == torch.bfloat16
 
 
