@@ -72,16 +72,16 @@ def reference(q, k, v, do, is_causal):
     return (o.detach(), lse, *grads)
 
 
-def assert_matches(actual, expected, dtype, name):
-    """`actual` is finite and within the dtype's tolerance of the float64 `expected`."""
+def assert_matches(actual, expected, dtype, name, looser=1.0):
+    """`actual` is finite and within the dtype's tolerance (times `looser`) of the float64 `expected`."""
     assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     assert torch.isfinite(actual).all(), f"{name} has NaN or inf"
-    tol = TOLERANCE[dtype]
+    tol = TOLERANCE[dtype] * looser
     atol = tol * max(expected.abs().max().item(), 1.0)
     torch.testing.assert_close(actual.double(), expected, rtol=tol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
-def check_flash(impl, q, k, v, is_causal, do):
+def check_flash(impl, q, k, v, is_causal, do, looser=1.0):
     """The impl's forward and backward functions against the float64 reference: o, lse, dq, dk, dv."""
     o, lse = IMPLS[impl].forward(q, k, v, is_causal)
     assert o.dtype == q.dtype
@@ -92,7 +92,7 @@ def check_flash(impl, q, k, v, is_causal, do):
         assert x.dtype == q.dtype
     expected = reference(q, k, v, do, is_causal)
     for name, actual, exp in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, dq, dk, dv), expected, strict=True):
-        assert_matches(actual, exp, q.dtype, f"{impl} {name}")
+        assert_matches(actual, exp, q.dtype, f"{impl} {name}", looser)
 
 
 @st.composite
@@ -204,7 +204,9 @@ def test_non_contiguous_inputs(impl, seed):
 def test_large_scores_stay_finite(impl, seed):
     """Scores in the hundreds: the running maximum keeps every exponential finite."""
     q, k, v = make_inputs((1, 2, 80, 32), (1, 2, 80, 32), torch.float32, impl_device(impl), scale=10.0)
-    check_flash(impl, q, k, v, True, torch.randn_like(q))
+    # Rounding a score s in float32 moves exp(s) by about |s| * 6e-8 relative: with |s| in the hundreds the
+    # gradients carry ~1e-5 of relative error (5.6e-5 seen in dK), so this test allows 10x the float32 tolerance.
+    check_flash(impl, q, k, v, True, torch.randn_like(q), looser=10.0)
 
 
 def test_saves_no_score_matrix(impl, seed):
@@ -285,6 +287,51 @@ def test_flash_under_torch_compile(impl_name, dtype, on_gpu, device, seed):
 def test_flash_triton_gpu(gpu, q_shape, k_shape, is_causal, dtype, seed):
     q, k, v = make_inputs(q_shape, k_shape, dtype, gpu)
     check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
+
+
+def _config_id(config):
+    tiles = "-".join(f"{k}{v}" for k, v in config.kwargs.items())
+    return f"{tiles}-w{config.num_warps}-s{config.num_stages}" + (f"-r{config.maxnreg}" if config.maxnreg else "")
+
+
+def _force_config(monkeypatch, kernel, config):
+    """Make the autotuned `kernel` run `config` alone (a single config is launched without tuning or pruning)."""
+    monkeypatch.setattr(kernel, "configs", [config])
+    monkeypatch.setattr(kernel, "cache", {})
+
+
+# Ragged lengths, causal and not, 3-D and 4-D: every boundary mask variant of a kernel.
+FORCED_CONFIG_PROBLEMS = [((2, 3, 1000, 0), (2, 3, 1000, 0), True), ((3, 777, 0), (3, 1537, 0), False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("config", flash_triton._fwd_configs(), ids=_config_id)
+def test_every_forward_config_gpu(gpu, config, head_dim, monkeypatch):
+    """Each tile config the forward's autotuner may pick, forced, against float64 (the autotuner would test one)."""
+    _force_config(monkeypatch, flash_triton._flash_fwd_kernel, config)
+    for q_shape, k_shape, is_causal in FORCED_CONFIG_PROBLEMS:
+        q, k, v = make_inputs(q_shape[:-1] + (head_dim,), k_shape[:-1] + (head_dim,), torch.bfloat16, gpu)
+        o, lse = flash_triton.forward(q, k, v, is_causal)
+        expected = reference(q, k, v, torch.zeros_like(q), is_causal)
+        assert_matches(o, expected[0], torch.bfloat16, "o")
+        assert_matches(lse, expected[1], torch.bfloat16, "lse")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("config", flash_triton._bwd_configs(), ids=_config_id)
+def test_every_backward_config_gpu(gpu, config, head_dim, monkeypatch):
+    """Each tile config the backward's autotuner may pick, forced, against float64."""
+    _force_config(monkeypatch, flash_triton._flash_bwd_kernel, config)
+    for q_shape, k_shape, is_causal in FORCED_CONFIG_PROBLEMS:
+        q, k, v = make_inputs(q_shape[:-1] + (head_dim,), k_shape[:-1] + (head_dim,), torch.bfloat16, gpu)
+        do = torch.randn_like(q)
+        o, lse = flash_triton.forward(q, k, v, is_causal)
+        grads = flash_triton.backward(q, k, v, o, lse, do, is_causal)
+        expected = reference(q, k, v, do, is_causal)
+        for name, actual, exp in zip(("dq", "dk", "dv"), grads, expected[2:], strict=True):
+            assert_matches(actual, exp, torch.bfloat16, name)
 
 
 @pytest.mark.gpu

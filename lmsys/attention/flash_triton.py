@@ -42,6 +42,16 @@ MASKED = tl.constexpr(-1.0e6)
 _INTERPRET = triton.knobs.runtime.interpret
 
 
+# The forward runs heads in groups whose keys and values take about half of the H100's 50 MB L2 cache.
+_GROUP_BYTES = 24 * 2**20
+
+
+def _group_heads(k, heads):
+    """Heads per group of the forward's launch order: as many as keep the group's keys and values in L2."""
+    kv_bytes = 2 * k.shape[-2] * k.shape[-1] * k.element_size()
+    return max(1, min(heads, _GROUP_BYTES // kv_bytes))
+
+
 def _autotune_key(n_q, n_k):
     """Sequence lengths rounded up to a power of two: one tuning per size class, not per odd length."""
     return triton.next_power_of_2(max(n_q, n_k))
@@ -55,12 +65,21 @@ def _autotune_key(n_q, n_k):
 _SMALL_PROBLEM = 2048
 
 
-def _prune_configs(configs, named_args, rows, **kwargs):
+def _tile(config, rows):
+    return (config.kwargs[rows], *(config.kwargs[k] for k in sorted(config.kwargs) if k != rows),
+            config.num_warps, config.num_stages, config.maxnreg)
+
+
+def _prune_configs(configs, named_args, rows, tiles=None, **kwargs):
     """Drop tiles much taller (`rows`) than the problem, and for fp32 all but the small tiles verified on the H100
-    to fit shared memory up to d=128 (fp32 operands take twice the room). Up to _SMALL_PROBLEM tokens, keep one
-    config of each tile height."""
+    to fit shared memory up to d=128 (fp32 operands take twice the room). With `tiles` (head dim -> tiles), keep only
+    the tiles listed for the head dim. Up to _SMALL_PROBLEM tokens, keep one config of each tile height."""
     n = max(named_args["N_Q"], named_args["N_K"])
     fp32 = named_args["Q"].element_size() == 4
+    if tiles is not None and not _INTERPRET:
+        by_tile = {_tile(c, rows): c for c in configs}
+        listed = [_tile(c, rows) for c in tiles[min(d for d in tiles if d >= kwargs["HEAD_DIM"])]]
+        configs = [by_tile[t] for t in listed if t in by_tile]
     kept = [
         c for c in configs
         if c.kwargs[rows] <= max(64, triton.next_power_of_2(n))
@@ -71,20 +90,28 @@ def _prune_configs(configs, named_args, rows, **kwargs):
     return kept
 
 
+def _fwd_config(bm, bn, warps, stages, tma, maxnreg=None):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma}, num_warps=warps, num_stages=stages,
+                         maxnreg=maxnreg)
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, USE_TMA[, maxnreg]) per head dim (up to), fastest first: the winners of
+# sweeps on the H100 in bf16, causal and not. A short list keeps the autotuner from picking, through timing noise,
+# a config that is a few percent slower; 64 x 32 is the tile that fits fp32. maxnreg=128 fits two programs of
+# eight warps on one multiprocessor.
+_FWD_TILES = {
+    64: [(128, 64, 8, 3, False), (128, 128, 4, 3, False), (128, 128, 4, 3, True), (128, 64, 4, 3, False),
+         (128, 128, 8, 2, True, 128), (64, 64, 4, 3, False), (64, 32, 4, 2, False)],
+    128: [(128, 64, 4, 2, True), (128, 64, 8, 2, True, 128), (128, 64, 8, 2, False, 128), (128, 128, 8, 3, False),
+          (64, 64, 4, 3, False), (64, 32, 4, 2, False)],
+}
+
+
 def _fwd_configs():
     if _INTERPRET:
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16, "USE_TMA": False}, num_warps=4, num_stages=1)]
-    # (BLOCK_M, BLOCK_N, num_warps, num_stages, USE_TMA): the winners of a wide sweep on the H100 (bf16, d 64
-    # and 128, causal and not), plus small tiles that fit fp32 at d=128.
-    tiles = [
-        (128, 128, 4, 3, False), (128, 128, 8, 3, False), (128, 128, 8, 2, False), (128, 64, 4, 3, False),
-        (128, 64, 4, 2, True), (128, 64, 8, 3, False), (128, 128, 4, 3, True), (128, 128, 8, 3, True),
-        (64, 64, 4, 3, False), (64, 64, 4, 4, False), (64, 32, 4, 2, False),
-    ]
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma}, num_warps=w, num_stages=st)
-        for bm, bn, w, st, tma in tiles
-    ]
+        return [_fwd_config(32, 16, 4, 1, False)]
+    unique = {_tile(c, "BLOCK_M"): c for tiles in _FWD_TILES.values() for c in (_fwd_config(*t) for t in tiles)}
+    return list(unique.values())
 
 
 @triton.jit
@@ -141,7 +168,8 @@ def _fwd_inner(
 @triton.autotune(
     configs=_fwd_configs(),
     key=["N_BUCKET", "HEAD_DIM", "CAUSAL"],
-    prune_configs_by={"early_config_prune": functools.partial(_prune_configs, rows="BLOCK_M")},
+    prune_configs_by={"early_config_prune": functools.partial(
+        _prune_configs, rows="BLOCK_M", tiles={d: [_fwd_config(*t) for t in ts] for d, ts in _FWD_TILES.items()})},
 )
 @triton.heuristics(
     {
@@ -152,7 +180,7 @@ def _fwd_inner(
 @triton.jit
 def _flash_fwd_kernel(
     Q, K, V, O, LSE,
-    N_Q, N_K, H, N_BUCKET, qk_scale,
+    N_Q, N_K, H, BH, GROUP_HEADS, N_BUCKET, qk_scale,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -162,13 +190,21 @@ def _flash_fwd_kernel(
 ):
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
     TMA: tl.constexpr = USE_TMA and TMA_OK
-    pid_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
+    # Launch order: heads go in groups of GROUP_HEADS; within a group, the programs of one query block of every
+    # head run side by side, the block with the most key tiles first. With a causal mask the work of a block
+    # grows with its index, so the launch ends on the shortest programs of the last group (no long straggler),
+    # while a group's keys and values stay few enough to be read from L2 by all its programs.
+    n_blocks = tl.cdiv(N_Q, BLOCK_M)
+    pid = tl.program_id(0)
+    group = pid // (GROUP_HEADS * n_blocks)
+    first_bh = group * GROUP_HEADS
+    group_heads = tl.minimum(BH - first_bh, GROUP_HEADS)
+    rank = pid - group * (GROUP_HEADS * n_blocks)
+    off_bh = first_bh + rank % group_heads
     if CAUSAL:
-        # Heaviest query blocks first: the tail of the launch is made of short programs.
-        start_m = tl.cdiv(N_Q, BLOCK_M) - 1 - pid_m
+        start_m = n_blocks - 1 - rank // group_heads
     else:
-        start_m = pid_m
+        start_m = rank // group_heads
     off_b = (off_bh // H).to(tl.int64)
     off_h = (off_bh % H).to(tl.int64)
     Q += off_b * stride_qb + off_h * stride_qh
@@ -507,14 +543,14 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) 
     qk_scale = LOG2E.value / math.sqrt(head_dim)
 
     def grid(meta):
-        return (triton.cdiv(n_q, meta["BLOCK_M"]), batch * heads)
+        return (triton.cdiv(n_q, meta["BLOCK_M"]) * batch * heads,)
 
     tma_ok = q.is_cuda and _tma_ok(q4, k4, v4)
     if tma_ok:
         triton.set_allocator(_scratch)
     _flash_fwd_kernel[grid](
         q4, k4, v4, o4, lse,
-        n_q, n_k, heads, _autotune_key(n_q, n_k), qk_scale,
+        n_q, n_k, heads, batch * heads, _group_heads(k4, batch * heads), _autotune_key(n_q, n_k), qk_scale,
         *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(),
         HEAD_DIM=head_dim, CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype), TMA_OK=tma_ok,
     )
