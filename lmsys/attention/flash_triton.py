@@ -7,8 +7,9 @@ stream past it; an online softmax keeps a running row maximum ``m`` and row sum 
 matrix never exists in memory. Scores are computed in base 2: the softmax scale is folded together with
 log2(e) into one multiplier so every exponential is an ``exp2``. With a causal mask, key tiles above the
 diagonal are never loaded; the tiles strictly below it run without any mask (stage 1), and only the diagonal
-tiles pay for the mask (stage 2). Query blocks are visited heaviest first, so the last wave of a causal launch
-holds the cheapest blocks. The forward saves only the output and the log-sum-exp (natural log, fp32).
+tiles pay for the mask (stage 2). Programs run heaviest first across a group of heads whose keys and values fit
+in L2, so a causal launch ends on its cheapest blocks. The forward saves only the output and the log-sum-exp
+(natural log, fp32).
 
 Backward: recomputation. A small kernel computes ``D = rowsum(dO * O)``. The main kernel gives each program
 one key block, for which it accumulates dK and dV over the query blocks that see it, and one query block, for
@@ -18,8 +19,8 @@ every program, which keeps the launch balanced.
 
 Tuning: tile sizes, warps and pipeline depth are autotuned per (length rounded up to a power of two, head dim,
 causal, dtype); the forward may load its tiles through tensor descriptors (TMA on Hopper) instead of pointers,
-whichever is faster. The Python wrappers are ``torch.library`` custom ops, so ``torch.compile`` treats the kernels
-as opaque calls. Any sequence length works: boundary masks are compiled in only when a length is not a multiple
+whichever is faster. Under ``torch.compile`` the wrappers are ``torch.library`` custom ops, opaque to the compiler;
+eager calls skip the custom-op dispatch. Any sequence length works: boundary masks are compiled in only when a length is not a multiple
 of the tile (``EVEN_*`` heuristics). With ``TRITON_INTERPRET=1`` the same kernels run on the CPU (small shapes,
 for tests).
 """
@@ -533,8 +534,7 @@ def _check(q, k, v, is_causal):
         )
 
 
-@torch.library.custom_op("lmsys::flash_attn_fwd", mutates_args=())
-def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _fwd_impl(q, k, v, is_causal):
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     q4, k4, v4, o4 = _as_4d(q), _as_4d(k), _as_4d(v), o.unsqueeze(1) if o.dim() == 3 else o
@@ -557,16 +557,17 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) 
     return o, lse
 
 
+@torch.library.custom_op("lmsys::flash_attn_fwd", mutates_args=())
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fwd_impl(q, k, v, is_causal)
+
+
 @_fwd_op.register_fake
 def _(q, k, v, is_causal):
     return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("lmsys::flash_attn_bwd", mutates_args=())
-def _bwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
-    is_causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bwd_impl(q, k, v, o, lse, do, is_causal):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     q4, k4, v4, o4, do4 = _as_4d(q), _as_4d(k), _as_4d(v), _as_4d(o), _as_4d(do)
     dq4, dk4, dv4 = (x.unsqueeze(1) if x.dim() == 3 else x for x in (dq, dk, dv))
@@ -591,6 +592,14 @@ def _bwd_op(
     return dq, dk, dv
 
 
+@torch.library.custom_op("lmsys::flash_attn_bwd", mutates_args=())
+def _bwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
+    is_causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _bwd_impl(q, k, v, o, lse, do, is_causal)
+
+
 @_bwd_op.register_fake
 def _(q, k, v, o, lse, do, is_causal):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -599,12 +608,18 @@ def _(q, k, v, o, lse, do, is_causal):
 def forward(q, k, v, is_causal=False):
     """Attention output and log-sum-exp (natural log, fp32, shape of q without its last dim)."""
     _check(q, k, v, is_causal)
-    return _fwd_op(q, k, v, is_causal)
+    # The custom ops keep the kernels opaque to torch.compile; eager calls skip their dispatch (tens of us each,
+    # which is most of the time of a small problem).
+    if torch.compiler.is_compiling():
+        return _fwd_op(q, k, v, is_causal)
+    return _fwd_impl(q, k, v, is_causal)
 
 
 def backward(q, k, v, o, lse, do, is_causal=False):
     """Gradients (dq, dk, dv) of attention, given the forward's output, log-sum-exp and the output's gradient."""
-    return _bwd_op(q, k, v, o, lse, do, is_causal)
+    if torch.compiler.is_compiling():
+        return _bwd_op(q, k, v, o, lse, do, is_causal)
+    return _bwd_impl(q, k, v, o, lse, do, is_causal)
 
 
 class FlashAttentionTriton(torch.autograd.Function):
