@@ -304,34 +304,25 @@ def _force_config(monkeypatch, kernel, config):
 FORCED_CONFIG_PROBLEMS = [((2, 3, 1000, 0), (2, 3, 1000, 0), True), ((3, 777, 0), (3, 1537, 0), False)]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("config", flash_triton._fwd_configs(), ids=_config_id)
-def test_every_forward_config_gpu(gpu, config, head_dim, monkeypatch):
-    """Each tile config the forward's autotuner may pick, forced, against float64 (the autotuner would test one)."""
-    _force_config(monkeypatch, flash_triton._flash_fwd_kernel, config)
-    for q_shape, k_shape, is_causal in FORCED_CONFIG_PROBLEMS:
-        q, k, v = make_inputs(q_shape[:-1] + (head_dim,), k_shape[:-1] + (head_dim,), torch.bfloat16, gpu)
-        o, lse = flash_triton.forward(q, k, v, is_causal)
-        expected = reference(q, k, v, torch.zeros_like(q), is_causal)
-        assert_matches(o, expected[0], torch.bfloat16, "o")
-        assert_matches(lse, expected[1], torch.bfloat16, "lse")
+TILE_CONFIGS = [
+    pytest.param(kernel, config, id=f"{name}-{_config_id(config)}")
+    for name, kernel, configs in (
+        ("fwd", "_flash_fwd_kernel", flash_triton._fwd_configs()),
+        ("bwd", "_flash_bwd_kernel", flash_triton._bwd_configs()),
+    )
+    for config in configs
+]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("config", flash_triton._bwd_configs(), ids=_config_id)
-def test_every_backward_config_gpu(gpu, config, head_dim, monkeypatch):
-    """Each tile config the backward's autotuner may pick, forced, against float64."""
-    _force_config(monkeypatch, flash_triton._flash_bwd_kernel, config)
+@pytest.mark.parametrize("kernel, config", TILE_CONFIGS)
+def test_every_tile_config_gpu(gpu, kernel, config, head_dim, monkeypatch):
+    """Each tile config a kernel's autotuner may pick, forced, against float64 (the autotuner runs only the fastest)."""
+    _force_config(monkeypatch, getattr(flash_triton, kernel), config)
     for q_shape, k_shape, is_causal in FORCED_CONFIG_PROBLEMS:
         q, k, v = make_inputs(q_shape[:-1] + (head_dim,), k_shape[:-1] + (head_dim,), torch.bfloat16, gpu)
-        do = torch.randn_like(q)
-        o, lse = flash_triton.forward(q, k, v, is_causal)
-        grads = flash_triton.backward(q, k, v, o, lse, do, is_causal)
-        expected = reference(q, k, v, do, is_causal)
-        for name, actual, exp in zip(("dq", "dk", "dv"), grads, expected[2:], strict=True):
-            assert_matches(actual, exp, torch.bfloat16, name)
+        check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
 
 
 @pytest.mark.gpu
