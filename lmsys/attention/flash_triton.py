@@ -66,21 +66,15 @@ def _autotune_key(n_q, n_k):
 _SMALL_PROBLEM = 2048
 
 
-def _tile(config, rows):
-    return (config.kwargs[rows], *(config.kwargs[k] for k in sorted(config.kwargs) if k != rows),
-            config.num_warps, config.num_stages, config.maxnreg)
-
-
 def _prune_configs(configs, named_args, rows, tiles=None, **kwargs):
     """Drop tiles much taller (`rows`) than the problem, and for fp32 all but the small tiles verified on the H100
-    to fit shared memory up to d=128 (fp32 operands take twice the room). With `tiles` (head dim -> tiles), keep only
-    the tiles listed for the head dim. Up to _SMALL_PROBLEM tokens, keep one config of each tile height."""
+    to fit shared memory up to d=128 (fp32 operands take twice the room). With `tiles` (head dim -> configs), keep
+    only the configs listed for the head dim, in their order. Up to _SMALL_PROBLEM tokens, keep one config of each
+    tile height."""
     n = max(named_args["N_Q"], named_args["N_K"])
     fp32 = named_args["Q"].element_size() == 4
     if tiles is not None and not _INTERPRET:
-        by_tile = {_tile(c, rows): c for c in configs}
-        listed = [_tile(c, rows) for c in tiles[min(d for d in tiles if d >= kwargs["HEAD_DIM"])]]
-        configs = [by_tile[t] for t in listed if t in by_tile]
+        configs = [c for c in tiles[min(d for d in tiles if d >= kwargs["HEAD_DIM"])] if c in configs]
     kept = [
         c for c in configs
         if c.kwargs[rows] <= max(64, triton.next_power_of_2(n))
@@ -106,13 +100,13 @@ _FWD_TILES = {
     128: [(128, 64, 4, 2, True), (128, 64, 8, 2, True, 128), (128, 64, 8, 2, False, 128), (128, 128, 8, 3, False),
           (64, 64, 4, 3, False), (64, 32, 4, 2, False)],
 }
+_FWD_CONFIGS = {d: [_fwd_config(*t) for t in tiles] for d, tiles in _FWD_TILES.items()}
 
 
 def _fwd_configs():
     if _INTERPRET:
         return [_fwd_config(32, 16, 4, 1, False)]
-    unique = {_tile(c, "BLOCK_M"): c for tiles in _FWD_TILES.values() for c in (_fwd_config(*t) for t in tiles)}
-    return list(unique.values())
+    return list(dict.fromkeys(c for configs in _FWD_CONFIGS.values() for c in configs))
 
 
 @triton.jit
@@ -169,8 +163,7 @@ def _fwd_inner(
 @triton.autotune(
     configs=_fwd_configs(),
     key=["N_BUCKET", "HEAD_DIM", "CAUSAL"],
-    prune_configs_by={"early_config_prune": functools.partial(
-        _prune_configs, rows="BLOCK_M", tiles={d: [_fwd_config(*t) for t in ts] for d, ts in _FWD_TILES.items()})},
+    prune_configs_by={"early_config_prune": functools.partial(_prune_configs, rows="BLOCK_M", tiles=_FWD_CONFIGS)},
 )
 @triton.heuristics(
     {
@@ -319,25 +312,21 @@ def _bwd_dkdv_inner(
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + offs_m0
-        q_ptrs = Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-        do_ptrs = DO + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod
+        q = _load_rows(Q, start_m, offs_m0, offs_d, stride_qm, stride_qd, N_Q, BOUNDS_MASK, False)
         if BOUNDS_MASK:
             rows = offs_m < N_Q
-            q = tl.load(q_ptrs, mask=rows[:, None], other=0.0)
             # lse = +inf on padding rows makes their probabilities exactly 0.
             lse2 = tl.load(LSE + offs_m, mask=rows, other=float("inf")) * LOG2E
         else:
-            q = tl.load(q_ptrs)
             lse2 = tl.load(LSE + offs_m) * LOG2E
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
         if CAUSAL_MASK:
             pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
+        do = _load_rows(DO, start_m, offs_m0, offs_d, stride_dom, stride_dod, N_Q, BOUNDS_MASK, False)
         if BOUNDS_MASK:
-            do = tl.load(do_ptrs, mask=rows[:, None], other=0.0)
             delta = tl.load(DELTA + offs_m, mask=rows, other=0.0)
         else:
-            do = tl.load(do_ptrs)
             delta = tl.load(DELTA + offs_m)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
@@ -358,14 +347,8 @@ def _bwd_dq_inner(
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n0
-        k_ptrs = K + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd
-        v_ptrs = V + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd
-        if BOUNDS_MASK:
-            k = tl.load(k_ptrs, mask=cols[:, None] < N_K, other=0.0)
-            v = tl.load(v_ptrs, mask=cols[:, None] < N_K, other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+        k = _load_rows(K, start_n, offs_n0, offs_d, stride_kn, stride_kd, N_K, BOUNDS_MASK, False)
+        v = _load_rows(V, start_n, offs_n0, offs_d, stride_vn, stride_vd, N_K, BOUNDS_MASK, False)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if CAUSAL_MASK and BOUNDS_MASK:
@@ -427,14 +410,8 @@ def _flash_bwd_kernel(
     start_n = pid * BLOCK_BIG
     if start_n < N_K:
         offs_n = start_n + tl.arange(0, BLOCK_BIG)
-        k_ptrs = K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-        v_ptrs = V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-        if EVEN_N:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=offs_n[:, None] < N_K, other=0.0)
-            v = tl.load(v_ptrs, mask=offs_n[:, None] < N_K, other=0.0)
+        k = _load_rows(K, start_n, tl.arange(0, BLOCK_BIG), offs_d, stride_kn, stride_kd, N_K, not EVEN_N, False)
+        v = _load_rows(V, start_n, tl.arange(0, BLOCK_BIG), offs_d, stride_vn, stride_vd, N_K, not EVEN_N, False)
         dk = tl.zeros([BLOCK_BIG, HEAD_DIM], dtype=tl.float32)
         dv = tl.zeros([BLOCK_BIG, HEAD_DIM], dtype=tl.float32)
         lo = 0
@@ -463,17 +440,13 @@ def _flash_bwd_kernel(
     start_m = pid * BLOCK_BIG
     if start_m < N_Q:
         offs_m = start_m + tl.arange(0, BLOCK_BIG)
-        q_ptrs = Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-        do_ptrs = DO + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod
+        q = _load_rows(Q, start_m, tl.arange(0, BLOCK_BIG), offs_d, stride_qm, stride_qd, N_Q, not EVEN_M, False)
+        do = _load_rows(DO, start_m, tl.arange(0, BLOCK_BIG), offs_d, stride_dom, stride_dod, N_Q, not EVEN_M, False)
         if EVEN_M:
-            q = tl.load(q_ptrs)
-            do = tl.load(do_ptrs)
             lse2 = tl.load(LSE + offs_m) * LOG2E
             delta = tl.load(DELTA + offs_m)
         else:
             rows = offs_m < N_Q
-            q = tl.load(q_ptrs, mask=rows[:, None], other=0.0)
-            do = tl.load(do_ptrs, mask=rows[:, None], other=0.0)
             lse2 = tl.load(LSE + offs_m, mask=rows, other=float("inf")) * LOG2E
             delta = tl.load(DELTA + offs_m, mask=rows, other=0.0)
         dq = tl.zeros([BLOCK_BIG, HEAD_DIM], dtype=tl.float32)
