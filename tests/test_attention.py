@@ -325,6 +325,35 @@ def test_every_tile_config_gpu(gpu, kernel, config, head_dim, monkeypatch):
         check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
 
 
+class _TunedForEveryKey(dict):
+    """An autotuner cache that has `config` for every key (the interpreter has one config and never tunes)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+
+    def get(self, key, default=None):
+        return self.config
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_launches_after_tuning_skip_the_autotuner(is_causal, monkeypatch, seed):
+    """Once the autotuner has a config for a key, later launches go straight to the JIT function under that config
+    (on a GPU this also checks that we spell triton's cache key as it does) and give the same results."""
+    calls = []
+    for kernel in (flash_triton._flash_fwd_kernel, flash_triton._flash_bwd_kernel):
+        monkeypatch.setattr(kernel, "cache", {} if HAS_CUDA else _TunedForEveryKey(kernel.configs[0]))
+        tune_and_run = kernel.run
+        monkeypatch.setattr(kernel, "run", lambda *a, run=tune_and_run, **kw: calls.append(run) or run(*a, **kw))
+    # Ragged lengths: the EVEN_* flags the fast path computes itself must be False here.
+    q, k, v = make_inputs((2, 3, 100, 32), (2, 3, 100, 32), torch.float16, TRITON_DEVICE)
+    check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
+    assert len(calls) == (2 if HAS_CUDA else 0)  # the first launch of each kernel tunes (on a GPU)
+    q, k, v = make_inputs((2, 3, 100, 32), (2, 3, 100, 32), torch.float16, TRITON_DEVICE)
+    check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
+    assert len(calls) == (2 if HAS_CUDA else 0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("is_causal", [False, True])

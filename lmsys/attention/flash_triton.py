@@ -110,14 +110,14 @@ def _fwd_configs():
 
 
 @triton.jit
-def _load_rows(src, start, offs_rows, offs_d, stride_row, stride_d, n_rows, BOUNDS_MASK: tl.constexpr,
-               USE_TMA: tl.constexpr):
-    """Rows [start, start + len(offs_rows)) of a (n_rows, HEAD_DIM) matrix; rows past the end read as 0."""
+def _load_rows(src, start, offs_rows, offs_d, stride_row, n_rows, BOUNDS_MASK: tl.constexpr, USE_TMA: tl.constexpr):
+    """Rows [start, start + len(offs_rows)) of a (n_rows, HEAD_DIM) matrix with unit stride along HEAD_DIM; rows past
+    the end read as 0."""
     if USE_TMA:
         # A tensor descriptor (TMA on Hopper) zero-fills rows past n_rows by itself.
         return src.load([start, 0])
     else:
-        ptrs = src + (start + offs_rows)[:, None] * stride_row + offs_d[None, :] * stride_d
+        ptrs = src + (start + offs_rows)[:, None] * stride_row + offs_d[None, :]
         if BOUNDS_MASK:
             return tl.load(ptrs, mask=(start + offs_rows)[:, None] < n_rows, other=0.0)
         else:
@@ -127,7 +127,7 @@ def _load_rows(src, start, offs_rows, offs_d, stride_row, stride_d, n_rows, BOUN
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, K, V,
-    stride_kn, stride_kd, stride_vn, stride_vd,
+    stride_kn, stride_vn,
     offs_m, offs_d, lo, hi, N_K, qk_scale,
     BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
@@ -136,7 +136,7 @@ def _fwd_inner(
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        k = _load_rows(K, start_n, offs_n, offs_d, stride_kn, stride_kd, N_K, BOUNDS_MASK, USE_TMA)
+        k = _load_rows(K, start_n, offs_n, offs_d, stride_kn, N_K, BOUNDS_MASK, USE_TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         if CAUSAL_MASK or BOUNDS_MASK:
             if CAUSAL_MASK and BOUNDS_MASK:
@@ -154,7 +154,7 @@ def _fwd_inner(
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _load_rows(V, start_n, offs_n, offs_d, stride_vn, stride_vd, N_K, BOUNDS_MASK, USE_TMA)
+        v = _load_rows(V, start_n, offs_n, offs_d, stride_vn, N_K, BOUNDS_MASK, USE_TMA)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_ij
     return acc, l_i, m_i
@@ -175,10 +175,10 @@ def _fwd_inner(
 def _flash_fwd_kernel(
     Q, K, V, O, LSE,
     N_Q, N_K, H, BH, GROUP_HEADS, N_BUCKET, qk_scale,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_OK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):
@@ -215,7 +215,7 @@ def _flash_fwd_kernel(
         V = tl.make_tensor_descriptor(V, [N_K, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM])
     else:
         q_src = Q
-    q = _load_rows(q_src, start_m * BLOCK_M, tl.arange(0, BLOCK_M), offs_d, stride_qm, stride_qd, N_Q, not EVEN_M, TMA)
+    q = _load_rows(q_src, start_m * BLOCK_M, tl.arange(0, BLOCK_M), offs_d, stride_qm, N_Q, not EVEN_M, TMA)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -224,33 +224,33 @@ def _flash_fwd_kernel(
         # Stage 1: key tiles strictly below the diagonal, no mask at all.
         diag = start_m * BLOCK_M
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+            acc, l_i, m_i, q, K, V, stride_kn, stride_vn,
             offs_m, offs_d, 0, diag, N_K, qk_scale,
             BLOCK_N, False, False, DOT_PRECISION, TMA,
         )
         # Stage 2: the diagonal tiles, masked (and bounds-checked when the length is ragged).
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+            acc, l_i, m_i, q, K, V, stride_kn, stride_vn,
             offs_m, offs_d, diag, tl.minimum(diag + BLOCK_M, N_K), N_K, qk_scale,
             BLOCK_N, True, not EVEN_N, DOT_PRECISION, TMA,
         )
     else:
         n_full = (N_K // BLOCK_N) * BLOCK_N
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+            acc, l_i, m_i, q, K, V, stride_kn, stride_vn,
             offs_m, offs_d, 0, n_full, N_K, qk_scale,
             BLOCK_N, False, False, DOT_PRECISION, TMA,
         )
         if not EVEN_N:
             acc, l_i, m_i = _fwd_inner(
-                acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                acc, l_i, m_i, q, K, V, stride_kn, stride_vn,
                 offs_m, offs_d, n_full, N_K, N_K, qk_scale,
                 BLOCK_N, False, True, DOT_PRECISION, TMA,
             )
 
     acc = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * LN2  # back from base 2 to the natural log
-    o_ptrs = O + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    o_ptrs = O + offs_m[:, None] * stride_om + offs_d[None, :]
     if EVEN_M:
         tl.store(LSE + offs_m, lse)
         tl.store(o_ptrs, acc.to(O.dtype.element_ty))
@@ -266,8 +266,8 @@ def _flash_fwd_kernel(
 def _flash_bwd_preprocess_kernel(
     O, DO, DELTA,
     N_Q, H,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_ob, stride_oh, stride_om,
+    stride_dob, stride_doh, stride_dom,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """D = rowsum(dO * O), in fp32."""
@@ -277,10 +277,10 @@ def _flash_bwd_preprocess_kernel(
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     rows = offs_m[:, None] < N_Q
-    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
                 mask=rows, other=0.0)
     do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom
-                 + offs_d[None, :] * stride_dod, mask=rows, other=0.0)
+                 + offs_d[None, :], mask=rows, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + off_bh.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
 
@@ -303,7 +303,7 @@ def _bwd_configs():
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v, Q, DO, LSE, DELTA,
-    stride_qm, stride_qd, stride_dom, stride_dod,
+    stride_qm, stride_dom,
     offs_n, offs_d, lo, hi, N_Q, qk_scale,
     BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -312,7 +312,7 @@ def _bwd_dkdv_inner(
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + offs_m0
-        q = _load_rows(Q, start_m, offs_m0, offs_d, stride_qm, stride_qd, N_Q, BOUNDS_MASK, False)
+        q = _load_rows(Q, start_m, offs_m0, offs_d, stride_qm, N_Q, BOUNDS_MASK, False)
         if BOUNDS_MASK:
             rows = offs_m < N_Q
             # lse = +inf on padding rows makes their probabilities exactly 0.
@@ -323,7 +323,7 @@ def _bwd_dkdv_inner(
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
         if CAUSAL_MASK:
             pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
-        do = _load_rows(DO, start_m, offs_m0, offs_d, stride_dom, stride_dod, N_Q, BOUNDS_MASK, False)
+        do = _load_rows(DO, start_m, offs_m0, offs_d, stride_dom, N_Q, BOUNDS_MASK, False)
         if BOUNDS_MASK:
             delta = tl.load(DELTA + offs_m, mask=rows, other=0.0)
         else:
@@ -338,7 +338,7 @@ def _bwd_dkdv_inner(
 @triton.jit
 def _bwd_dq_inner(
     dq, q, do, lse2, delta, K, V,
-    stride_kn, stride_kd, stride_vn, stride_vd,
+    stride_kn, stride_vn,
     offs_m, offs_d, lo, hi, N_K, qk_scale,
     BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -347,8 +347,8 @@ def _bwd_dq_inner(
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n0
-        k = _load_rows(K, start_n, offs_n0, offs_d, stride_kn, stride_kd, N_K, BOUNDS_MASK, False)
-        v = _load_rows(V, start_n, offs_n0, offs_d, stride_vn, stride_vd, N_K, BOUNDS_MASK, False)
+        k = _load_rows(K, start_n, offs_n0, offs_d, stride_kn, N_K, BOUNDS_MASK, False)
+        v = _load_rows(V, start_n, offs_n0, offs_d, stride_vn, N_K, BOUNDS_MASK, False)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if CAUSAL_MASK and BOUNDS_MASK:
@@ -378,13 +378,13 @@ def _bwd_dq_inner(
 def _flash_bwd_kernel(
     Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
     N_Q, N_K, H, N_BUCKET, qk_scale, sm_scale,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dqb, stride_dqh, stride_dqm,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_BIG: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):
@@ -410,8 +410,8 @@ def _flash_bwd_kernel(
     start_n = pid * BLOCK_BIG
     if start_n < N_K:
         offs_n = start_n + tl.arange(0, BLOCK_BIG)
-        k = _load_rows(K, start_n, tl.arange(0, BLOCK_BIG), offs_d, stride_kn, stride_kd, N_K, not EVEN_N, False)
-        v = _load_rows(V, start_n, tl.arange(0, BLOCK_BIG), offs_d, stride_vn, stride_vd, N_K, not EVEN_N, False)
+        k = _load_rows(K, start_n, tl.arange(0, BLOCK_BIG), offs_d, stride_kn, N_K, not EVEN_N, False)
+        v = _load_rows(V, start_n, tl.arange(0, BLOCK_BIG), offs_d, stride_vn, N_K, not EVEN_N, False)
         dk = tl.zeros([BLOCK_BIG, HEAD_DIM], dtype=tl.float32)
         dv = tl.zeros([BLOCK_BIG, HEAD_DIM], dtype=tl.float32)
         lo = 0
@@ -419,17 +419,17 @@ def _flash_bwd_kernel(
             # Query tiles on the diagonal need the mask; those above it (earlier queries) are skipped entirely.
             lo = start_n + BLOCK_BIG
             dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
+                dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_dom,
                 offs_n, offs_d, start_n, tl.minimum(lo, N_Q), N_Q, qk_scale,
                 BLOCK_M1, True, not EVEN_M, DOT_PRECISION,
             )
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
+            dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_dom,
             offs_n, offs_d, lo, N_Q, N_Q, qk_scale,
             BLOCK_M1, False, not EVEN_M, DOT_PRECISION,
         )
-        dk_ptrs = DK + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
-        dv_ptrs = DV + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
+        dk_ptrs = DK + offs_n[:, None] * stride_dkn + offs_d[None, :]
+        dv_ptrs = DV + offs_n[:, None] * stride_dvn + offs_d[None, :]
         if EVEN_N:
             tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty))
             tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
@@ -440,8 +440,8 @@ def _flash_bwd_kernel(
     start_m = pid * BLOCK_BIG
     if start_m < N_Q:
         offs_m = start_m + tl.arange(0, BLOCK_BIG)
-        q = _load_rows(Q, start_m, tl.arange(0, BLOCK_BIG), offs_d, stride_qm, stride_qd, N_Q, not EVEN_M, False)
-        do = _load_rows(DO, start_m, tl.arange(0, BLOCK_BIG), offs_d, stride_dom, stride_dod, N_Q, not EVEN_M, False)
+        q = _load_rows(Q, start_m, tl.arange(0, BLOCK_BIG), offs_d, stride_qm, N_Q, not EVEN_M, False)
+        do = _load_rows(DO, start_m, tl.arange(0, BLOCK_BIG), offs_d, stride_dom, N_Q, not EVEN_M, False)
         if EVEN_M:
             lse2 = tl.load(LSE + offs_m) * LOG2E
             delta = tl.load(DELTA + offs_m)
@@ -452,22 +452,22 @@ def _flash_bwd_kernel(
         dq = tl.zeros([BLOCK_BIG, HEAD_DIM], dtype=tl.float32)
         if CAUSAL:
             dq = _bwd_dq_inner(
-                dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                dq, q, do, lse2, delta, K, V, stride_kn, stride_vn,
                 offs_m, offs_d, 0, start_m, N_K, qk_scale,
                 BLOCK_N2, False, False, DOT_PRECISION,
             )
             dq = _bwd_dq_inner(
-                dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                dq, q, do, lse2, delta, K, V, stride_kn, stride_vn,
                 offs_m, offs_d, start_m, tl.minimum(start_m + BLOCK_BIG, N_K), N_K, qk_scale,
                 BLOCK_N2, True, not EVEN_N, DOT_PRECISION,
             )
         else:
             dq = _bwd_dq_inner(
-                dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                dq, q, do, lse2, delta, K, V, stride_kn, stride_vn,
                 offs_m, offs_d, 0, N_K, N_K, qk_scale,
                 BLOCK_N2, False, not EVEN_N, DOT_PRECISION,
             )
-        dq_ptrs = DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
+        dq_ptrs = DQ + offs_m[:, None] * stride_dqm + offs_d[None, :]
         if EVEN_M:
             tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty))
         else:
@@ -507,27 +507,49 @@ def _check(q, k, v, is_causal):
         )
 
 
+def _tuned_config(kernel, tuning_key, args):
+    """The config triton's autotuner chose for this key, or None: its cache key is the values of the kernel's `key`
+    arguments followed by the dtypes of its tensor arguments."""
+    return kernel.cache.get((*tuning_key, *(str(a.dtype) for a in args if isinstance(a, torch.Tensor))))
+
+
+def _launch(kernel, grid, args, tuning_key, even, **kwargs):
+    """Launch the autotuned `kernel` on `args` (positional) and `kwargs` (constexprs).
+
+    `grid(meta)` gives the launch grid for a config's meta-parameters; `even(meta)` the EVEN_* flags of the
+    kernel's heuristics. The first call per tuning key goes through triton's autotuner, which times the configs and
+    caches the winner. Later calls find it in that cache and launch the JIT function under it directly: the
+    autotuner and heuristics wrappers rebuild dicts of every argument on each call, a third of a launch's CPU time,
+    which is what a small problem costs. A cache key triton spells differently only means the slow path.
+    """
+    config = _tuned_config(kernel, tuning_key, args)
+    if config is None:
+        kernel[grid](*args, **kwargs)
+        return
+    meta = config.all_kwargs()
+    kernel.fn.fn[grid(meta)](*args, **kwargs, **meta, **even(meta))
+
+
 def _fwd_impl(q, k, v, is_causal):
-    o = torch.empty_like(q)
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    q4, k4, v4, o4 = _as_4d(q), _as_4d(k), _as_4d(v), o.unsqueeze(1) if o.dim() == 3 else o
+    q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     batch, heads, n_q, head_dim = q4.shape
     n_k = k4.shape[2]
-    qk_scale = LOG2E.value / math.sqrt(head_dim)
-
-    def grid(meta):
-        return (triton.cdiv(n_q, meta["BLOCK_M"]) * batch * heads,)
-
+    o4 = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q4.shape[:-1], dtype=torch.float32, device=q.device)
     tma_ok = q.is_cuda and _tma_ok(q4, k4, v4)
     if tma_ok:
         triton.set_allocator(_scratch)
-    _flash_fwd_kernel[grid](
-        q4, k4, v4, o4, lse,
-        n_q, n_k, heads, batch * heads, _group_heads(k4, batch * heads), _autotune_key(n_q, n_k), qk_scale,
-        *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(),
+    bucket = _autotune_key(n_q, n_k)
+    _launch(
+        _flash_fwd_kernel,
+        lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * batch * heads,),
+        (q4, k4, v4, o4, lse, n_q, n_k, heads, batch * heads, _group_heads(k4, batch * heads), bucket,
+         LOG2E.value / math.sqrt(head_dim), *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o4.stride()[:3]),
+        (bucket, head_dim, is_causal),
+        lambda meta: {"EVEN_M": n_q % meta["BLOCK_M"] == 0, "EVEN_N": n_k % meta["BLOCK_N"] == 0},
         HEAD_DIM=head_dim, CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype), TMA_OK=tma_ok,
     )
-    return o, lse
+    return o4.view(q.shape), lse.view(q.shape[:-1])
 
 
 @torch.library.custom_op("lmsys::flash_attn_fwd", mutates_args=())
@@ -541,28 +563,30 @@ def _(q, k, v, is_causal):
 
 
 def _bwd_impl(q, k, v, o, lse, do, is_causal):
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     q4, k4, v4, o4, do4 = _as_4d(q), _as_4d(k), _as_4d(v), _as_4d(o), _as_4d(do)
-    dq4, dk4, dv4 = (x.unsqueeze(1) if x.dim() == 3 else x for x in (dq, dk, dv))
     batch, heads, n_q, head_dim = q4.shape
     n_k = k4.shape[2]
+    dq4 = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
+    dk4, dv4 = (torch.empty(k4.shape, dtype=k.dtype, device=k.device) for _ in range(2))
+    lse = lse.view(q4.shape[:-1])
     delta = torch.empty_like(lse)
     pre_block = 64
     _flash_bwd_preprocess_kernel[(triton.cdiv(n_q, pre_block), batch * heads)](
-        o4, do4, delta, n_q, heads, *o4.stride(), *do4.stride(), HEAD_DIM=head_dim, BLOCK_M=pre_block,
+        o4, do4, delta, n_q, heads, *o4.stride()[:3], *do4.stride()[:3], HEAD_DIM=head_dim, BLOCK_M=pre_block,
     )
-
-    def grid(meta):
-        return (triton.cdiv(max(n_q, n_k), meta["BLOCK_BIG"]), batch * heads)
-
     sm_scale = 1.0 / math.sqrt(head_dim)
-    _flash_bwd_kernel[grid](
-        q4, k4, v4, do4, dq4, dk4, dv4, lse, delta,
-        n_q, n_k, heads, _autotune_key(n_q, n_k), sm_scale * LOG2E.value, sm_scale,
-        *q4.stride(), *k4.stride(), *v4.stride(), *do4.stride(), *dq4.stride(), *dk4.stride(), *dv4.stride(),
+    bucket = _autotune_key(n_q, n_k)
+    _launch(
+        _flash_bwd_kernel,
+        lambda meta: (triton.cdiv(max(n_q, n_k), meta["BLOCK_BIG"]), batch * heads),
+        (q4, k4, v4, do4, dq4, dk4, dv4, lse, delta, n_q, n_k, heads, bucket, sm_scale * LOG2E.value, sm_scale,
+         *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *do4.stride()[:3],
+         *dq4.stride()[:3], *dk4.stride()[:3], *dv4.stride()[:3]),
+        (bucket, head_dim, is_causal),
+        lambda meta: {"EVEN_M": n_q % meta["BLOCK_BIG"] == 0, "EVEN_N": n_k % meta["BLOCK_BIG"] == 0},
         HEAD_DIM=head_dim, CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
     )
-    return dq, dk, dv
+    return dq4.view(q.shape), dk4.view(k.shape), dv4.view(v.shape)
 
 
 @torch.library.custom_op("lmsys::flash_attn_bwd", mutates_args=())
