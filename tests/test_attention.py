@@ -15,6 +15,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.backends.nvidia
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -24,6 +26,7 @@ from lmsys.attention import (
     FlashAttentionTorch,
     FlashAttentionTriton,
     flash_attention,
+    flash_hopper,
     flash_torch,
     flash_triton,
     naive_attention,
@@ -326,6 +329,78 @@ def test_every_tile_config_gpu(gpu, kernel, config, head_dim, monkeypatch):
     for q_shape, k_shape, is_causal in FORCED_CONFIG_PROBLEMS:
         q, k, v = make_inputs(q_shape[:-1] + (head_dim,), k_shape[:-1] + (head_dim,), torch.bfloat16, gpu)
         check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
+
+
+def _compile_hopper_forward(is_causal):
+    """The Gluon forward compiled for sm_90 (no GPU needed) at the only shape it takes: d=128, bf16."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def descriptor(rows):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, 128], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, 128],{layout!r}>"
+
+    kernel = flash_hopper._flash_fwd_hopper_kernel
+    constexprs = dict(HEAD_DIM=128, CAUSAL=is_causal, BLOCK_N=flash_hopper.BLOCK_N, NUM_STAGES=flash_hopper.NUM_STAGES,
+                      CONSUMER_REGS=flash_hopper.CONSUMER_REGS, PRODUCER_REGS=flash_hopper.PRODUCER_REGS)
+    types = {"q_desc": descriptor(flash_hopper.BLOCK_M // 2), "k_desc": descriptor(flash_hopper.BLOCK_N),
+             "v_desc": descriptor(flash_hopper.BLOCK_N), "o_desc": descriptor(flash_hopper.BLOCK_M // 2),
+             "LSE": "*fp32", "qk_scale": "fp32", **dict.fromkeys(constexprs, "constexpr")}
+    names = kernel.arg_names
+    source = GluonASTSource(kernel, {n: types.get(n, "i32") for n in names},
+                            {(names.index(n),): value for n, value in constexprs.items()}, {})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, tmp_path):
+    """On any machine: the Gluon forward compiles for sm_90 with the installed triton, fits shared memory, spills
+    nothing, and waits for the score MMA while the P V MMA is still in flight (`wgmma.wait_group 1`)."""
+    compiled = _compile_hopper_forward(is_causal)
+    assert compiled.metadata.shared <= 227 * 1024
+    assert "wgmma.wait_group.sync.aligned 1;" in compiled.asm["ptx"]
+    cubin = tmp_path / "kernel.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    cuobjdump = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
+    usage = subprocess.run([cuobjdump, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert "STACK:0 " in usage and "LOCAL:0" in usage, usage
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "q_shape, k_shape, is_causal",
+    [
+        ((2, 3, 1024, 128), (2, 3, 1024, 128), True),
+        ((2, 3, 1024, 128), (2, 3, 1024, 128), False),
+        ((3, 128, 128), (3, 128, 128), True),
+        ((1, 2, 256, 128), (1, 2, 640, 128), False),
+    ],
+)
+def test_hopper_forward_gpu(gpu, q_shape, k_shape, is_causal, dtype, seed):
+    """The Gluon forward (and the Triton backward after it) against float64, on inputs it takes."""
+    if torch.cuda.get_device_capability(gpu) != (9, 0):
+        pytest.skip("the Gluon forward is for Hopper (compute capability 9.0)")
+    q, k, v = make_inputs(q_shape, k_shape, dtype, gpu)
+    assert flash_hopper.applies(q, k, v)
+    check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "why, make",
+    [
+        ("ragged length", lambda gpu: make_inputs((1, 2, 1000, 128), (1, 2, 1000, 128), torch.bfloat16, gpu)),
+        ("head dim 64", lambda gpu: make_inputs((1, 2, 1024, 64), (1, 2, 1024, 64), torch.bfloat16, gpu)),
+        ("fp32", lambda gpu: make_inputs((1, 2, 1024, 128), (1, 2, 1024, 128), torch.float32, gpu)),
+        ("not contiguous", lambda gpu: tuple(
+            x.transpose(1, 2) for x in make_inputs((1, 1024, 2, 128), (1, 1024, 2, 128), torch.bfloat16, gpu))),
+    ],
+)
+def test_hopper_forward_declines_what_it_does_not_take(gpu, why, make):
+    q, k, v = make(gpu)
+    assert not flash_hopper.applies(q, k, v), why
 
 
 class _TunedForEveryKey(dict):

@@ -17,6 +17,10 @@ which it accumulates dQ over the key blocks it sees. Every gradient tile is owne
 there are no atomics; with a causal mask the two halves of a program's work add up to the same amount for
 every program, which keeps the launch balanced.
 
+On Hopper, 16-bit inputs with head dim 128 and lengths that are multiples of 128 take the Gluon forward of
+lmsys.attention.flash_hopper instead (FA3's pipeline, which Triton's compiler does not produce); the backward is
+the same for every input.
+
 Tuning: tile sizes, warps and pipeline depth are autotuned per (length rounded up to a power of two, head dim,
 causal, dtype); the forward may load its tiles through tensor descriptors (TMA on Hopper) instead of pointers,
 whichever is faster. Under ``torch.compile`` the wrappers are ``torch.library`` custom ops, opaque to the compiler;
@@ -32,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lmsys.attention import flash_hopper
 from lmsys.attention.checks import check_inputs
 
 HEAD_DIMS = (16, 32, 64, 128)
@@ -41,6 +46,9 @@ LN2 = tl.constexpr(0.6931471805599453)
 MASKED = tl.constexpr(-1.0e6)
 
 _INTERPRET = triton.knobs.runtime.interpret
+# Inputs that lmsys.attention.flash_hopper takes (Hopper, 16-bit, d=128, lengths multiples of 128) go to its Gluon
+# forward, about 20% faster there than the forward below; False sends everything to the Triton-language kernels.
+HOPPER_FORWARD = True
 
 
 # The forward runs heads in groups whose keys and values take about half of the H100's 50 MB L2 cache.
@@ -531,6 +539,8 @@ def _launch(kernel, grid, args, tuning_key, even, **kwargs):
 
 
 def _fwd_impl(q, k, v, is_causal):
+    if HOPPER_FORWARD and flash_hopper.applies(q, k, v):
+        return flash_hopper.forward(q, k, v, is_causal)
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     batch, heads, n_q, head_dim = q4.shape
     n_k = k4.shape[2]

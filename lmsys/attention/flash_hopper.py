@@ -1,0 +1,267 @@
+"""FlashAttention forward for Hopper (sm_90) in Gluon, Triton's lower-level language: the FA3 pipeline.
+
+Written for the case where the Triton-language forward falls short: head dim 128, where it reaches about 83% of
+cuDNN's speed on the H100. Triton waits for the Q K^T product right after issuing it, so the softmax never runs
+while the tensor cores work. Gluon issues and waits for the warpgroup MMAs explicitly, which is what FA3 does
+(Shah et al., "FlashAttention-3", 2024):
+
+* A program owns 128 query rows, split over two consumer warpgroups of 64 rows each, plus a one-warp producer that
+  issues every TMA load (warp specialization). The producer streams K and V through rings of NUM_STAGES shared
+  buffers guarded by "ready" and "empty" mbarriers (an empty barrier takes one arrival per consumer warpgroup).
+* A consumer's iteration j: issue S_j = Q K_j^T (async), scale O by alpha_{j-1}, issue O += P_{j-1} V_{j-1} (async,
+  P from registers), wait for S_j only, release K_j, run the softmax of S_j while P_{j-1} V_{j-1} is still on the
+  tensor cores, then wait for it and release V_{j-1}.
+
+Scores are in base 2 (the scale folded into log2(e)); the saved log-sum-exp is the natural log. With a causal
+mask, key tiles above the diagonal are never loaded and only the diagonal tiles (and the first one) pay for the
+mask. Launch order as in the Triton forward: heads in groups that keep their keys and values in L2, heaviest query
+block first.
+
+Scope: CUDA tensors of compute capability 9.0, bf16 or fp16, head dim 128, contiguous, both lengths multiples of
+128. `applies()` says whether inputs qualify; `flash_triton.forward` uses this kernel for them and its own forward
+for everything else. There is no interpreter for Gluon: tests/test_attention.py compiles the kernel for sm_90 on
+any machine and checks it against float64 on the GPU.
+"""
+
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
+BLOCK_N = 128  # keys per tile
+NUM_STAGES = 2  # K and V buffers per ring; 3 measured no faster on the H100
+HEAD_DIMS = (128,)
+# setmaxnreg budgets: 2 x 128 consumer threads at 240 and 32 producer threads at 24 fit the 64K registers.
+CONSUMER_REGS = 240
+PRODUCER_REGS = 24
+LOG2E = 1.4426950408889634
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+_GROUP_BYTES = 24 * 2**20  # the same launch grouping as flash_triton._group_heads
+
+
+def applies(q, k, v) -> bool:
+    """Whether this kernel runs these (batch, heads, seq, d) or (batch, seq, d) inputs."""
+    return (
+        q.is_cuda
+        and torch.cuda.get_device_capability(q.device) == (9, 0)
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and q.shape[-1] in HEAD_DIMS
+        and q.shape[-2] % BLOCK_M == 0
+        and k.shape[-2] % BLOCK_N == 0
+        and all(x.is_contiguous() for x in (q, k, v))
+    )
+
+
+@gluon.jit
+def _tile_coords(N_Q, BH, GROUP_HEADS, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """(batch*head, query block) of this program: heads in groups, heaviest query block first when causal."""
+    n_blocks = N_Q // BLOCK_M
+    pid = gl.program_id(0)
+    group = pid // (GROUP_HEADS * n_blocks)
+    first_bh = group * GROUP_HEADS
+    group_heads = gl.minimum(BH - first_bh, GROUP_HEADS)
+    rank = pid - group * (GROUP_HEADS * n_blocks)
+    off_bh = first_bh + rank % group_heads
+    if CAUSAL:
+        start_m = n_blocks - 1 - rank // group_heads
+    else:
+        start_m = rank // group_heads
+    return off_bh, start_m
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, qk_scale, rows, j, BLOCK_N: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr):
+    """Online softmax of one raw score tile (fp32): probabilities, rescale factor, new row max and row sum."""
+    if MASK:
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), s, -float("inf"))
+    m_ij = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_ij, 1))
+    alpha = gl.exp2(m_i - m_ij)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_ij, l_i
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+              q_row, kv_row, n_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HALF_M: gl.constexpr):
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, 0], q_bar, q_smem.index(1))
+    for j in range(n_tiles):
+        slot = j % NUM_STAGES
+        # A fresh mbarrier counts as having completed the phase of parity 1: the first round passes at once.
+        phase = ((j // NUM_STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _consumer_loop(o, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                   lo, hi, qk_scale, rows, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
+                   s_layout: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Key tiles [lo, hi): S_j is computed while P_{j-1} V_{j-1} accumulates; the softmax of S_j overlaps the latter."""
+    rows_per_wg: gl.constexpr = q_smem.shape[0]
+    s_zero = gl.zeros([rows_per_wg, BLOCK_N], gl.float32, s_layout)
+    for j in range(lo, hi):
+        slot = j % NUM_STAGES
+        prev = (j - 1) % NUM_STAGES
+        mbarrier.wait(k_ready.index(slot), (j // NUM_STAGES) & 1)
+        s_token = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
+        o_token = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
+        # MMA groups complete in order: waiting for all but the newest one waits for S_j alone.
+        s = warpgroup_mma_wait(1, deps=[s_token])
+        mbarrier.arrive(k_empty.index(slot))
+        p_next, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, rows, j, BLOCK_N, MASK, s_layout)
+        p_next = gl.convert_layout(p_next.to(q_smem.dtype), p_layout)
+        o, p = warpgroup_mma_wait(0, deps=[o_token, p])
+        mbarrier.arrive(v_empty.index(prev))
+        p = p_next
+    return o, m_i, l_i, p, alpha
+
+
+@gluon.jit
+def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+              q_row, row0, lse_row, n_full, n_tiles, qk_scale,
+              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+    rows_per_wg: gl.constexpr = q_smem.shape[0]
+    warps: gl.constexpr = gl.num_warps()
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows = row0 + gl.arange(0, rows_per_wg, layout=row_layout)
+
+    # Prologue: S_0 and its softmax (masked when causal; on a tile below the diagonal the mask changes nothing).
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    s_token = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)),
+                            gl.zeros([rows_per_wg, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s_token])
+    mbarrier.arrive(k_empty.index(0))
+    m_i = gl.full([rows_per_wg], -float("inf"), gl.float32, row_layout)
+    l_i = gl.zeros([rows_per_wg], gl.float32, row_layout)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, rows, 0, BLOCK_N, CAUSAL, s_layout)
+    p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+    o = gl.zeros([rows_per_wg, HEAD_DIM], gl.float32, o_layout)
+
+    if CAUSAL:
+        # Tiles strictly below the diagonal block unmasked, then the diagonal ones masked.
+        o, m_i, l_i, p, alpha = _consumer_loop(o, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_ready, k_empty,
+                                               v_ready, v_empty, 1, n_full, qk_scale, rows, BLOCK_N, NUM_STAGES,
+                                               False, s_layout, p_layout, o_layout)
+        o, m_i, l_i, p, alpha = _consumer_loop(o, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_ready, k_empty,
+                                               v_ready, v_empty, gl.maximum(n_full, 1), n_tiles, qk_scale, rows,
+                                               BLOCK_N, NUM_STAGES, True, s_layout, p_layout, o_layout)
+    else:
+        o, m_i, l_i, p, alpha = _consumer_loop(o, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_ready, k_empty,
+                                               v_ready, v_empty, 1, n_tiles, qk_scale, rows, BLOCK_N, NUM_STAGES,
+                                               False, s_layout, p_layout, o_layout)
+    # Last tile: O = alpha * O + P_last V_last.
+    last = (n_tiles - 1) % NUM_STAGES
+    o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_STAGES) & 1)
+    o_token = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
+    o = warpgroup_mma_wait(0, deps=[o_token])
+    mbarrier.arrive(v_empty.index(last))
+
+    # Epilogue: O / l through this warpgroup's Q buffer (no longer read) and a TMA store; lse (natural log).
+    o = o / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
+    gl.store(lse_ptr + lse_row + gl.arange(0, rows_per_wg, layout=row_layout), (m_i + gl.log2(l_i)) * LN2)
+    q_smem.store(o.to(o_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [q_row, 0], q_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, N_Q, N_K, BH, GROUP_HEADS, qk_scale,
+                             HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+                             NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    HALF_M: gl.constexpr = q_desc.block_type.shape[0]  # rows per consumer warpgroup
+    BLOCK_M: gl.constexpr = 2 * HALF_M
+    dtype: gl.constexpr = q_desc.dtype
+    off_bh, start_m = _tile_coords(N_Q, BH, GROUP_HEADS, BLOCK_M, CAUSAL)
+    q_row = off_bh * N_Q + start_m * BLOCK_M  # row in the (B*H*N, D) view
+    kv_row = off_bh * N_K
+    if CAUSAL:
+        n_full = (start_m * BLOCK_M) // BLOCK_N  # key tiles strictly below the diagonal block
+        n_tiles = ((start_m + 1) * BLOCK_M) // BLOCK_N
+    else:
+        n_full = N_K // BLOCK_N
+        n_tiles = N_K // BLOCK_N
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+
+    row0 = start_m * BLOCK_M
+    lse_row = off_bh * N_Q + row0
+    gl.warp_specialize([
+        (_consumer, (o_desc, LSE, q_smem.index(0), k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                     q_row, row0, lse_row, n_full, n_tiles, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+        (_consumer, (o_desc, LSE, q_smem.index(1), k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                     q_row + HALF_M, row0 + HALF_M, lse_row + HALF_M, n_full, n_tiles, qk_scale, CAUSAL, BLOCK_N,
+                     HEAD_DIM, NUM_STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                     q_row, kv_row, n_tiles, BLOCK_N, NUM_STAGES, HALF_M)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def _gl_dtype(dtype):
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+
+
+def _descriptor(x2, rows, dtype):
+    return TensorDescriptor.from_tensor(x2, [rows, x2.shape[1]], gl.NVMMASharedLayout.get_default_for(
+        [rows, x2.shape[1]], dtype))
+
+
+def forward(q, k, v, is_causal):
+    """(o, lse) for inputs that `applies()` accepts (checked by the caller): output in q's dtype, natural-log
+    log-sum-exp in fp32 of q's shape without d."""
+    d, n_q, n_k = q.shape[-1], q.shape[-2], k.shape[-2]
+    bh = q.numel() // (n_q * d)
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    # 2-D (B*H*N, D) views: a tile never crosses a head, since both lengths are multiples of the tiles.
+    q2, k2, v2, o2 = (x.view(-1, d) for x in (q, k, v, o))
+    dtype = _gl_dtype(q.dtype)
+    kv_bytes = 2 * n_k * d * q.element_size()
+    _flash_fwd_hopper_kernel[(n_q // BLOCK_M * bh,)](
+        _descriptor(q2, BLOCK_M // 2, dtype), _descriptor(k2, BLOCK_N, dtype), _descriptor(v2, BLOCK_N, dtype),
+        _descriptor(o2, BLOCK_M // 2, dtype), lse, n_q, n_k, bh, max(1, min(bh, _GROUP_BYTES // kv_bytes)),
+        LOG2E / math.sqrt(d),
+        HEAD_DIM=d, CAUSAL=is_causal, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CONSUMER_REGS=CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
+    )
+    return o, lse
