@@ -331,39 +331,51 @@ def test_every_tile_config_gpu(gpu, kernel, config, head_dim, monkeypatch):
         check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
 
 
-def _compile_hopper_forward(is_causal):
-    """The Gluon forward compiled for sm_90 (no GPU needed) at the only shape it takes: d=128, bf16."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
+# Compiles the Gluon forward for sm_90 (no GPU needed) at the only shape it takes, d=128 bf16, and writes its PTX,
+# cubin and shared-memory size to the folder argv[2]. It runs in its own process without TRITON_INTERPRET: under
+# the interpreter triton's own Triton functions (which Gluon's reductions call) are interpreter objects, and Gluon
+# cannot compile.
+_COMPILE_HOPPER_FORWARD = """
+import pathlib, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from lmsys.attention import flash_hopper as fh
 
-    def descriptor(rows):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, 128], gl.bfloat16)
-        return f"tensordesc<bf16[{rows}, 128],{layout!r}>"
+def descriptor(rows):
+    return f"tensordesc<bf16[{rows}, 128],{gl.NVMMASharedLayout.get_default_for([rows, 128], gl.bfloat16)!r}>"
 
-    kernel = flash_hopper._flash_fwd_hopper_kernel
-    constexprs = dict(HEAD_DIM=128, CAUSAL=is_causal, BLOCK_N=flash_hopper.BLOCK_N, NUM_STAGES=flash_hopper.NUM_STAGES,
-                      CONSUMER_REGS=flash_hopper.CONSUMER_REGS, PRODUCER_REGS=flash_hopper.PRODUCER_REGS)
-    types = {"q_desc": descriptor(flash_hopper.BLOCK_M // 2), "k_desc": descriptor(flash_hopper.BLOCK_N),
-             "v_desc": descriptor(flash_hopper.BLOCK_N), "o_desc": descriptor(flash_hopper.BLOCK_M // 2),
-             "LSE": "*fp32", "qk_scale": "fp32", **dict.fromkeys(constexprs, "constexpr")}
-    names = kernel.arg_names
-    source = GluonASTSource(kernel, {n: types.get(n, "i32") for n in names},
-                            {(names.index(n),): value for n, value in constexprs.items()}, {})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+kernel = fh._flash_fwd_hopper_kernel
+constexprs = dict(HEAD_DIM=128, CAUSAL=sys.argv[1] == "causal", BLOCK_N=fh.BLOCK_N, NUM_STAGES=fh.NUM_STAGES,
+                  CONSUMER_REGS=fh.CONSUMER_REGS, PRODUCER_REGS=fh.PRODUCER_REGS)
+types = {"q_desc": descriptor(fh.BLOCK_M // 2), "k_desc": descriptor(fh.BLOCK_N), "v_desc": descriptor(fh.BLOCK_N),
+         "o_desc": descriptor(fh.BLOCK_M // 2), "LSE": "*fp32", "qk_scale": "fp32",
+         **dict.fromkeys(constexprs, "constexpr")}
+names = kernel.arg_names
+source = GluonASTSource(kernel, {n: types.get(n, "i32") for n in names},
+                        {(names.index(n),): value for n, value in constexprs.items()}, {})
+compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+out = pathlib.Path(sys.argv[2])
+(out / "kernel.ptx").write_text(compiled.asm["ptx"])
+(out / "kernel.cubin").write_bytes(compiled.asm["cubin"])
+(out / "shared").write_text(str(compiled.metadata.shared))
+"""
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, tmp_path):
     """On any machine: the Gluon forward compiles for sm_90 with the installed triton, fits shared memory, spills
     nothing, and waits for the score MMA while the P V MMA is still in flight (`wgmma.wait_group 1`)."""
-    compiled = _compile_hopper_forward(is_causal)
-    assert compiled.metadata.shared <= 227 * 1024
-    assert "wgmma.wait_group.sync.aligned 1;" in compiled.asm["ptx"]
-    cubin = tmp_path / "kernel.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    args = [sys.executable, "-c", _COMPILE_HOPPER_FORWARD, "causal" if is_causal else "full", str(tmp_path)]
+    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert int((tmp_path / "shared").read_text()) <= 227 * 1024
+    assert "wgmma.wait_group.sync.aligned 1;" in (tmp_path / "kernel.ptx").read_text()
     cuobjdump = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
-    usage = subprocess.run([cuobjdump, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    usage = subprocess.run([cuobjdump, "-res-usage", str(tmp_path / "kernel.cubin")], capture_output=True, text=True,
+                           check=True).stdout
     assert "STACK:0 " in usage and "LOCAL:0" in usage, usage
 
 
