@@ -14,15 +14,17 @@ while the tensor cores work. Gluon issues and waits for the warpgroup MMAs expli
 
 Scores are in base 2 (the scale folded into log2(e)); the saved log-sum-exp is the natural log. With a causal
 mask, key tiles above the diagonal are never loaded and only the diagonal tiles (and the first one) pay for the
-mask. Launch order as in the Triton forward: heads in groups that keep their keys and values in L2, heaviest query
-block first.
+mask. The launch order is the Triton forward's (lmsys.attention.launch_order): heads in groups that keep their keys
+and values in L2, heaviest query block first.
 
 Scope: CUDA tensors of compute capability 9.0, bf16 or fp16, head dim 128, contiguous, both lengths multiples of
 128. `applies()` says whether inputs qualify; `flash_triton.forward` uses this kernel for them and its own forward
-for everything else. There is no interpreter for Gluon: tests/test_attention.py compiles the kernel for sm_90 on
-any machine and checks it against float64 on the GPU.
+for everything else. There is no interpreter for Gluon (and under TRITON_INTERPRET=1 Gluon cannot compile at all):
+tests/test_attention.py compiles the kernel for sm_90 in a process without the interpreter on any machine, and
+checks it against float64 on the GPU.
 """
 
+import functools
 import math
 
 import torch
@@ -37,6 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from lmsys.attention import launch_order
+
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
 BLOCK_N = 128  # keys per tile
 NUM_STAGES = 2  # K and V buffers per ring; 3 measured no faster on the H100
@@ -46,37 +50,24 @@ CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 LOG2E = 1.4426950408889634
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
-_GROUP_BYTES = 24 * 2**20  # the same launch grouping as flash_triton._group_heads
+
+
+@functools.cache
+def _is_hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
 
 
 def applies(q, k, v) -> bool:
     """Whether this kernel runs these (batch, heads, seq, d) or (batch, seq, d) inputs."""
     return (
         q.is_cuda
-        and torch.cuda.get_device_capability(q.device) == (9, 0)
+        and _is_hopper(q.device)
         and q.dtype in (torch.bfloat16, torch.float16)
         and q.shape[-1] in HEAD_DIMS
         and q.shape[-2] % BLOCK_M == 0
         and k.shape[-2] % BLOCK_N == 0
         and all(x.is_contiguous() for x in (q, k, v))
     )
-
-
-@gluon.jit
-def _tile_coords(N_Q, BH, GROUP_HEADS, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """(batch*head, query block) of this program: heads in groups, heaviest query block first when causal."""
-    n_blocks = N_Q // BLOCK_M
-    pid = gl.program_id(0)
-    group = pid // (GROUP_HEADS * n_blocks)
-    first_bh = group * GROUP_HEADS
-    group_heads = gl.minimum(BH - first_bh, GROUP_HEADS)
-    rank = pid - group * (GROUP_HEADS * n_blocks)
-    off_bh = first_bh + rank % group_heads
-    if CAUSAL:
-        start_m = n_blocks - 1 - rank // group_heads
-    else:
-        start_m = rank // group_heads
-    return off_bh, start_m
 
 
 @gluon.jit
@@ -199,7 +190,7 @@ def _flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, N_Q, N_K, BH, 
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]  # rows per consumer warpgroup
     BLOCK_M: gl.constexpr = 2 * HALF_M
     dtype: gl.constexpr = q_desc.dtype
-    off_bh, start_m = _tile_coords(N_Q, BH, GROUP_HEADS, BLOCK_M, CAUSAL)
+    off_bh, start_m = launch_order.program_position(N_Q, BH, GROUP_HEADS, BLOCK_M, CAUSAL)
     q_row = off_bh * N_Q + start_m * BLOCK_M  # row in the (B*H*N, D) view
     kv_row = off_bh * N_K
     if CAUSAL:
@@ -256,10 +247,9 @@ def forward(q, k, v, is_causal):
     # 2-D (B*H*N, D) views: a tile never crosses a head, since both lengths are multiples of the tiles.
     q2, k2, v2, o2 = (x.view(-1, d) for x in (q, k, v, o))
     dtype = _gl_dtype(q.dtype)
-    kv_bytes = 2 * n_k * d * q.element_size()
     _flash_fwd_hopper_kernel[(n_q // BLOCK_M * bh,)](
         _descriptor(q2, BLOCK_M // 2, dtype), _descriptor(k2, BLOCK_N, dtype), _descriptor(v2, BLOCK_N, dtype),
-        _descriptor(o2, BLOCK_M // 2, dtype), lse, n_q, n_k, bh, max(1, min(bh, _GROUP_BYTES // kv_bytes)),
+        _descriptor(o2, BLOCK_M // 2, dtype), lse, n_q, n_k, bh, launch_order.group_heads(k, bh),
         LOG2E / math.sqrt(d),
         HEAD_DIM=d, CAUSAL=is_causal, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, num_warps=4,

@@ -8,8 +8,8 @@ matrix never exists in memory. Scores are computed in base 2: the softmax scale 
 log2(e) into one multiplier so every exponential is an ``exp2``. With a causal mask, key tiles above the
 diagonal are never loaded; the tiles strictly below it run without any mask (stage 1), and only the diagonal
 tiles pay for the mask (stage 2). Programs run heaviest first across a group of heads whose keys and values fit
-in L2, so a causal launch ends on its cheapest blocks. The forward saves only the output and the log-sum-exp
-(natural log, fp32).
+in L2 (lmsys.attention.launch_order), so a causal launch ends on its cheapest blocks. The forward saves only the
+output and the log-sum-exp (natural log, fp32).
 
 Backward: recomputation. A small kernel computes ``D = rowsum(dO * O)``. The main kernel gives each program
 one key block, for which it accumulates dK and dV over the query blocks that see it, and one query block, for
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmsys.attention import flash_hopper
+from lmsys.attention import flash_hopper, launch_order
 from lmsys.attention.checks import check_inputs
 
 HEAD_DIMS = (16, 32, 64, 128)
@@ -49,16 +49,6 @@ _INTERPRET = triton.knobs.runtime.interpret
 # Inputs that lmsys.attention.flash_hopper takes (Hopper, 16-bit, d=128, lengths multiples of 128) go to its Gluon
 # forward, about 20% faster there than the forward below; False sends everything to the Triton-language kernels.
 HOPPER_FORWARD = True
-
-
-# The forward runs heads in groups whose keys and values take about half of the H100's 50 MB L2 cache.
-_GROUP_BYTES = 24 * 2**20
-
-
-def _group_heads(k, heads):
-    """Heads per group of the forward's launch order: as many as keep the group's keys and values in L2."""
-    kv_bytes = 2 * k.shape[-2] * k.shape[-1] * k.element_size()
-    return max(1, min(heads, _GROUP_BYTES // kv_bytes))
 
 
 def _autotune_key(n_q, n_k):
@@ -192,21 +182,7 @@ def _flash_fwd_kernel(
 ):
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
     TMA: tl.constexpr = USE_TMA and TMA_OK
-    # Launch order: heads go in groups of GROUP_HEADS; within a group, the programs of one query block of every
-    # head run side by side, the block with the most key tiles first. With a causal mask the work of a block
-    # grows with its index, so the launch ends on the shortest programs of the last group (no long straggler),
-    # while a group's keys and values stay few enough to be read from L2 by all its programs.
-    n_blocks = tl.cdiv(N_Q, BLOCK_M)
-    pid = tl.program_id(0)
-    group = pid // (GROUP_HEADS * n_blocks)
-    first_bh = group * GROUP_HEADS
-    group_heads = tl.minimum(BH - first_bh, GROUP_HEADS)
-    rank = pid - group * (GROUP_HEADS * n_blocks)
-    off_bh = first_bh + rank % group_heads
-    if CAUSAL:
-        start_m = n_blocks - 1 - rank // group_heads
-    else:
-        start_m = rank // group_heads
+    off_bh, start_m = launch_order.program_position(N_Q, BH, GROUP_HEADS, BLOCK_M, CAUSAL)
     off_b = (off_bh // H).to(tl.int64)
     off_h = (off_bh % H).to(tl.int64)
     Q += off_b * stride_qb + off_h * stride_qh
@@ -553,7 +529,7 @@ def _fwd_impl(q, k, v, is_causal):
     _launch(
         _flash_fwd_kernel,
         lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * batch * heads,),
-        (q4, k4, v4, o4, lse, n_q, n_k, heads, batch * heads, _group_heads(k4, batch * heads), bucket,
+        (q4, k4, v4, o4, lse, n_q, n_k, heads, batch * heads, launch_order.group_heads(k4, batch * heads), bucket,
          LOG2E.value / math.sqrt(head_dim), *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o4.stride()[:3]),
         (bucket, head_dim, is_causal),
         lambda meta: {"EVEN_M": n_q % meta["BLOCK_M"] == 0, "EVEN_N": n_k % meta["BLOCK_N"] == 0},
