@@ -16,6 +16,7 @@ Peaks are NVIDIA's datasheet numbers for dense math (no 2:4 sparsity), keyed by 
 """
 
 from dataclasses import dataclass
+from typing import Any
 
 PRECISIONS = ("bf16", "fp16", "tf32", "fp32")
 ATTENTION_MODES = ("fwd", "bwd", "fwd_bwd")
@@ -118,3 +119,24 @@ def peak_gbps(device_name: str) -> float | None:
     """Peak memory bandwidth of a GPU in GB/s; None for an unknown GPU."""
     peak = device_peak(device_name)
     return None if peak is None else peak.memory_gbps
+
+
+def rates(seconds: float, device_name: str, flops: int | None, nbytes: int | None, precision: str | None) -> dict[str, Any]:
+    """TFLOP/s and GB/s of one call that took `seconds`, with their fractions of the device's peak when it is known
+    (`precision` picks the FLOP peak; None leaves the fraction out). Empty for a zero time."""
+    out: dict[str, Any] = {}
+    if seconds <= 0:
+        return out
+    if flops is not None:
+        out["flops"] = flops
+        out["tflops"] = tflops_per_second(flops, seconds)
+        peak = peak_tflops(device_name, precision) if precision else None
+        if peak:
+            out.update(precision=precision, peak_tflops=peak, fraction_of_peak_tflops=out["tflops"] / peak)
+    if nbytes is not None:
+        out["bytes"] = nbytes
+        out["gbps"] = gigabytes_per_second(nbytes, seconds)
+        peak = peak_gbps(device_name)
+        if peak:
+            out.update(peak_gbps=peak, fraction_of_peak_gbps=out["gbps"] / peak)
+    return out

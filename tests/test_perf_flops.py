@@ -61,3 +61,12 @@ def test_peaks_of_known_and_unknown_gpus():
 def test_rates():
     assert flops.tflops_per_second(2 * 10**12, 2.0) == 1.0
     assert flops.gigabytes_per_second(3 * 10**9, 1.0) == 3.0
+
+
+def test_rates_with_and_without_a_known_peak():
+    info = flops.rates(1e-3, "NVIDIA H100 80GB HBM3", flops=int(989.4e9), nbytes=int(3.35e9), precision="bf16")
+    assert info["tflops"] == pytest.approx(989.4) and info["fraction_of_peak_tflops"] == pytest.approx(1.0)
+    assert info["gbps"] == pytest.approx(3350) and info["fraction_of_peak_gbps"] == pytest.approx(1.0)
+    unknown = flops.rates(1e-3, "Some Future GPU", flops=10**9, nbytes=None, precision="bf16")
+    assert unknown == {"flops": 10**9, "tflops": pytest.approx(1.0)}
+    assert flops.rates(0.0, "NVIDIA H100 80GB HBM3", flops=1, nbytes=1, precision="bf16") == {}

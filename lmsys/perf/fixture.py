@@ -35,19 +35,21 @@ from pytest_benchmark.fixture import FixtureAlreadyUsed
 
 from lmsys import flops as flops_formulas
 from lmsys.perf import baselines, compare, timing
-from lmsys.perf.session import PerfSession, Record
-
-SESSION_KEY = pytest.StashKey[PerfSession]()
-RECORD_KEY = pytest.StashKey[Record]()
+from lmsys.perf.session import RECORD_KEY, SESSION_KEY, Record
 
 
 def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _check_work(name: str, value) -> None:
-    if value is not None and not _is_count(value):
-        raise ValueError(f"gpu_benchmark: {name} must be a non-negative int (the work of one call), got {value!r}")
+def _check_arguments(flops, nbytes, warmup_rounds, precision) -> None:
+    for name, value in (("flops", flops), ("bytes", nbytes)):
+        if value is not None and not _is_count(value):
+            raise ValueError(f"gpu_benchmark: {name} must be a non-negative int (the work of one call), got {value!r}")
+    if warmup_rounds is not None and not _is_count(warmup_rounds):
+        raise ValueError(f"gpu_benchmark: warmup_rounds must be a non-negative int or None, got {warmup_rounds!r}")
+    if precision is not None and precision not in flops_formulas.PRECISIONS:
+        raise ValueError(f"gpu_benchmark: precision must be one of {flops_formulas.PRECISIONS}, got {precision!r}")
 
 
 def _dtype_precision(dtype: torch.dtype) -> str | None:
@@ -75,32 +77,12 @@ def oom_reason(message: str, device_name: str) -> str:
     return f"CUDA out of memory on {device_name}: tried to allocate {amount}"
 
 
-def rates(median_seconds: float, device_name: str, flops: int | None, nbytes: int | None, precision: str | None):
-    """TFLOP/s, GB/s and their fractions of the device's peak (absent when unknown) as extra_info entries."""
-    out: dict[str, Any] = {}
-    if median_seconds <= 0:
-        return out
-    if flops is not None:
-        out["flops"] = flops
-        out["tflops"] = flops_formulas.tflops_per_second(flops, median_seconds)
-        peak = flops_formulas.peak_tflops(device_name, precision) if precision else None
-        if peak:
-            out.update(precision=precision, peak_tflops=peak, fraction_of_peak_tflops=out["tflops"] / peak)
-    if nbytes is not None:
-        out["bytes"] = nbytes
-        out["gbps"] = flops_formulas.gigabytes_per_second(nbytes, median_seconds)
-        peak = flops_formulas.peak_gbps(device_name)
-        if peak:
-            out.update(peak_gbps=peak, fraction_of_peak_gbps=out["gbps"] / peak)
-    return out
-
-
 class GpuBenchmark:
     """The object the `gpu_benchmark` fixture returns; call it once per test (see the module docstring)."""
 
-    def __init__(self, benchmark, session: PerfSession, node: pytest.Item):
+    def __init__(self, benchmark, node: pytest.Item):
         self._benchmark = benchmark
-        self._session = session
+        self._session = node.config.stash[SESSION_KEY]
         self._node = node
 
     @property
@@ -113,69 +95,75 @@ class GpuBenchmark:
         given = marker.kwargs if marker else {}
         return given.get("time", self._session.time_tolerance), given.get("memory", self._session.memory_tolerance)
 
-    def __call__(self, fn, *args, flops=None, bytes=None, cold_l2=False, warmup_rounds=None, precision=None, **kwargs):
-        """Benchmarks fn(*args, **kwargs) and returns the result of its last call."""
-        _check_work("flops", flops)
-        _check_work("bytes", bytes)
-        if warmup_rounds is not None and not _is_count(warmup_rounds):
-            raise ValueError(f"gpu_benchmark: warmup_rounds must be a non-negative int or None, got {warmup_rounds!r}")
-        if precision is not None and precision not in flops_formulas.PRECISIONS:
-            raise ValueError(f"gpu_benchmark: precision must be one of {flops_formulas.PRECISIONS}, got {precision!r}")
-        bench = self._benchmark
+    def _claim(self) -> None:
         # pytest-benchmark's fixture is single-use; taking its (private) mode makes a second call of either fail loudly.
+        bench = self._benchmark
         if bench._mode:
             raise FixtureAlreadyUsed(f"Fixture can only be used once. Previously it was used in {bench._mode} mode.")
         bench._mode = "gpu_benchmark(...)"
-        call = functools.partial(fn, *args, **kwargs)
-        if bench.disabled:
-            return call()
 
+    def _judge(self):
+        """samples -> the time comparison with this benchmark's baseline (None without one)."""
+        baseline = self._session.baseline(self._benchmark.fullname)
+        if baseline is None:
+            return lambda samples: None
+        reference = baselines.samples(baseline)
+        tolerance = self._tolerances()[0]
+        return lambda samples: compare.compare_time(samples, reference, tolerance)
+
+    def __call__(self, fn, *args, flops=None, bytes=None, cold_l2=False, warmup_rounds=None, precision=None, **kwargs):
+        """Benchmarks fn(*args, **kwargs) and returns the result of its last call."""
+        _check_arguments(flops, bytes, warmup_rounds, precision)
+        self._claim()
+        call = functools.partial(fn, *args, **kwargs)
+        if self._benchmark.disabled:
+            return call()
         session, backend = self._session, self._session.backend
-        time_tolerance, memory_tolerance = self._tolerances()
-        baseline = session.baseline(bench.fullname)
         flush = backend.make_l2_flush() if cold_l2 else None
         with timing.gc_paused(session.disable_gc):
-            plan = timing.warm_up(backend, call, flush, session.max_time, session.min_rounds, warmup_rounds)
-            samples, wall = timing.measure(backend, call, plan.rounds, flush)
-            time_comparison = None
-            remeasured = False
-            if baseline is not None:
-                time_comparison = compare.compare_time(samples, baselines.samples(baseline), time_tolerance)
-                if time_comparison.verdict == compare.SLOWER:
-                    remeasured = True
-                    samples, wall = timing.measure(backend, call, plan.rounds, flush)
-                    time_comparison = compare.compare_time(samples, baselines.samples(baseline), time_tolerance)
+            measurement = timing.run(
+                backend, call, flush=flush, max_time=session.max_time, min_rounds=session.min_rounds,
+                warmup_rounds=warmup_rounds, judge=self._judge(),
+            )
         del flush
-        result, memory = backend.measure_memory(call)
+        measurement.extra_info["cold_l2"] = bool(cold_l2)
+        self._record(measurement, flops, bytes, precision or infer_precision(args, kwargs))
+        return measurement.result
 
-        memory_comparison = None
+    def _record(self, measurement: timing.Measurement, flops, nbytes, precision) -> None:
+        """Judges the memory, combines the verdict and stores the record (summary, plugin) and the stats (JSON)."""
+        session, bench = self._session, self._benchmark
+        baseline = session.baseline(bench.fullname)
+        memory = measurement.memory
         baseline_peak = baselines.peak_memory(baseline) if baseline is not None else None
+        memory_comparison = None
         if memory is not None and baseline_peak is not None:
             memory_comparison = compare.compare_memory(
-                memory.peak_allocated_above_start, baseline_peak, memory_tolerance, session.memory_floor
+                memory.peak_allocated_above_start, baseline_peak, self._tolerances()[1], session.memory_floor
             )
-        verdict = compare.judge(time_comparison, memory_comparison) if session.comparing else None
+        verdict = compare.judge(measurement.time_comparison, memory_comparison) if session.comparing else None
 
         # Private pytest-benchmark API, the same in 5.2 and 5.3: the stats object its own timing loop would fill.
         stats = bench._make_stats(1)
-        for sample in samples:
+        for sample in measurement.samples:
             stats.update(sample)
-        typical = median(samples)
+        typical = median(measurement.samples)
         record = Record(
             name=bench.name,
             fullname=bench.fullname,
             median=typical,
-            rounds=len(samples),
+            rounds=len(measurement.samples),
             memory=memory,
-            rates=rates(typical, backend.name, flops, bytes, precision or infer_precision(args, kwargs)),
+            rates=flops_formulas.rates(typical, session.backend.name, flops, nbytes, precision),
             baseline_median=None if baseline is None else float(baseline["stats"]["median"]),
             baseline_peak=baseline_peak,
             verdict=verdict,
-            remeasured=remeasured,
+            remeasured=measurement.remeasured,
         )
         bench.extra_info.update(
-            device=backend.name, timer=backend.timer_name, cold_l2=bool(cold_l2),
-            warmup_rounds=plan.warmup_rounds, wall_seconds_per_round=wall, remeasured=remeasured, **record.rates,
+            device=session.backend.name, timer=session.backend.timer_name, warmup_rounds=measurement.warmup_rounds,
+            wall_seconds_per_round=measurement.wall_seconds_per_round, remeasured=measurement.remeasured,
+            **measurement.extra_info, **record.rates,
         )
         if memory is not None:
             bench.extra_info.update(memory.as_extra_info())
@@ -183,7 +171,6 @@ class GpuBenchmark:
             bench.extra_info["verdict"] = verdict.label
         session.records.append(record)
         self._node.stash[RECORD_KEY] = record
-        return result
 
 
 @pytest.fixture
@@ -192,4 +179,4 @@ def gpu_benchmark(request, benchmark) -> GpuBenchmark:
 
     Usage: ``out = gpu_benchmark(fn, *args, flops=..., bytes=..., cold_l2=False, warmup_rounds=None, **kwargs)``.
     """
-    return GpuBenchmark(benchmark, request.config.stash[SESSION_KEY], request.node)
+    return GpuBenchmark(benchmark, request.node)

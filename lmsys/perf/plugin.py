@@ -14,7 +14,7 @@ from pytest_benchmark.utils import load_timer
 
 from lmsys.perf import compare, hookspecs
 from lmsys.perf.backend import detect_backend
-from lmsys.perf.fixture import RECORD_KEY, SESSION_KEY, gpu_benchmark, oom_reason
+from lmsys.perf.fixture import gpu_benchmark, oom_reason
 from lmsys.perf.report import (
     MEMORY_REPORT_SUFFIXES,
     memory_frame,
@@ -22,7 +22,7 @@ from lmsys.perf.report import (
     summary_lines,
     write_memory_report,
 )
-from lmsys.perf.session import PYTEST_BENCHMARK_DEFAULT_STORAGE, PerfSession
+from lmsys.perf.session import PYTEST_BENCHMARK_DEFAULT_STORAGE, RECORD_KEY, SESSION_KEY, PerfSession
 
 __all__ = ["gpu_benchmark"]
 

@@ -176,3 +176,8 @@ def _storage_key(path: Path, root: Path) -> Path:
         return path.relative_to(root)
     except ValueError:
         return path
+
+
+# Where the plugin keeps its state: the session in config.stash, each benchmark's record in its item's stash.
+SESSION_KEY = pytest.StashKey[PerfSession]()
+RECORD_KEY = pytest.StashKey[Record]()

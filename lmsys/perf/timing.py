@@ -10,13 +10,32 @@ import gc
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import ceil
 from typing import Any
+
+from lmsys.perf.compare import SLOWER, TimeComparison
 
 MAX_ROUNDS = 1000
 MAX_WARMUP_ROUNDS = 100
 WARMUP_SHARE = 0.1
+
+
+@dataclass
+class Measurement:
+    """What one benchmark measured: per-round seconds, the wall-clock seconds a round took, the warmup, the memory
+    reading of the last call and its result; the time comparison with the baseline (None without one) and whether
+    the rounds were timed a second time because the first comparison said SLOWER. `extra_info` holds what a
+    measurement adds to the saved JSON beyond that (the world size of a multi-rank run, ...)."""
+
+    samples: list[float]
+    wall_seconds_per_round: float
+    warmup_rounds: int
+    memory: Any
+    result: Any
+    time_comparison: TimeComparison | None = None
+    remeasured: bool = False
+    extra_info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -78,3 +97,26 @@ def warm_up(backend, call: Callable[[], Any], flush, max_time: float, min_rounds
     chosen = plan(time.perf_counter() - start, max_time, min_rounds, warmup_rounds)
     time_rounds(backend, call, chosen.warmup_rounds - 1, flush)
     return chosen
+
+
+def run(
+    backend,
+    call: Callable[[], Any],
+    *,
+    flush: Callable[[], None] | None,
+    max_time: float,
+    min_rounds: int,
+    warmup_rounds: int | None,
+    judge: Callable[[list[float]], TimeComparison | None],
+) -> Measurement:
+    """Warm up, time the rounds, judge them (`judge` compares with the baseline, None without one); when the verdict
+    is SLOWER time the rounds once more and let that decide; then one call under the memory reading."""
+    chosen = warm_up(backend, call, flush, max_time, min_rounds, warmup_rounds)
+    samples, wall = measure(backend, call, chosen.rounds, flush)
+    comparison = judge(samples)
+    remeasured = comparison is not None and comparison.verdict == SLOWER
+    if remeasured:
+        samples, wall = measure(backend, call, chosen.rounds, flush)
+        comparison = judge(samples)
+    result, memory = backend.measure_memory(call)
+    return Measurement(samples, wall, chosen.warmup_rounds, memory, result, comparison, remeasured)
