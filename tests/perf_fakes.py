@@ -6,6 +6,7 @@ readings are whatever the function says it allocated. The plugin then runs its r
 storage and verdicts on these numbers.
 """
 
+import functools
 import random
 
 from lmsys.perf.backend import MemoryReading
@@ -54,6 +55,9 @@ class FakeGpu:
     def synchronize(self) -> None:
         pass
 
+    def clock(self) -> float:
+        return self.now
+
     def time_call(self, call) -> float:
         start = self.now
         call()
@@ -80,6 +84,10 @@ class FakeGpu:
 
     def release_memory(self) -> None:
         self.released += 1
+
+    def for_rank(self):
+        # Each rank gets a fresh fake of the same name: its clock starts at 0 and moves only by the rank's own work.
+        return functools.partial(FakeGpu, self.name)
 
     def work(self, ms: float, noise: float = 0.0, memory: int = 0, seed: int = 0, slow_calls: int = 0, slow_ms: float = 0):
         """A function for gpu_benchmark: each call takes `ms` milliseconds times (1 + noise * N(0, 1)) on the clock and

@@ -8,6 +8,7 @@ CUDA is initialized lazily, on the first use of the name or a measurement: a pyt
 (the correctness tests, which may fork worker processes) must not inherit an initialized CUDA context.
 """
 
+import functools
 import gc
 import platform
 import time
@@ -66,6 +67,7 @@ class Backend(Protocol):
     def make_l2_flush(self) -> Callable[[], None]: ...
     def measure_memory(self, call: Callable[[], Any]) -> tuple[Any, MemoryReading | None]: ...
     def release_memory(self) -> None: ...
+    def for_rank(self) -> Callable[[], Any]: ...
 
 
 def _cpu_model() -> str:
@@ -117,6 +119,10 @@ class CpuBackend:
     def release_memory(self) -> None:
         """Collects garbage."""
         gc.collect()
+
+    def for_rank(self) -> Callable[[], "CpuBackend"]:
+        """A picklable maker of the same backend in a rank process (multi-rank benchmarks)."""
+        return functools.partial(CpuBackend, self.clock)
 
 
 class CudaBackend:
@@ -205,6 +211,10 @@ class CudaBackend:
         """Collects garbage and returns the allocator's cached blocks to the device (after an out-of-memory error)."""
         gc.collect()
         torch.cuda.empty_cache()
+
+    def for_rank(self) -> Callable[[], "CudaBackend"]:
+        """A picklable maker of the backend in a rank process: it measures the rank's current device."""
+        return CudaBackend
 
 
 def detect_backend(clock: Callable[[], float]) -> CpuBackend | CudaBackend:

@@ -34,7 +34,8 @@ import torch
 from pytest_benchmark.fixture import FixtureAlreadyUsed
 
 from lmsys import flops as flops_formulas
-from lmsys.perf import baselines, compare, timing
+from lmsys.perf import baselines, compare, multirank, timing
+from lmsys.perf.backend import CudaBackend
 from lmsys.perf.session import RECORD_KEY, SESSION_KEY, Record
 
 
@@ -128,6 +129,70 @@ class GpuBenchmark:
         del flush
         measurement.extra_info["cold_l2"] = bool(cold_l2)
         self._record(measurement, flops, bytes, precision or infer_precision(args, kwargs))
+        return measurement.result
+
+    def distributed(
+        self,
+        setup,
+        *,
+        world_size: int,
+        flops=None,
+        bytes=None,
+        warmup_rounds=None,
+        precision=None,
+        timeout: float = 600.0,
+        **setup_kwargs,
+    ) -> list:
+        """Benchmarks a step on `world_size` ranks, spawned here (see lmsys/perf/multirank.py); returns each rank's
+        result of its last call, in rank order.
+
+        `setup(ctx, **setup_kwargs)` runs on every rank and returns the step, a function of no arguments;
+        `setup` must be importable (a module-level function) and its arguments and results picklable. On a GPU the
+        ranks talk NCCL, one GPU each, and the test is skipped on a machine with fewer GPUs; on the CPU, gloo.
+        `flops`/`bytes` are the work of one step of the whole world. A rank that fails fails the test with that
+        rank's traceback; ranks still running after `timeout` seconds are killed and the test fails.
+        """
+        _check_arguments(flops, bytes, warmup_rounds, precision)
+        if not _is_count(world_size) or world_size < 1:
+            raise ValueError(f"gpu_benchmark.distributed: world_size must be a positive int, got {world_size!r}")
+        if not timeout > 0:
+            raise ValueError(f"gpu_benchmark.distributed: timeout must be positive seconds, got {timeout!r}")
+        self._claim()
+        session, backend = self._session, self._session.backend
+        transport = "nccl" if isinstance(backend, CudaBackend) else "gloo"
+        if transport == "nccl" and torch.cuda.device_count() < world_size:
+            pytest.skip(f"needs {world_size} GPUs, this machine has {torch.cuda.device_count()}")
+        baseline = session.baseline(self._benchmark.fullname)
+        if baseline is not None:
+            info = baseline.get("extra_info") or {}
+            recorded = (info.get("world_size"), info.get("dist_backend"))
+            if recorded != (world_size, transport):
+                pytest.fail(
+                    f"{self._benchmark.name}: the baseline was measured with world size and transport {recorded}, "
+                    f"this run uses {(world_size, transport)}: name them in the test id so each has its own baseline",
+                    pytrace=False,
+                )
+        settings = multirank.Settings(
+            setup=setup,
+            setup_kwargs=setup_kwargs,
+            make_backend=backend.for_rank(),
+            transport=transport,
+            max_time=session.max_time,
+            min_rounds=session.min_rounds,
+            warmup_rounds=warmup_rounds,
+            disable_gc=session.disable_gc,
+            baseline_samples=None if baseline is None else baselines.samples(baseline),
+            tolerance=self._tolerances()[0],
+        )
+        try:
+            if self._benchmark.disabled:
+                return multirank.run_once(settings, world_size, timeout)
+            measurement = multirank.measure(settings, world_size, timeout)
+        except RuntimeError as exc:
+            if "CUDA out of memory" in str(exc):
+                pytest.skip(oom_reason(str(exc), backend.name) + f" on one of {world_size} ranks")
+            raise
+        self._record(measurement, flops, bytes, precision or infer_precision((), {}))
         return measurement.result
 
     def _record(self, measurement: timing.Measurement, flops, nbytes, precision) -> None:

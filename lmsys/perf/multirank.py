@@ -1,0 +1,228 @@
+"""Benchmarks of a step that runs on several ranks (DDP variants, sharded optimizers, collectives), timed so that the
+gate judges them like any single-device benchmark.
+
+The test process spawns the ranks itself (lmsys.distributed.launch: a free port, a timeout, the failing rank's
+traceback), NCCL on GPUs and gloo on the CPU. On every rank:
+
+    step = setup(ctx, **kwargs)        the subject is built on the rank (ctx: RankContext); step() takes no arguments
+    one untimed call, one calibration round (the slowest rank's round decides the plan), warmup rounds
+    timed rounds: all ranks meet at a barrier, then each times the round on its own clock (CUDA events)
+    rank 0 gathers the samples: a round's time is the maximum over the ranks
+    with a baseline, rank 0 compares; when that says SLOWER every rank times the rounds once more, and that decides
+    one more call per rank under reset peak memory statistics
+
+Back in the test process the result is a timing.Measurement, recorded and judged by the fixture like any other:
+the memory the gate checks is the largest rank's peak; every rank's readings, the world size, the transport and
+the named spans of the step (`ctx.span("comm_wait")`: median over rounds of the slowest rank's span, and its share
+of the round) go into extra_info.
+"""
+
+import contextlib
+import dataclasses
+import gc
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lmsys.distributed.launch import init_process_group, launch
+from lmsys.perf import compare, timing
+
+
+@dataclass
+class RankContext:
+    """What a rank's `setup` gets: its rank, the world size, its device and the measurement backend.
+
+    `span(name)` times a part of the step on the rank's clock (device events on a GPU), e.g. the wait for gradient
+    communication; `mark(name)` notes the device memory allocated at a point of the step (read during the memory
+    call; None on the CPU).
+    """
+
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: Any
+    _events: list = field(default_factory=list)
+    marks: dict[str, int | None] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        """Times the block as part of the current round (on a GPU: events on the current stream, no sync)."""
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((name, start, end))
+        else:
+            clock = getattr(self.backend, "clock", time.perf_counter)
+            start = clock()
+            yield
+            self._events.append((name, start, clock()))
+
+    def mark(self, name: str) -> None:
+        """Notes the memory allocated on this rank's device now (the last call's value is kept)."""
+        self.marks[name] = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
+
+    def _take_spans(self) -> dict[str, float]:
+        """Seconds per span name of the round that just ended (its device work has finished)."""
+        spans: dict[str, float] = {}
+        for name, start, end in self._events:
+            seconds = start.elapsed_time(end) / 1e3 if self.device.type == "cuda" else end - start
+            spans[name] = spans.get(name, 0.0) + seconds
+        self._events.clear()
+        return spans
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the test process hands every rank: the subject, the round budget and the baseline to judge against."""
+
+    setup: Callable
+    setup_kwargs: dict
+    make_backend: Callable[[], Any]
+    transport: str
+    max_time: float
+    min_rounds: int
+    warmup_rounds: int | None
+    disable_gc: bool
+    baseline_samples: list[float] | None
+    tolerance: float
+    once: bool = False
+
+
+def _barrier(ctx: RankContext) -> None:
+    if ctx.device.type == "cuda":
+        dist.barrier(device_ids=[ctx.device.index])
+    else:
+        dist.barrier()
+
+
+def _time_rounds(ctx: RankContext, step: Callable[[], Any], rounds: int) -> tuple[list[float], list[dict], float]:
+    """This rank's per-round seconds and spans, each round started at a barrier; and the wall seconds per round."""
+    samples, spans = [], []
+    start = time.perf_counter()
+    for _ in range(rounds):
+        _barrier(ctx)
+        samples.append(ctx.backend.time_call(step))
+        spans.append(ctx._take_spans())
+    return samples, spans, (time.perf_counter() - start) / max(rounds, 1)
+
+
+def _gather(value) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _slowest(per_rank: list[list[float]]) -> list[float]:
+    """Per round, the slowest rank's time."""
+    return [max(times) for times in zip(*per_rank, strict=True)]
+
+
+def _span_summary(per_rank_spans: list[list[dict]], round_times: list[float]) -> dict[str, dict[str, float]]:
+    """Per span name: the median over rounds of the slowest rank's time, and that as a share of the median round."""
+    names = sorted({name for spans in per_rank_spans for round_spans in spans for name in round_spans})
+    typical = median(round_times)
+    summary = {}
+    for name in names:
+        per_round = [
+            max(spans[i].get(name, 0.0) for spans in per_rank_spans) for i in range(len(round_times))
+        ]
+        seconds = median(per_round)
+        summary[name] = {"seconds": seconds, "share": seconds / typical if typical > 0 else 0.0}
+    return summary
+
+
+def rank_main(settings: Settings) -> tuple[Any, dict | None]:
+    """One rank's benchmark (run under lmsys.distributed.launch). Returns its last result, and on rank 0 the
+    gathered measurement as a dict."""
+    device = init_process_group(settings.transport)
+    backend = settings.make_backend()
+    ctx = RankContext(dist.get_rank(), dist.get_world_size(), device, backend)
+    if settings.once:  # --benchmark-disable: the step runs once, untimed
+        return settings.setup(ctx, **settings.setup_kwargs)(), None
+    with timing.gc_paused(settings.disable_gc):
+        step = settings.setup(ctx, **settings.setup_kwargs)
+        step()  # compilation, autotuning, allocator growth
+        backend.synchronize()
+        _, _, calibration = _time_rounds(ctx, step, 1)
+        plan = timing.plan(max(_gather(calibration)), settings.max_time, settings.min_rounds, settings.warmup_rounds)
+        _time_rounds(ctx, step, plan.warmup_rounds - 1)
+
+        def measure_all():
+            samples, spans, wall = _time_rounds(ctx, step, plan.rounds)
+            gathered = _gather((samples, spans, wall))
+            return _slowest([g[0] for g in gathered]), [g[1] for g in gathered], max(g[2] for g in gathered)
+
+        def judge(samples):
+            if settings.baseline_samples is None:
+                return None
+            return compare.compare_time(samples, settings.baseline_samples, settings.tolerance)
+
+        samples, spans, wall = measure_all()
+        comparison = judge(samples)
+        remeasured = comparison is not None and comparison.verdict == compare.SLOWER
+        if remeasured:  # every rank computed the same comparison from the same gathered samples
+            samples, spans, wall = measure_all()
+            comparison = judge(samples)
+        _barrier(ctx)
+        ctx.marks.clear()
+        result, memory = backend.measure_memory(step)
+        readings = _gather((memory, dict(ctx.marks)))
+    if ctx.rank != 0:
+        return result, None
+    return result, {
+        "samples": samples,
+        "wall": wall,
+        "warmup_rounds": plan.warmup_rounds,
+        "comparison": comparison,
+        "remeasured": remeasured,
+        "readings": readings,
+        "spans": _span_summary(spans, samples),
+    }
+
+
+def _largest(readings: list) -> Any:
+    """The reading of the rank with the largest peak above start (None when no rank has one)."""
+    memories = [memory for memory, _ in readings if memory is not None]
+    return max(memories, key=lambda m: m.peak_allocated_above_start, default=None)
+
+
+def run_once(settings: Settings, world_size: int, timeout: float) -> list:
+    """Each rank's result of one untimed call of its step (what --benchmark-disable runs)."""
+    once = dataclasses.replace(settings, once=True)
+    return [result for result, _ in launch(rank_main, world_size, once, backend=settings.transport, timeout=timeout)]
+
+
+def measure(settings: Settings, world_size: int, timeout: float) -> timing.Measurement:
+    """Runs the benchmark on `world_size` ranks and returns it as one Measurement (results: a list in rank order)."""
+    gc.collect()
+    outputs = launch(rank_main, world_size, settings, backend=settings.transport, timeout=timeout)
+    results = [result for result, _ in outputs]
+    gathered = outputs[0][1]
+    per_rank = []
+    for memory, marks in gathered["readings"]:
+        entry = {} if memory is None else memory.as_extra_info()
+        entry.update({f"{name}_allocated_bytes": value for name, value in marks.items() if value is not None})
+        per_rank.append(entry)
+    extra = {
+        "world_size": world_size,
+        "dist_backend": settings.transport,
+        "per_rank_memory": per_rank,
+        "spans": gathered["spans"],
+    }
+    return timing.Measurement(
+        samples=gathered["samples"],
+        wall_seconds_per_round=gathered["wall"],
+        warmup_rounds=gathered["warmup_rounds"],
+        memory=_largest(gathered["readings"]),
+        result=results,
+        time_comparison=gathered["comparison"],
+        remeasured=gathered["remeasured"],
+        extra_info=extra,
+    )

@@ -1,0 +1,102 @@
+"""Multi-rank benchmarks under the gate (`gpu_benchmark.distributed`): pytester runs whose tests spawn two gloo ranks,
+each timing its step on a fake GPU clock (tests/perf_fakes.py), so the samples, the spans and the memory are exact."""
+
+import json
+
+import pytest
+from perf_fakes import INNER_CONFTEST
+
+pytest_plugins = ["pytester"]
+
+RUN_ARGS = (
+    "--benchmark-max-time=0", "--benchmark-min-rounds=9", "-rfEs",
+    "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
+)
+MIB = 2**20
+
+# Rank r's step takes ms * (1 + r * skew) on its fake clock, a quarter of it inside the span "comm_wait", and
+# allocates (r + 1) * memory bytes at its peak.
+SUITE = '''
+import pytest
+
+
+def setup(ctx, ms, skew, memory, fail_rank=None):
+    if ctx.rank == fail_rank:
+        raise ValueError(f"rank {{ctx.rank}} cannot build its model")
+    seconds = ms * 1e-3 * (1 + ctx.rank * skew)
+
+    def step():
+        ctx.backend.now += 0.75 * seconds
+        with ctx.span("comm_wait"):
+            ctx.backend.now += 0.25 * seconds
+        ctx.backend.allocated = max(ctx.backend.allocated, (ctx.rank + 1) * memory)
+        ctx.mark("after_step")
+        return ctx.rank
+
+    return step
+
+
+@pytest.mark.parametrize("world_size", [2], ids=["ws2-gloo"])
+def test_step(gpu_benchmark, world_size):
+    out = gpu_benchmark.distributed(setup, world_size=world_size, timeout=60, ms={ms}, skew={skew},
+                                    memory={memory}, fail_rank={fail_rank}, flops=10**9)
+    assert out == [0, 1]
+'''
+
+
+def write(pytester, ms=1.0, skew=0.0, memory=8 * MIB, fail_rank=None):
+    pytester.makeini("[pytest]\n")
+    pytester.makeconftest(INNER_CONFTEST.format(name="Fake GPU 80GB"))
+    pytester.makepyfile(test_suite=SUITE.format(ms=ms, skew=skew, memory=memory, fail_rank=fail_rank))
+
+
+def run(pytester, *args):
+    return pytester.runpytest_inprocess(*RUN_ARGS, *args)
+
+
+def test_round_time_is_the_slowest_rank_and_memory_the_largest_rank(pytester):
+    write(pytester, ms=1.0, skew=0.5, memory=8 * MIB)
+    result = run(pytester, "--benchmark-save=base", "--benchmark-json=out.json")
+    result.assert_outcomes(passed=1)
+    (bench,) = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    # Rank 1 takes 1.5 ms a round: every round's time is its time.
+    assert bench["stats"]["median"] == pytest.approx(1.5e-3)
+    assert bench["stats"]["rounds"] == 9
+    info = bench["extra_info"]
+    assert (info["world_size"], info["dist_backend"]) == (2, "gloo")
+    assert info["spans"]["comm_wait"]["seconds"] == pytest.approx(0.375e-3)
+    assert info["spans"]["comm_wait"]["share"] == pytest.approx(0.25)
+    assert [rank["peak_allocated_above_start_bytes"] for rank in info["per_rank_memory"]] == [8 * MIB, 16 * MIB]
+    assert info["peak_allocated_above_start_bytes"] == 16 * MIB
+
+
+def test_a_slower_rank_fails_the_comparison_and_more_memory_on_one_rank_too(pytester):
+    write(pytester, ms=1.0, skew=0.0, memory=8 * MIB)
+    run(pytester, "--benchmark-save=base").assert_outcomes(passed=1)
+    write(pytester, ms=1.0, skew=0.2, memory=9 * MIB)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*SLOWER: test_step[[]ws2-gloo[]] median 1.2 ms vs baseline 1 ms (+20.0%*",
+        "*MORE-MEMORY: test_step[[]ws2-gloo[]] peak allocated above start 18 MiB vs baseline 16 MiB*",
+        "*confirmed: the time was re-measured once*",
+    ])
+
+
+def test_a_failing_rank_fails_the_test_with_its_traceback(pytester):
+    write(pytester, fail_rank=1)
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*rank 1*", "*ValueError: rank 1 cannot build its model*"])
+
+
+def test_a_baseline_of_another_world_size_is_refused(pytester):
+    write(pytester)
+    run(pytester, "--benchmark-save=base").assert_outcomes(passed=1)
+    (path,) = (pytester.path / "baselines" / "Fake_GPU_80GB").glob("*.json")
+    doc = json.loads(path.read_text())
+    doc["benchmarks"][0]["extra_info"]["world_size"] = 4
+    path.write_text(json.dumps(doc))
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*the baseline was measured with world size and transport (4, 'gloo')*"])
