@@ -1,0 +1,86 @@
+"""The subject of the distributed perf tests: one training step of the LM on a rank, under a data-parallel wrapper.
+
+`setup_train_step(ctx, ...)` runs on every rank of a `gpu_benchmark.distributed` benchmark (lmsys/perf/multirank.py)
+and returns the step: forward in the `compute` precision ("fp32", or "bf16" autocast), cross-entropy, backward, the wait for gradient
+communication (the span "comm_wait"), the optimizer step, gradients cleared. Each rank draws its own batch; the
+model starts from the same seed everywhere (the wrappers broadcast rank 0's parameters anyway).
+
+Memory marks per rank: "after_init" (model, wrapper and optimizer built), "before_optimizer_step" and
+"after_optimizer_step" (allocated bytes at that point and the peak since the measured call began).
+"""
+
+import dataclasses
+import functools
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from lmsys import flops
+from lmsys.distributed import DDPBucketed, DDPFlat, DDPIndividualParameters, DDPNaive, ShardedOptimizer
+from lmsys.model import SIZES, TransformerLM
+from lmsys.optim import AdamW
+from lmsys.train import cross_entropy, random_batch
+
+BUCKET_SIZES_MB = (1, 10, 100, 1000)
+WRAPPERS = {
+    "torch-ddp": None,  # built in wrap(): it needs the rank's device
+    "naive": DDPNaive,
+    "flat": DDPFlat,
+    "individual": DDPIndividualParameters,
+    **{f"bucketed-{mb}mb": functools.partial(DDPBucketed, bucket_size_mb=mb) for mb in BUCKET_SIZES_MB},
+}
+# torch's AdamW runs fused on a GPU (the reference numbers' optimizer); lmsys's is fused by construction.
+OPTIMIZERS = {"torch-adamw": torch.optim.AdamW, "adamw": AdamW}
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def wrap(name: str, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The model under the named data-parallel wrapper ("single": no wrapper, for world size 1)."""
+    if name == "single":
+        return model
+    if name == "torch-ddp":
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return WRAPPERS[name](model)
+
+
+def model_config(size: str, context: int):
+    """The preset at this context length, with SDPA as the attention (the reference numbers' setting)."""
+    return dataclasses.replace(SIZES[size], context_length=context, attention="sdpa")
+
+
+def step_flops(size: str, context: int, batch: int) -> int:
+    """Model FLOPs of one rank's training step (the embedding is a lookup; every other weight a matmul)."""
+    config = model_config(size, context)
+    with torch.device("meta"):
+        params = TransformerLM(config).num_parameters(embedding=False)
+    return flops.training_step_flops(params, batch, context, config.num_layers, config.d_model)
+
+
+def setup_train_step(ctx, size, context, batch, compute, wrapper, optimizer="torch-adamw", sharded=False):
+    """Builds the model, the wrapper and the optimizer on this rank; returns the step (see the module docstring)."""
+    torch.manual_seed(0)
+    with torch.device(ctx.device):
+        model = TransformerLM(model_config(size, context))
+    wrapped = wrap(wrapper, model, ctx.device)
+    cls = OPTIMIZERS[optimizer]
+    options = {"fused": True} if cls is torch.optim.AdamW and ctx.device.type == "cuda" else {}
+    opt = ShardedOptimizer(model.parameters(), cls, **options) if sharded else cls(model.parameters(), **options)
+    generator = torch.Generator(ctx.device).manual_seed(1000 + ctx.rank)
+    inputs, targets = random_batch(batch, context, model.config.vocab_size, ctx.device, generator)
+    dtype = AUTOCAST[compute]
+    finish = getattr(wrapped, "finish_gradient_synchronization", None)
+    ctx.mark("after_init")
+
+    def step():
+        with torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype is not None):
+            loss = cross_entropy(wrapped(inputs), targets)
+        loss.backward()
+        if finish is not None:
+            with ctx.span("comm_wait"):
+                finish()
+        ctx.mark("before_optimizer_step")
+        opt.step()
+        ctx.mark("after_optimizer_step")
+        opt.zero_grad(set_to_none=True)
+
+    return step

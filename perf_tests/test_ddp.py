@@ -1,0 +1,37 @@
+"""Data-parallel training: our four DDP variants beside torch's DistributedDataParallel (the reference provider),
+and the same step on one device for the scaling ratio, each on ranks spawned by the test (`gpu_benchmark.distributed`).
+
+Per benchmark: the step time (each round the slowest rank's), the share of it spent waiting for gradient
+communication after backward (extra_info spans.comm_wait; torch DDP waits inside backward, so it has none), each
+rank's memory (extra_info per_rank_memory: after initialization, before and after the optimizer step); the gate
+judges the time and the largest rank's peak. Weak-scaling efficiency = single-device step / N-rank step.
+
+On GPUs: the `xl` model, context 512, batch 4 per rank, fp32 and bf16 autocast, NCCL on 2 GPUs (skipped, saying
+so, on a machine with fewer); on the CPU: the tiny model with gloo on 2 ranks.
+"""
+
+import pytest
+import torch
+
+from perf_tests.distributed_step import WRAPPERS, setup_train_step, step_flops
+
+HAS_CUDA = torch.cuda.is_available()
+SIZE, CONTEXT, BATCH = ("xl", 512, 4) if HAS_CUDA else ("tiny", 64, 2)
+TRANSPORT = "nccl" if HAS_CUDA else "gloo"
+PRECISIONS = ("fp32", "bf16") if HAS_CUDA else ("fp32",)
+WORLD_SIZE = 2
+
+
+def cases():
+    for precision in PRECISIONS:
+        yield pytest.param(precision, "single", 1, id=f"{SIZE}-{precision}-single-ws1-{TRANSPORT}")
+        for wrapper in WRAPPERS:
+            yield pytest.param(precision, wrapper, WORLD_SIZE, id=f"{SIZE}-{precision}-{wrapper}-ws{WORLD_SIZE}-{TRANSPORT}")
+
+
+@pytest.mark.parametrize("precision, wrapper, world_size", cases())
+def test_ddp_step(gpu_benchmark, precision, wrapper, world_size):
+    gpu_benchmark.distributed(
+        setup_train_step, world_size=world_size, flops=step_flops(SIZE, CONTEXT, BATCH), precision=precision,
+        size=SIZE, context=CONTEXT, batch=BATCH, compute=precision, wrapper=wrapper,
+    )
