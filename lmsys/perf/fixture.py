@@ -149,7 +149,9 @@ class GpuBenchmark:
         `setup(ctx, **setup_kwargs)` runs on every rank and returns the step, a function of no arguments;
         `setup` must be importable (a module-level function) and its arguments and results picklable. On a GPU the
         ranks talk NCCL, one GPU each, and the test is skipped on a machine with fewer GPUs; on the CPU, gloo.
-        `flops`/`bytes` are the work of one step of the whole world. A rank that fails fails the test with that
+        `flops` is the work of one rank's step (so TFLOP/s and the fraction of peak are per device); `bytes` the bytes each rank moves over the interconnect
+        in one step (for an all-reduce of S bytes, the bus bytes 2(n-1)/n * S), reported as GB/s with no fraction of
+        a peak (the device table has memory bandwidths, not link bandwidths). A rank that fails fails the test with that
         rank's traceback; ranks still running after `timeout` seconds are killed and the test fails.
         """
         _check_arguments(flops, bytes, warmup_rounds, precision)
@@ -192,11 +194,12 @@ class GpuBenchmark:
             if "CUDA out of memory" in str(exc):
                 pytest.skip(oom_reason(str(exc), backend.name) + f" on one of {world_size} ranks")
             raise
-        self._record(measurement, flops, bytes, precision or infer_precision((), {}))
+        self._record(measurement, flops, bytes, precision or infer_precision((), {}), memory_bandwidth=False)
         return measurement.result
 
-    def _record(self, measurement: timing.Measurement, flops, nbytes, precision) -> None:
-        """Judges the memory, combines the verdict and stores the record (summary, plugin) and the stats (JSON)."""
+    def _record(self, measurement: timing.Measurement, flops, nbytes, precision, memory_bandwidth=True) -> None:
+        """Judges the memory, combines the verdict and stores the record (summary, plugin) and the stats (JSON).
+        `memory_bandwidth=False`: the bytes did not go through device memory, so GB/s has no fraction of its peak."""
         session, bench = self._session, self._benchmark
         baseline = session.baseline(bench.fullname)
         memory = measurement.memory
@@ -213,13 +216,17 @@ class GpuBenchmark:
         for sample in measurement.samples:
             stats.update(sample)
         typical = median(measurement.samples)
+        rates = flops_formulas.rates(typical, session.backend.name, flops, nbytes, precision)
+        if not memory_bandwidth:
+            rates.pop("peak_gbps", None)
+            rates.pop("fraction_of_peak_gbps", None)
         record = Record(
             name=bench.name,
             fullname=bench.fullname,
             median=typical,
             rounds=len(measurement.samples),
             memory=memory,
-            rates=flops_formulas.rates(typical, session.backend.name, flops, nbytes, precision),
+            rates=rates,
             baseline_median=None if baseline is None else float(baseline["stats"]["median"]),
             baseline_peak=baseline_peak,
             verdict=verdict,

@@ -47,7 +47,7 @@ class RankContext:
     device: torch.device
     backend: Any
     _events: list = field(default_factory=list)
-    marks: dict[str, int | None] = field(default_factory=dict)
+    marks: dict[str, int] = field(default_factory=dict)
 
     @contextlib.contextmanager
     def span(self, name: str) -> Iterator[None]:
@@ -65,8 +65,12 @@ class RankContext:
             self._events.append((name, start, clock()))
 
     def mark(self, name: str) -> None:
-        """Notes the memory allocated on this rank's device now (the last call's value is kept)."""
-        self.marks[name] = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
+        """Notes the device memory allocated now and its peak so far on this rank (in setup: since the rank started;
+        in the step: since the memory call began, so the peak up to that point of the step). The last call's
+        values are kept; on the CPU there are none."""
+        if self.device.type == "cuda":
+            self.marks[f"{name}_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+            self.marks[f"{name}_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
 
     def _take_spans(self) -> dict[str, float]:
         """Seconds per span name of the round that just ended (its device work has finished)."""
@@ -171,7 +175,6 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
             samples, spans, wall = measure_all()
             comparison = judge(samples)
         _barrier(ctx)
-        ctx.marks.clear()
         result, memory = backend.measure_memory(step)
         readings = _gather((memory, dict(ctx.marks)))
     if ctx.rank != 0:
@@ -208,7 +211,7 @@ def measure(settings: Settings, world_size: int, timeout: float) -> timing.Measu
     per_rank = []
     for memory, marks in gathered["readings"]:
         entry = {} if memory is None else memory.as_extra_info()
-        entry.update({f"{name}_allocated_bytes": value for name, value in marks.items() if value is not None})
+        entry.update(marks)
         per_rank.append(entry)
     extra = {
         "world_size": world_size,
