@@ -1,6 +1,7 @@
 """The environment a measurement was taken in, for the JSON's machine_info: the device, the driver, the CUDA, cuDNN,
 NCCL, torch and triton versions, and the git commit. Also which of these differ between a baseline and now."""
 
+import os
 import platform
 import shutil
 import subprocess
@@ -64,9 +65,13 @@ def software_versions(is_gpu: bool) -> dict[str, str | None]:
     }
 
 
+# A copy of the tree without .git (a GPU machine that gets the working tree) names its commit here.
+COMMIT_VARIABLE = "LMSYS_GIT_COMMIT"
+
+
 def git_commit(root: Path) -> str | None:
-    """The commit checked out at root, or None outside a git repository."""
-    return _run(["git", "rev-parse", "HEAD"], cwd=root)
+    """The commit measured: $LMSYS_GIT_COMMIT when set, else the commit checked out at root, else None."""
+    return os.environ.get(COMMIT_VARIABLE) or _run(["git", "rev-parse", "HEAD"], cwd=root)
 
 
 def collect(backend, machine_id: str, root: Path) -> dict[str, Any]:

@@ -148,6 +148,13 @@ def pytest_benchmark_update_machine_info(config, machine_info):
         (machine_info.get("cpu") or {}).pop(volatile, None)
 
 
+def pytest_benchmark_update_commit_info(config, commit_info):
+    # pytest-benchmark reads the commit from .git; a tree copied without it names the commit in $LMSYS_GIT_COMMIT.
+    commit = config.stash[SESSION_KEY].environment["git_commit"]
+    if commit and commit_info.get("id") in (None, "unversioned", "unknown"):
+        commit_info["id"] = commit
+
+
 def pytest_collection_modifyitems(config, items):
     session = config.stash[SESSION_KEY]
     skip_grid = pytest.mark.skip(reason="a point of the full grid: run with --full-grid to include it")

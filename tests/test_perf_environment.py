@@ -1,0 +1,31 @@
+"""The measured commit: from git, or from $LMSYS_GIT_COMMIT on a copy of the tree without .git (a GPU machine)."""
+
+import json
+
+from perf_fakes import INNER_CONFTEST
+
+from lmsys.perf import environment
+
+pytest_plugins = ["pytester"]
+
+
+def test_git_commit_prefers_the_variable(monkeypatch, tmp_path):
+    monkeypatch.delenv(environment.COMMIT_VARIABLE, raising=False)
+    assert environment.git_commit(tmp_path) is None  # not a repository
+    monkeypatch.setenv(environment.COMMIT_VARIABLE, "abc123")
+    assert environment.git_commit(tmp_path) == "abc123"
+
+
+def test_a_baseline_saved_outside_git_names_the_commit_handed_in(pytester, monkeypatch):
+    monkeypatch.setenv(environment.COMMIT_VARIABLE, "0123456789abcdef")
+    pytester.makeini("[pytest]\n")
+    pytester.makeconftest(INNER_CONFTEST.format(name="Fake GPU 80GB"))
+    pytester.makepyfile(test_a="def test_a(gpu_benchmark, fake):\n    gpu_benchmark(fake.work(1.0))\n")
+    result = pytester.runpytest_inprocess(
+        "--benchmark-max-time=0", "--benchmark-min-rounds=3", "--benchmark-save=x", "-p", "no:cacheprovider"
+    )
+    assert result.ret == 0, result.stdout.str()
+    (path,) = (pytester.path / "baselines" / "Fake_GPU_80GB").glob("*.json")
+    doc = json.loads(path.read_text())
+    assert doc["commit_info"]["id"] == "0123456789abcdef"
+    assert doc["machine_info"]["lmsys"]["git_commit"] == "0123456789abcdef"
