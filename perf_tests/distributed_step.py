@@ -1,7 +1,8 @@
 """The subject of the distributed perf tests: one training step of the LM on a rank, under a data-parallel wrapper.
 
 `setup_train_step(ctx, ...)` runs on every rank of a `gpu_benchmark.distributed` benchmark (lmsys/perf/multirank.py)
-and returns the step: forward in the `compute` precision ("fp32", or "bf16" autocast), cross-entropy, backward, the wait for gradient
+and returns the step: forward in the `compute` precision ("fp32", or "bf16": autocast under DDP, weights gathered in
+bf16 under the fully sharded wrappers), cross-entropy, backward, the wait for gradient
 communication (the span "comm_wait"), the optimizer step, gradients cleared. Each rank draws its own batch; the
 model starts from the same seed everywhere (the wrappers broadcast rank 0's parameters anyway).
 
@@ -13,10 +14,11 @@ import dataclasses
 import functools
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from lmsys import flops
-from lmsys.distributed import DDPBucketed, DDPFlat, DDPIndividualParameters, DDPNaive, ShardedOptimizer
+from lmsys.distributed import FSDP, DDPBucketed, DDPFlat, DDPIndividualParameters, DDPNaive, ShardedOptimizer
 from lmsys.model import SIZES, TransformerLM
 from lmsys.optim import AdamW
 from lmsys.train import cross_entropy, random_batch
@@ -31,15 +33,30 @@ WRAPPERS = {
 }
 # torch's AdamW runs fused on a GPU (the reference numbers' optimizer); lmsys's is fused by construction.
 OPTIMIZERS = {"torch-adamw": torch.optim.AdamW, "adamw": AdamW}
-AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}
+# Fully sharded wrappers compute in the given dtype themselves (weights gathered in it); the others run under autocast.
+SHARDED_WRAPPERS = ("fsdp", "torch-fsdp2")
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
-def wrap(name: str, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def torch_fully_shard(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
+    """torch's FSDP2 as torchtitan applies it: `fully_shard` on each block, then on the root; parameters gathered in
+    `dtype` (when given) and gradients reduced in fp32."""
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    for block in model.layers:
+        fully_shard(block, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
+
+
+def wrap(name: str, model: torch.nn.Module, device: torch.device, dtype: torch.dtype | None) -> torch.nn.Module:
     """The model under the named data-parallel wrapper ("single": no wrapper, for world size 1)."""
     if name == "single":
         return model
     if name == "torch-ddp":
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if name == "fsdp":
+        return FSDP(model, compute_dtype=dtype)
+    if name == "torch-fsdp2":
+        return torch_fully_shard(model, dtype)
     return WRAPPERS[name](model)
 
 
@@ -61,18 +78,21 @@ def setup_train_step(ctx, size, context, batch, compute, wrapper, optimizer="tor
     torch.manual_seed(0)
     with torch.device(ctx.device):
         model = TransformerLM(model_config(size, context))
-    wrapped = wrap(wrapper, model, ctx.device)
+    dtype = DTYPES[compute]
+    wrapped = wrap(wrapper, model, ctx.device, dtype)
     cls = OPTIMIZERS[optimizer]
     options = {"fused": True} if cls is torch.optim.AdamW and ctx.device.type == "cuda" else {}
-    opt = ShardedOptimizer(model.parameters(), cls, **options) if sharded else cls(model.parameters(), **options)
+    # A fully sharded wrapper's parameters are this rank's shards; the optimizer steps those.
+    params = list(wrapped.parameters())
+    opt = ShardedOptimizer(params, cls, **options) if sharded else cls(params, **options)
+    autocast = dtype if wrapper not in SHARDED_WRAPPERS else None
     generator = torch.Generator(ctx.device).manual_seed(1000 + ctx.rank)
     inputs, targets = random_batch(batch, context, model.config.vocab_size, ctx.device, generator)
-    dtype = AUTOCAST[compute]
     finish = getattr(wrapped, "finish_gradient_synchronization", None)
     ctx.mark("after_init")
 
     def step():
-        with torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype is not None):
+        with torch.autocast(ctx.device.type, dtype=autocast, enabled=autocast is not None):
             loss = cross_entropy(wrapped(inputs), targets)
         loss.backward()
         if finish is not None:

@@ -1,0 +1,38 @@
+"""Fully sharded data parallel: our FSDP beside torch's `fully_shard` (FSDP2, the reference provider) and our bucketed
+DDP, one training step on ranks spawned by the test (`gpu_benchmark.distributed`).
+
+Per benchmark: the step time (each round the slowest rank's), the share of it spent waiting for communication after
+backward (extra_info spans.comm_wait: our wrappers' finish_gradient_synchronization; torch's waits inside backward),
+and each rank's memory (extra_info per_rank_memory); the gate judges the time and the largest rank's peak.
+
+On GPUs: `xl` and `2.7B`, context 512, batch 4 per rank, bf16 compute (FSDP: weights gathered in bf16, gradients
+reduced in fp32; DDP: bf16 autocast), NCCL on 2 GPUs; on the CPU: the tiny model in fp32 with gloo.
+"""
+
+import pytest
+import torch
+
+from perf_tests.distributed_step import setup_train_step, step_flops
+
+HAS_CUDA = torch.cuda.is_available()
+SIZES = ("xl", "2.7B") if HAS_CUDA else ("tiny",)
+CONTEXT, BATCH = (512, 4) if HAS_CUDA else (64, 2)
+COMPUTE = "bf16" if HAS_CUDA else "fp32"
+TRANSPORT = "nccl" if HAS_CUDA else "gloo"
+WORLD_SIZE = 2
+WRAPPERS = ("fsdp", "torch-fsdp2", "bucketed-100mb")
+
+
+CASES = [
+    pytest.param(size, wrapper, id=f"{size}-{COMPUTE}-{wrapper}-ws{WORLD_SIZE}-{TRANSPORT}")
+    for size in SIZES
+    for wrapper in WRAPPERS
+]
+
+
+@pytest.mark.parametrize("size, wrapper", CASES)
+def test_fsdp_step(gpu_benchmark, size, wrapper):
+    gpu_benchmark.distributed(
+        setup_train_step, world_size=WORLD_SIZE, flops=step_flops(size, CONTEXT, BATCH), precision=COMPUTE,
+        size=size, context=CONTEXT, batch=BATCH, compute=COMPUTE, wrapper=wrapper,
+    )
