@@ -1,0 +1,243 @@
+"""Data parallelism, four ways: each rank holds the whole model, gradients are averaged across ranks.
+
+Every wrapper has torch DDP's contract: the module's parameters are broadcast from rank 0 when it is wrapped,
+`.module` is the wrapped module, `forward` calls it, and after `loss.backward()` and
+`finish_gradient_synchronization()` every parameter that requires a gradient holds the average of the ranks'
+gradients, the same tensor on every rank. Buffers are left alone. Only parameters with `requires_grad` take part;
+a parameter shared by several modules (tied weights) counts once. The training loop is the same for all four:
+
+    loss = loss_fn(model(inputs), targets); loss.backward()
+    model.finish_gradient_synchronization(); optimizer.step(); optimizer.zero_grad()
+
+The four differ in when and how gradients travel:
+    DDPNaive                  after backward, one blocking all-reduce per parameter
+    DDPFlat                   after backward, one all-reduce of all gradients in one flat buffer
+    DDPIndividualParameters   during backward, an asynchronous all-reduce per parameter as its gradient is ready
+    DDPBucketed               during backward, an asynchronous all-reduce per bucket (parameters in reverse order,
+                              at most `bucket_size_mb` per bucket) as soon as all its gradients are ready
+
+A parameter that got no gradient on a rank in a backward (unused there, or unused everywhere) counts as a zero
+gradient on that rank: every rank then issues the same collectives in the same order (NCCL pairs collectives by
+order, so anything else deadlocks or mixes tensors), and the parameter's gradient after synchronization is the
+average, a zero tensor when no rank produced one. Torch DDP's `find_unused_parameters=True` would leave the latter
+None, at the price of an extra all-reduce of a usage bitmap every step; with plain SGD and AdamW without weight
+decay a zero gradient changes nothing, other optimizers may still move such a parameter.
+
+Gradients as bucket views (torch DDP's `gradient_as_bucket_view`, the cheap version): in the flat and bucketed
+variants each parameter's `.grad` becomes a view of its slice of a persistent flat buffer. A freshly allocated
+gradient (after `zero_grad(set_to_none=True)`) is copied into its slice once; a gradient that already is the view
+(after `zero_grad(set_to_none=False)`) is accumulated into in place by autograd and needs no copy. The all-reduce
+then runs on the buffer and nothing is copied back. A parameter that fills a bucket alone skips the buffer: its own
+`.grad` is all-reduced.
+
+Launch order: all-reduces launched from gradient hooks go out in a fixed order (bucket 0, 1, ...), a bucket
+waiting for its predecessors when its gradients happen to be ready first, so that ranks whose backward passes differ
+(a parameter unused on one rank only) still agree. Buckets still incomplete at `finish_gradient_synchronization()`
+are completed there with zeros and launched in the same order.
+"""
+
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lmsys.distributed.collectives import broadcast_coalesced
+
+
+class _GradBucket:
+    """Some parameters of one dtype and device whose gradients travel in one all-reduce.
+
+    With `flat`, the gradients live in one flat buffer (each `.grad` a view of its slice); otherwise the bucket holds
+    one parameter and its `.grad` is reduced as it is.
+    """
+
+    def __init__(self, params: list[nn.Parameter], names: list[str], flat: bool):
+        self.params, self.names = params, names
+        self.buffer, self.views = None, None
+        if flat:
+            first = params[0]
+            self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
+            self.views, offset = [], 0
+            for p in params:
+                self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
+                offset += p.numel()
+        self.ready: set[int] = set()  # indices into params whose gradient is in place for this step
+        self.work: dist.Work | None = None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+    def collect(self, index: int) -> None:
+        """Put this rank's gradient of `params[index]` where the all-reduce will read it (zeros when it has none)."""
+        param, name = self.params[index], self.names[index]
+        if index in self.ready:
+            raise RuntimeError(
+                f"the gradient of {name!r} became ready twice without finish_gradient_synchronization() in between; "
+                "call it after every backward (accumulating over several backward passes is not supported)"
+            )
+        grad = param.grad
+        if grad is not None and grad.is_sparse:
+            raise ValueError(f"parameter {name!r} has a sparse gradient; only dense gradients are supported")
+        if self.buffer is None:
+            if grad is None:
+                param.grad = torch.zeros_like(param)
+        else:
+            view = self.views[index]
+            if grad is None:
+                view.zero_()
+                param.grad = view
+            elif grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+                param.grad = view
+        self.ready.add(index)
+
+    def tensor(self) -> torch.Tensor:
+        return self.buffer if self.buffer is not None else self.params[0].grad
+
+
+class _DataParallel(nn.Module):
+    """What the four variants share: the broadcast at wrap, forward, the buckets and the synchronization."""
+
+    def __init__(self, module: nn.Module, buckets: list[list[tuple[str, nn.Parameter]]], flat: bool, overlap: bool):
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError(f"{type(self).__name__} needs an initialized default process group")
+        self.module = module
+        self.world_size = dist.get_world_size()
+        # gloo and old NCCL lack an averaging all-reduce: sum, then divide after the wait.
+        self._average_op = dist.ReduceOp.AVG if dist.get_backend() == "nccl" else dist.ReduceOp.SUM
+        with torch.no_grad():
+            broadcast_coalesced([p.detach() for p in module.parameters()], src=0)
+        self._buckets = [
+            _GradBucket([p for _, p in bucket], [name for name, _ in bucket], flat=flat and len(bucket) > 1)
+            for bucket in buckets
+        ]
+        self._next_launch = 0  # the buckets before it have been launched this step
+        self._hook_handles = []
+        if overlap:
+            # The hooks hold the wrapper weakly: deleting the wrapper removes them instead of keeping it alive.
+            this = weakref.ref(self)
+            for index, bucket in enumerate(self._buckets):
+                for position, param in enumerate(bucket.params):
+                    hook = _make_hook(this, index, position)
+                    self._hook_handles.append(param.register_post_accumulate_grad_hook(hook))
+            weakref.finalize(self, _remove_hooks, self._hook_handles)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @property
+    def buckets(self) -> list[list[str]]:
+        """The parameter names of each bucket, in launch order."""
+        return [list(bucket.names) for bucket in self._buckets]
+
+    def finish_gradient_synchronization(self) -> None:
+        """Complete and launch every bucket not yet launched, wait for all, and leave the averaged gradients."""
+        for bucket in self._buckets[self._next_launch :]:
+            for index in range(len(bucket.params)):
+                if index not in bucket.ready:
+                    bucket.collect(index)
+        self._launch_ready()
+        for bucket in self._buckets:
+            bucket.work.wait()
+            if self._average_op == dist.ReduceOp.SUM:
+                bucket.tensor().div_(self.world_size)
+            bucket.work = None
+            bucket.ready.clear()
+        self._next_launch = 0
+
+    def _on_grad_ready(self, bucket_index: int, position: int) -> None:
+        bucket = self._buckets[bucket_index]
+        bucket.collect(position)
+        if bucket.complete and bucket_index == self._next_launch:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch the complete buckets at the head of the launch order (async on overlapping variants)."""
+        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].complete:
+            bucket = self._buckets[self._next_launch]
+            bucket.work = dist.all_reduce(bucket.tensor(), op=self._average_op, async_op=True)
+            self._next_launch += 1
+
+
+def _make_hook(this: weakref.ref, bucket_index: int, position: int):
+    def hook(param: torch.Tensor) -> None:
+        wrapper = this()
+        if wrapper is not None:
+            wrapper._on_grad_ready(bucket_index, position)
+
+    return hook
+
+
+def _remove_hooks(handles) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every parameter that requires a gradient, once each, in registration order."""
+    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+
+
+def _split_by_dtype(named: list[tuple[str, nn.Parameter]]) -> list[list[tuple[str, nn.Parameter]]]:
+    groups: dict[tuple, list] = {}
+    for name, p in named:
+        groups.setdefault((p.dtype, p.device), []).append((name, p))
+    return list(groups.values())
+
+
+class DDPNaive(_DataParallel):
+    """After backward, a blocking all-reduce of each parameter's gradient, in registration order."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__(module, [[item] for item in _trainable(module)], flat=False, overlap=False)
+
+    def finish_gradient_synchronization(self) -> None:
+        """All-reduce every gradient, one parameter at a time, and average."""
+        for bucket in self._buckets:
+            bucket.collect(0)
+            dist.all_reduce(bucket.tensor(), op=self._average_op)
+            if self._average_op == dist.ReduceOp.SUM:
+                bucket.tensor().div_(self.world_size)
+            bucket.ready.clear()
+
+
+class DDPFlat(_DataParallel):
+    """After backward, one all-reduce of every gradient, flattened into one buffer (one per dtype and device)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__(module, _split_by_dtype(_trainable(module)), flat=True, overlap=False)
+
+
+class DDPIndividualParameters(_DataParallel):
+    """During backward, an asynchronous all-reduce of each parameter's gradient as soon as it is accumulated."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__(module, [[item] for item in reversed(_trainable(module))], flat=False, overlap=True)
+
+
+class DDPBucketed(_DataParallel):
+    """During backward, an asynchronous all-reduce per bucket of at most `bucket_size_mb` MiB of gradients.
+
+    Buckets take the parameters in reverse registration order (roughly the order backward produces their
+    gradients), one dtype and device per bucket; a parameter larger than the bucket size gets a bucket of its own.
+    """
+
+    def __init__(self, module: nn.Module, bucket_size_mb: float):
+        if not bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
+        limit = bucket_size_mb * 2**20
+        buckets: list[list[tuple[str, nn.Parameter]]] = []
+        size = 0
+        for name, p in reversed(_trainable(module)):
+            nbytes = p.numel() * p.element_size()
+            last = buckets[-1][-1][1] if buckets else None
+            if last is None or size + nbytes > limit or (p.dtype, p.device) != (last.dtype, last.device):
+                buckets.append([])
+                size = 0
+            buckets[-1].append((name, p))
+            size += nbytes
+        super().__init__(module, buckets, flat=True, overlap=True)
+        self.bucket_size_mb = bucket_size_mb

@@ -1,0 +1,283 @@
+"""Run a function on N ranks in fresh processes, with a timeout and the failing rank's traceback.
+
+`launch(fn, world_size, *args)` starts `world_size` processes, initializes `torch.distributed` in each (gloo on the
+CPU, NCCL when there is a GPU per rank) and returns what `fn(*args)` returned on each rank, in rank order. The ranks
+see the environment torchrun sets (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), so rank
+code that starts with `init_process_group()` runs unchanged under `torchrun --nproc-per-node=N` on more GPUs or nodes.
+We add no transport: torch.distributed is the engine.
+
+Failure handling. Each rank sends its result (or its traceback) to the parent through its own pipe; the parent
+waits on those pipes and on the processes' exit sentinels together. The first rank to raise, or to die without
+reporting (a signal, `os._exit`), stops every rank at once and raises `RankError` with that rank's number and
+traceback or exit status; when the timeout expires, every rank is killed and `RankTimeout` names the ranks still
+running. Every process is joined before `launch` returns or raises.
+
+Start method. Ranks are forked from a `forkserver`: a clean process started once per parent, which imports torch
+once. A plain `spawn` re-imports torch in every rank (about 3 s for two ranks on a 2-core CPU machine, measured);
+a fork from the forkserver costs about 25 ms. Plain `fork` of the caller is as cheap but unsafe: a child forked
+after the parent used OpenMP hangs in its first multi-threaded op (seen with torch 2.13 on CPU), and a child
+forked after CUDA initialization cannot use CUDA. The forkserver is neither: it never ran OpenMP or touched CUDA,
+whatever the caller did, so CUDA-initialized callers are fine too. On machines without CUDA the server also imports
+torch._dynamo and the module of `fn` (a test module, say, with everything it imports), which saves each rank those
+imports. Where the platform has no forkserver (Windows) ranks are spawned. The server lives as long as the caller.
+"""
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+# NVLink multicast (NVLS) stays off: on the lent GPU machines it can take a shared server down.
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+_PORT_ATTEMPTS = 3
+_KILL_GRACE_S = 5.0
+_FAILURE_GRACE_S = 1.0
+
+
+class RankError(RuntimeError):
+    """A rank raised or died; `rank` is its number, `details` its traceback or exit status."""
+
+    def __init__(self, rank: int, world_size: int, details: str):
+        super().__init__(f"rank {rank} of {world_size} failed:\n{details}")
+        self.rank = rank
+        self.details = details
+
+
+class RankTimeout(RankError):
+    """The timeout expired; `ranks` were still running (they have been killed)."""
+
+    def __init__(self, ranks: list[int], world_size: int, timeout: float):
+        details = f"ranks {ranks} of {world_size} still running after the {timeout:g} s timeout; all were killed"
+        RuntimeError.__init__(self, details)
+        self.rank, self.details, self.ranks = ranks[0], details, ranks
+
+
+def default_backend(world_size: int) -> str:
+    """NCCL when CUDA is available with at least `world_size` GPUs, else gloo."""
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+
+
+def init_process_group(backend: str | None = None) -> torch.device:
+    """Initialize the default process group from torchrun's environment variables and return this rank's device.
+
+    Call it at the top of rank code: under `launch` the group already exists and this only returns the device;
+    under torchrun it initializes the group. `backend=None` picks NCCL when this rank has a GPU (LOCAL_RANK below the
+    GPU count), else gloo. With NCCL, `torch.cuda.set_device(LOCAL_RANK)` is called and the device is
+    `cuda:LOCAL_RANK`; with gloo it is the CPU.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if name not in os.environ]
+        if missing:
+            raise RuntimeError(f"init_process_group needs the environment torchrun sets; missing: {missing}")
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() and local_rank < torch.cuda.device_count() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+            # device_id binds the group to this GPU: NCCL sets up eagerly and barriers need not guess the device.
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        else:
+            dist.init_process_group(backend)
+    if dist.get_backend() == "nccl":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def launch(
+    fn: Callable,
+    world_size: int,
+    *args,
+    backend: str | None = None,
+    timeout: float = 300.0,
+    **kwargs,
+) -> list:
+    """Run `fn(*args, **kwargs)` on `world_size` ranks with torch.distributed initialized; return each rank's result.
+
+    `fn` must be importable by name (a module-level function) and its return value picklable. `backend=None` uses
+    `default_backend(world_size)`. Raises `RankError` (the first rank that failed, with its traceback) or
+    `RankTimeout` (after `timeout` seconds for the whole run, every rank killed). The ranks run with
+    NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 unless already set, and,
+    unless OMP_NUM_THREADS is set, with the CPU cores shared out between them (torchrun sets one thread each).
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    backend = default_backend(world_size) if backend is None else backend
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"backend 'nccl' needs a GPU per rank: {world_size} ranks, {torch.cuda.device_count()} GPUs")
+    context = _context(fn)
+    deadline = time.monotonic() + timeout
+    for attempt in range(_PORT_ATTEMPTS):
+        results = _run(context, fn, args, kwargs, world_size, backend, deadline, timeout)
+        if results is not None:
+            return results
+    raise RuntimeError(f"rank 0 found its master port in use {_PORT_ATTEMPTS} times in a row")
+
+
+def _context(fn: Callable) -> multiprocessing.context.BaseContext:
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    preload = ["__main__", "torch", "torch.distributed"]
+    # A module imported into the server could initialize CUDA (torch.cuda.is_available() at import does) and
+    # poison every rank forked from it, so more is preloaded only where there is no CUDA at all: torch._dynamo
+    # (torch.optim imports it when the first optimizer is built: 1.6 s per rank on the CI machine) and fn's module.
+    if not torch.cuda.is_available():
+        preload += ["torch._dynamo"] + ([fn.__module__] if fn.__module__ != "__main__" else [])
+    context.set_forkserver_preload(preload)  # takes effect only when the server starts (the first launch)
+    return context
+
+
+def _run(context, fn, args, kwargs, world_size, backend, deadline, timeout) -> list | None:
+    """One attempt on a fresh port; None when rank 0 found the port taken (the caller retries)."""
+    port = _free_port()
+    environment = dict(os.environ)  # forkserver children would otherwise see the server's environment
+    processes, connections = [], []
+    try:
+        for rank in range(world_size):
+            receiver, sender = context.Pipe(duplex=False)
+            process = context.Process(
+                target=_rank_main,
+                args=(fn, args, kwargs, rank, world_size, port, backend, environment, sender),
+                name=f"rank{rank}",
+                daemon=True,
+            )
+            process.start()
+            sender.close()
+            processes.append(process)
+            connections.append(receiver)
+        return _collect(processes, connections, world_size, deadline, timeout)
+    finally:
+        _stop(processes)
+        for connection in connections:
+            connection.close()
+
+
+def _collect(processes, connections, world_size, deadline, timeout) -> list | None:
+    results: dict[int, object] = {}
+    failures: list[tuple[int, int, str]] = []  # (kind: 0 died, 1 raised, 2 raised in a collective; rank; details)
+    waiting = dict(enumerate(connections))
+    while waiting:
+        ready = multiprocessing.connection.wait(
+            list(waiting.values()) + [processes[rank].sentinel for rank in waiting],
+            timeout=max(deadline - time.monotonic(), 0),
+        )
+        if not ready and time.monotonic() >= deadline:
+            break
+        for rank in sorted(waiting):
+            connection = waiting[rank]
+            # A rank that sent its result and exited has both its pipe and its sentinel ready: read the pipe first.
+            if connection.poll():
+                try:
+                    status, payload = pickle.loads(connection.recv_bytes())
+                except EOFError:
+                    status, payload = "died", None
+            elif processes[rank].sentinel in ready:
+                status, payload = "died", None
+            else:
+                continue
+            del waiting[rank]
+            if status == "ok":
+                results[rank] = pickle.loads(payload)
+            elif status == "port_in_use":
+                return None
+            elif status == "error":
+                details, in_collective = payload
+                failures.append((2 if in_collective else 1, rank, details))
+            else:
+                processes[rank].join(_KILL_GRACE_S)
+                failures.append((0, rank, _exit_status(processes[rank].exitcode)))
+            if len(failures) == 1 and status != "ok":
+                # The peers of a failed rank fail next in their collectives: wait a moment for them, then report
+                # the root cause (a death, else an error raised outside torch.distributed) and not its echo.
+                deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+    if failures:
+        _, rank, details = min(failures)
+        others = sorted(r for _, r, _ in failures if r != rank)
+        raise RankError(rank, world_size, details + (f"\n(ranks {others} failed as well)" if others else ""))
+    if waiting:
+        raise RankTimeout(sorted(waiting), world_size, timeout)
+    return [results[rank] for rank in range(world_size)]
+
+
+def _stop(processes) -> None:
+    """Terminate the ranks still running, kill those that ignore it, and join every one (no zombies)."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(_KILL_GRACE_S)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _exit_status(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"died from signal {signal.Signals(-exitcode).name} (exit code {exitcode}) without reporting a result"
+    return f"exited with code {exitcode} without reporting a result"
+
+
+def _free_port() -> int:
+    # The port is free now; another process can take it before rank 0 binds it, hence the retry in launch().
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _rank_main(fn, args, kwargs, rank, world_size, port, backend, environment, sender) -> None:
+    """Body of a rank process: environment, process group, `fn`, then (status, payload) down the pipe."""
+    os.environ.clear()
+    os.environ.update(environment)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    for name, value in NO_MULTICAST_ENV.items():
+        os.environ.setdefault(name, value)
+    if "OMP_NUM_THREADS" not in environment:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        try:
+            init_process_group(backend)
+        except dist.DistNetworkError as error:
+            if "EADDRINUSE" not in str(error):
+                raise
+            _send(sender, "port_in_use", None)
+            return
+        result = fn(*args, **kwargs)
+        try:
+            payload = pickle.dumps(result)
+        except Exception as error:
+            raise TypeError(f"the return value of {fn.__qualname__} on rank {rank} cannot be pickled") from error
+        _send(sender, "ok", payload)
+    except BaseException as error:
+        # An error raised inside torch.distributed is most often the echo of a peer's failure.
+        last_file = traceback.extract_tb(error.__traceback__)[-1].filename
+        in_collective = os.path.join("torch", "distributed") in last_file
+        _send(sender, "error", (traceback.format_exc(), in_collective))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sender.close()
+
+
+def _send(sender, status: str, payload) -> None:
+    sender.send_bytes(pickle.dumps((status, payload)))
+
+
+__all__ = ["NO_MULTICAST_ENV", "RankError", "RankTimeout", "default_backend", "init_process_group", "launch"]

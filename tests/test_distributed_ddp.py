@@ -1,0 +1,162 @@
+"""The four DDP variants against a single process trained on the whole batch (gloo, CPU ranks).
+
+Each rank trains the wrapped model on its slice of a batch and, beside it, a single-process copy on the whole batch;
+after every backward the averaged gradients must equal the copy's, and after several steps so must the parameters.
+Every rank initializes its model from a different seed, so the comparison also checks the broadcast at wrap.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lmsys.distributed.ddp import DDPBucketed, DDPFlat, DDPIndividualParameters, DDPNaive
+from lmsys.distributed.launch import launch
+from lmsys.distributed.sharded_optimizer import ShardedOptimizer
+from lmsys.model import SIZES, TransformerLM
+from lmsys.train import cross_entropy
+
+# Bucket sizes for the tiny LM (embedding and head 2.4 MiB each, block weights 16-64 KiB): one parameter per
+# bucket, several buckets, one bucket.
+VARIANTS = {
+    "naive": DDPNaive,
+    "flat": DDPFlat,
+    "individual": DDPIndividualParameters,
+    "bucketed_per_parameter": lambda module: DDPBucketed(module, bucket_size_mb=1e-6),
+    "bucketed_several": lambda module: DDPBucketed(module, bucket_size_mb=0.1),
+    "bucketed_one": lambda module: DDPBucketed(module, bucket_size_mb=1000),
+}
+STEPS = 3
+
+
+class TiedFrozen(nn.Module):
+    """Tied embedding and head, a frozen layer, a parameter never used, one used only by rows that start with 0.
+
+    Used only by such rows: a rank whose slice has none gets no gradient for `extra` at all (its backward has no
+    such edge), while another rank does; the wrappers must still issue the same collectives on every rank.
+    """
+
+    def __init__(self, vocab: int = 11, dim: int = 6):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, dim)
+        self.unused = nn.Parameter(torch.randn(5))
+        self.frozen = nn.Linear(dim, dim).requires_grad_(False)
+        self.hidden = nn.Linear(dim, dim)
+        self.extra = nn.Parameter(torch.randn(dim))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embedding.weight
+        self.register_buffer("mark", torch.zeros(()))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.hidden(self.frozen(self.embedding(tokens))))  # (B, T, D)
+        flagged = tokens[:, :1] == 0  # (B, 1)
+        if flagged.any():
+            x = x + flagged.unsqueeze(-1) * self.extra
+        return self.head(x)  # (B, T, V)
+
+
+def _tied_frozen_batch(generator: torch.Generator, batch: int, length: int = 7, vocab: int = 11):
+    tokens = torch.randint(1, vocab, (batch, length + 1), generator=generator)
+    tokens[: batch // dist.get_world_size(), 0] = 0  # only rank 0's rows are flagged
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _lm_batch(generator: torch.Generator, batch: int, length: int = 16):
+    tokens = torch.randint(SIZES["tiny"].vocab_size, (batch, length + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _train_like_single_process(seed: int, model_name: str, variant_names: list[str]) -> dict:
+    """Train each variant for STEPS steps beside a single-process copy; assert equality; return bucket counts."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    build, make_batch = {
+        "lm": (lambda: TransformerLM(SIZES["tiny"]), _lm_batch),
+        "tied_frozen": (TiedFrozen, _tied_frozen_batch),
+    }[model_name]
+    per_rank = 2
+    bucket_counts = {}
+    for name in variant_names:
+        torch.manual_seed(seed + rank)  # every rank starts elsewhere: the wrap broadcasts rank 0's parameters
+        model = build()
+        if model_name == "tied_frozen":
+            model.mark.fill_(rank)
+        ddp = VARIANTS[name](model)
+        torch.manual_seed(seed)
+        reference = build()
+        optimizer = _optimizer(name, ddp.parameters())
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.9)
+        generator = torch.Generator().manual_seed(seed + 1)
+        for step in range(STEPS):
+            inputs, targets = make_batch(generator, per_rank * world_size)
+            mine = slice(rank * per_rank, (rank + 1) * per_rank)
+            cross_entropy(ddp(inputs[mine]), targets[mine]).backward()
+            ddp.finish_gradient_synchronization()
+            cross_entropy(reference(inputs), targets).backward()
+            for (param_name, param), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
+                if expected.grad is not None:
+                    torch.testing.assert_close(param.grad, expected.grad, msg=lambda m: f"{name} {param_name}: {m}")
+                elif param.requires_grad:  # no rank produced a gradient: a zero one, the same on every rank
+                    assert torch.equal(param.grad, torch.zeros_like(param)), f"{name} {param_name}"
+                else:
+                    assert param.grad is None
+            optimizer.step()
+            reference_optimizer.step()
+            # Both ways of clearing: a fresh gradient is copied into its bucket, a kept one is accumulated into.
+            optimizer.zero_grad(set_to_none=step % 2 == 0)
+            reference_optimizer.zero_grad()
+        for (param_name, param), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(param, expected, msg=lambda m: f"{name} {param_name} after {STEPS} steps: {m}")
+        if model_name == "tied_frozen":
+            assert model.mark.item() == rank, "buffers are left alone"
+            assert model.head.weight is model.embedding.weight
+        bucket_counts[name] = len(ddp.buckets)
+    return bucket_counts
+
+
+def _optimizer(variant: str, params) -> torch.optim.Optimizer:
+    # The sharded optimizer rides along with one variant: with averaged gradients it must step like SGD itself.
+    if variant == "bucketed_several":
+        return ShardedOptimizer(params, torch.optim.SGD, lr=0.2, momentum=0.9)
+    return torch.optim.SGD(params, lr=0.2, momentum=0.9)
+
+
+def test_every_variant_trains_the_lm_like_a_single_process(seed):
+    counts = launch(_train_like_single_process, 2, seed, "lm", list(VARIANTS), timeout=120)
+    assert counts[0] == counts[1]
+    trainable = len(list(TransformerLM(SIZES["tiny"]).parameters()))
+    assert counts[0]["bucketed_per_parameter"] == counts[0]["naive"] == counts[0]["individual"] == trainable
+    assert counts[0]["bucketed_one"] == counts[0]["flat"] == 1
+    assert 2 < counts[0]["bucketed_several"] < trainable
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_tied_frozen_and_unused_parameters_like_a_single_process(seed, world_size):
+    counts = launch(_train_like_single_process, world_size, seed, "tied_frozen", list(VARIANTS), timeout=120)
+    assert counts[0]["bucketed_per_parameter"] == 5  # embedding (= head), unused, hidden weight and bias, extra
+    assert counts[0]["bucketed_one"] == 1
+
+
+def _backward_twice() -> str:
+    ddp = DDPBucketed(TiedFrozen(), bucket_size_mb=1e-6)
+    inputs = torch.ones(2, 3, dtype=torch.long)
+    ddp(inputs).sum().backward()
+    try:
+        ddp(inputs).sum().backward()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_second_backward_without_synchronization_is_an_error():
+    messages = launch(_backward_twice, 2, timeout=60)
+    assert all("became ready twice without finish_gradient_synchronization()" in m for m in messages), messages
+
+
+def test_wrapping_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="DDPFlat needs an initialized default process group"):
+        DDPFlat(nn.Linear(2, 2))
+
+
+def test_bucket_size_must_be_positive():
+    with pytest.raises(ValueError, match="bucket_size_mb must be positive, got 0"):
+        DDPBucketed(nn.Linear(2, 2), bucket_size_mb=0)

@@ -1,0 +1,145 @@
+"""The rank launcher: results in rank order, torchrun's environment, and failures that never hang the caller."""
+
+import os
+import signal
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lmsys.distributed import launch as launch_module
+from lmsys.distributed.launch import RankError, RankTimeout, init_process_group, launch
+
+TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def _report(offset: int, *, scale: int) -> dict:
+    device = init_process_group()  # already initialized by launch: returns the device only
+    total = torch.tensor([dist.get_rank() + offset], dtype=torch.float64)
+    dist.all_reduce(total)
+    return {
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "backend": dist.get_backend(),
+        "device": str(device),
+        "sum": scale * total.item(),
+        "env": {name: os.environ.get(name) for name in TORCHRUN_ENV + tuple(launch_module.NO_MULTICAST_ENV)},
+    }
+
+
+def test_returns_each_rank_result_in_rank_order_with_torchrun_environment():
+    results = launch(_report, 3, 10, scale=2, timeout=60)
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    for rank, result in enumerate(results):
+        assert (result["world_size"], result["backend"], result["device"]) == (3, "gloo", "cpu")
+        assert result["sum"] == 2 * (0 + 1 + 2 + 3 * 10)
+        env = result["env"]
+        assert (env["RANK"], env["LOCAL_RANK"]) == (str(rank), str(rank))
+        assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("3", "3")
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == results[0]["env"]["MASTER_PORT"]
+        assert {name: env[name] for name in launch_module.NO_MULTICAST_ENV} == launch_module.NO_MULTICAST_ENV
+
+
+def _rank_one_raises() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("rank one failed on purpose")
+    time.sleep(120)  # rank 0 would outlive any test: launch must stop it
+
+
+def test_raising_rank_fails_fast_with_its_traceback():
+    # A launcher that waited for rank 0 would end in RankTimeout after 60 s; RankError means it stopped rank 0 first.
+    with pytest.raises(RankError) as info:
+        launch(_rank_one_raises, 2, timeout=60)
+    assert type(info.value) is RankError and info.value.rank == 1
+    message = str(info.value)
+    assert message.startswith("rank 1 of 2 failed")
+    assert "ValueError: rank one failed on purpose" in message and "in _rank_one_raises" in message
+
+
+def _rank_one_hangs(pid_file: str) -> int:
+    if dist.get_rank() == 1:
+        with open(pid_file, "w") as file:
+            file.write(str(os.getpid()))
+        time.sleep(120)
+    return dist.get_rank()
+
+
+def test_hanging_rank_is_killed_after_the_timeout(tmp_path):
+    pid_file = tmp_path / "pid"
+    with pytest.raises(RankTimeout) as info:
+        launch(_rank_one_hangs, 2, str(pid_file), timeout=3)
+    assert info.value.ranks == [1]
+    assert "ranks [1] of 2 still running after the 3 s timeout" in str(info.value)
+    assert not _exists(int(pid_file.read_text()))
+
+
+def _exists(pid: int) -> bool:
+    """Whether `pid` is still a process; its parent (the forkserver) reaps it asynchronously, so allow a moment."""
+    for _ in range(50):
+        try:
+            with open(f"/proc/{pid}/status") as status:
+                if "zombie" not in status.read():
+                    return True
+        except FileNotFoundError:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _rank_one_dies(how: str) -> None:
+    if dist.get_rank() == 1:
+        if how == "signal":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(3)
+    dist.barrier()  # blocks until rank 1 arrives, which it never does
+
+
+@pytest.mark.parametrize("how,expected", [("signal", "died from signal SIGKILL"), ("exit", "exited with code 3")])
+def test_rank_that_dies_without_reporting_is_named_with_its_exit_status(how, expected):
+    with pytest.raises(RankError, match=f"rank 1 of 2 failed:\n{expected}"):
+        launch(_rank_one_dies, 2, how, timeout=60)
+
+
+def _unpicklable():
+    return lambda: None
+
+
+def test_unpicklable_result_is_an_error_naming_the_function():
+    with pytest.raises(RankError, match="the return value of _unpicklable on rank 0 cannot be pickled"):
+        launch(_unpicklable, 1, timeout=60)
+
+
+def test_taken_port_is_retried(monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = [taken.getsockname()[1]]
+        free_port = launch_module._free_port
+        monkeypatch.setattr(launch_module, "_free_port", lambda: ports.pop() if ports else free_port())
+        assert [r["rank"] for r in launch(_report, 2, 0, scale=1, timeout=60)] == [0, 1]
+        assert not ports
+        monkeypatch.setattr(launch_module, "_free_port", lambda: taken.getsockname()[1])
+        with pytest.raises(RuntimeError, match="port in use 3 times"):
+            launch(_report, 2, 0, scale=1, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(world_size=0), "world_size must be a positive integer"),
+        (dict(world_size=2, timeout=0), "timeout must be positive"),
+        (dict(world_size=torch.cuda.device_count() + 1, backend="nccl"), "backend 'nccl' needs a GPU per rank"),
+    ],
+)
+def test_bad_arguments_are_refused_before_starting_ranks(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        launch(_report, **kwargs)
+
+
+def test_init_process_group_outside_launch_names_the_missing_variables(monkeypatch):
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="missing: \\['MASTER_ADDR', 'MASTER_PORT', 'RANK', 'WORLD_SIZE'\\]"):
+        init_process_group()
