@@ -18,7 +18,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from lmsys import flops
-from lmsys.distributed import FSDP, DDPBucketed, DDPFlat, DDPIndividualParameters, DDPNaive, ShardedOptimizer
+from lmsys.distributed.ddp import DDPBucketed, DDPFlat, DDPIndividualParameters, DDPNaive
+from lmsys.distributed.fsdp import FSDP
+from lmsys.distributed.sharded_optimizer import ShardedOptimizer
 from lmsys.model import SIZES, TransformerLM
 from lmsys.optim import AdamW
 from lmsys.train import cross_entropy, random_batch
