@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lmsys.distributed.ddp import DDPBucketed, DDPFlat, DDPIndividualParameters, DDPNaive
-from lmsys.distributed.launch import launch
+from lmsys.distributed.launch import init_process_group, launch
 from lmsys.distributed.sharded_optimizer import ShardedOptimizer
 from lmsys.model import SIZES, TransformerLM
 from lmsys.train import cross_entropy
@@ -27,6 +27,8 @@ VARIANTS = {
     "bucketed_one": lambda module: DDPBucketed(module, bucket_size_mb=1000),
 }
 STEPS = 3
+TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
+BACKENDS = ["gloo", pytest.param("nccl", marks=TWO_GPUS)]
 
 
 class TiedFrozen(nn.Module):
@@ -68,6 +70,7 @@ def _lm_batch(generator: torch.Generator, batch: int, length: int = 16):
 
 def _train_like_single_process(seed: int, model_name: str, variant_names: list[str]) -> dict:
     """Train each variant for STEPS steps beside a single-process copy; assert equality; return bucket counts."""
+    device = init_process_group()  # the CPU under gloo, this rank's GPU under NCCL
     rank, world_size = dist.get_rank(), dist.get_world_size()
     build, make_batch = {
         "lm": (lambda: TransformerLM(SIZES["tiny"]), _lm_batch),
@@ -77,17 +80,19 @@ def _train_like_single_process(seed: int, model_name: str, variant_names: list[s
     bucket_counts = {}
     for name in variant_names:
         torch.manual_seed(seed + rank)  # every rank starts elsewhere: the wrap broadcasts rank 0's parameters
-        model = build()
+        with device:
+            model = build()
         if model_name == "tied_frozen":
             model.mark.fill_(rank)
         ddp = VARIANTS[name](model)
         torch.manual_seed(seed)
-        reference = build()
+        with device:
+            reference = build()
         optimizer = _optimizer(name, ddp.parameters())
         reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.9)
         generator = torch.Generator().manual_seed(seed + 1)
         for step in range(STEPS):
-            inputs, targets = make_batch(generator, per_rank * world_size)
+            inputs, targets = (t.to(device) for t in make_batch(generator, per_rank * world_size))
             mine = slice(rank * per_rank, (rank + 1) * per_rank)
             cross_entropy(ddp(inputs[mine]), targets[mine]).backward()
             ddp.finish_gradient_synchronization()
@@ -120,8 +125,9 @@ def _optimizer(variant: str, params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.2, momentum=0.9)
 
 
-def test_every_variant_trains_the_lm_like_a_single_process(seed):
-    counts = launch(_train_like_single_process, 2, seed, "lm", list(VARIANTS), timeout=120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_variant_trains_the_lm_like_a_single_process(seed, backend):
+    counts = launch(_train_like_single_process, 2, seed, "lm", list(VARIANTS), backend=backend, timeout=120)
     assert counts[0] == counts[1]
     trainable = len(list(TransformerLM(SIZES["tiny"]).parameters()))
     assert counts[0]["bucketed_per_parameter"] == counts[0]["naive"] == counts[0]["individual"] == trainable

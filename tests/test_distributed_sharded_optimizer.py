@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lmsys.distributed.launch import launch
+from lmsys.distributed.launch import init_process_group, launch
 from lmsys.distributed.sharded_optimizer import ShardedOptimizer
 from lmsys.optim import AdamW
 
@@ -15,11 +15,12 @@ SHAPES = [(7,), (33, 5), (3, 1, 17), (), (129,), (4, 4), (65, 3)]
 OPTIMIZERS = {"torch_adamw": torch.optim.AdamW, "lmsys_adamw": AdamW}
 HYPER = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
 STEPS = 10
+TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
 
 
-def _params(seed: int) -> list[torch.Tensor]:
+def _params(seed: int, device: torch.device) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=generator).requires_grad_() for shape in SHAPES]
+    return [torch.randn(shape, generator=generator).to(device).requires_grad_() for shape in SHAPES]
 
 
 def _set_grads(params_lists: list[list[torch.Tensor]], generator: torch.Generator, step: int) -> None:
@@ -27,16 +28,17 @@ def _set_grads(params_lists: list[list[torch.Tensor]], generator: torch.Generato
     for params in params_lists:
         for index, (param, grad) in enumerate(zip(params, grads, strict=True)):
             # Now and then a parameter has no gradient and its optimizer skips it.
-            param.grad = None if (step + index) % 6 == 0 else grad.clone()
+            param.grad = None if (step + index) % 6 == 0 else grad.to(param.device)
 
 
 def _sharded_like_unsharded(seed: int, optimizer_names: list[str]) -> dict:
     """For each optimizer: STEPS steps of sharded and unsharded side by side (the gradients are the same on every
     rank, as after DDP), a group added at step 3 and a state-dict round trip at step 6; assert equality."""
+    device = init_process_group()
     state_sizes = {}
     for name in optimizer_names:
         optimizer_cls = OPTIMIZERS[name]
-        mine, theirs = _params(seed), _params(seed)
+        mine, theirs = _params(seed, device), _params(seed, device)
         sharded = ShardedOptimizer(mine[:4], optimizer_cls, **HYPER)
         unsharded = optimizer_cls(theirs[:4], **HYPER)
         generator = torch.Generator().manual_seed(seed + 1)
@@ -80,9 +82,11 @@ def _state_numel(optimizer: torch.optim.Optimizer) -> int:
     return sum(value.numel() for state in optimizer.state.values() for key, value in state.items() if key != "step")
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_sharded_matches_unsharded_adamw_over_10_steps(seed, world_size):
-    results = launch(_sharded_like_unsharded, world_size, seed, list(OPTIMIZERS), timeout=120)
+@pytest.mark.parametrize(
+    "world_size,backend", [(2, "gloo"), (3, "gloo"), pytest.param(2, "nccl", marks=TWO_GPUS)], ids=str
+)
+def test_sharded_matches_unsharded_adamw_over_10_steps(seed, world_size, backend):
+    results = launch(_sharded_like_unsharded, world_size, seed, list(OPTIMIZERS), backend=backend, timeout=120)
     total_params = sum(torch.Size(shape).numel() for shape in SHAPES)
     largest = max(torch.Size(shape).numel() for shape in SHAPES)
     for name in OPTIMIZERS:

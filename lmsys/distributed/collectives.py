@@ -9,6 +9,10 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (the old names warn); 2.11 has the old ones only.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 # 1 MiB, 10 MiB, 100 MiB, 1 GiB: the sizes of the all-reduce benchmark (the reference numbers use MiB).
 ALL_REDUCE_SIZES = (2**20, 10 * 2**20, 100 * 2**20, 2**30)
 
