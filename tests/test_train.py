@@ -93,6 +93,15 @@ def test_bf16_autocast_step_runs_and_its_loss_is_close_to_fp32(seed):
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter's limits; on a GPU bf16 runs")
+def test_bf16_autocast_step_with_flash_triton_on_the_interpreter_raises(seed):
+    """The interpreter cannot multiply bf16: the step must fail, not train on wrong attention outputs."""
+    model = TransformerLM(dataclasses.replace(TINY, attention="flash_triton"))
+    step = make_train_step(model, AdamW(model.parameters()), autocast_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16 is not supported by triton under the Triton interpreter"):
+        step(*random_batch(2, 16, TINY.vocab_size, "cpu"))
+
+
 def test_float16_autocast_is_refused():
     model = TransformerLM(TINY)
     with pytest.raises(ValueError, match="autocast_dtype"):
