@@ -351,6 +351,14 @@ def test_incompatible_state_dict_is_refused_and_changes_nothing(corrupt, message
     assert optimizer.state[params[0]]["exp_avg"] is before["exp_avg"]
 
 
+def test_deepcopy_keeps_the_implementation_choice():
+    param = torch.zeros(3, requires_grad=True)
+    twin = copy.deepcopy(AdamW([param], fused=False))
+    assert twin.fused is False
+    twin.param_groups[0]["params"][0].grad = torch.ones(3)
+    twin.step()
+
+
 def test_add_param_group_checks_before_adding(seed):
     first, second = torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True)
     optimizer = AdamW([first])
