@@ -1,20 +1,232 @@
 """AdamW (Loshchilov & Hutter, 2019), the optimizer of the training step; `torch.optim.AdamW` is its reference.
 
-Per parameter p with gradient g, at step t (from 1):
+Per parameter p with gradient g, at step t (from 1; a parameter that had no gradient at a step keeps its own t):
     p <- p * (1 - lr * weight_decay)                      decoupled weight decay
     m <- beta1 m + (1 - beta1) g,   v <- beta2 v + (1 - beta2) g^2
     p <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
-The update runs on whole lists of tensors (`torch._foreach_*`): a few kernel launches per group instead of a few
-per parameter, which matters for models with hundreds of weight tensors.
+
+Two implementations of that update, with the same results:
+- fused (the default for CUDA tensors): one Triton kernel launch per device and dtype per step, over every
+  parameter of every group. The update is memory-bound: it reads p, g, m, v and writes p, m, v, 28 bytes per fp32
+  parameter, and the kernel touches each of them once. Tensors are cut into chunks of CHUNK elements, one program
+  per chunk (multi_tensor_apply's scheme in torch's `_fused_adamw_`): a chunk table (tensor index, first element)
+  is built once per set of tensor sizes and kept on the device; each step copies a small table with every tensor's
+  four addresses, size and per-tensor coefficients (its group's hyper-parameters, its own step). Loads are
+  vectorized when every address is 16-byte aligned. Under TRITON_INTERPRET=1 the kernel also runs on CPU tensors,
+  when asked for with `fused=True` (slow: for tests).
+- foreach (the default elsewhere, `fused=False`): a few `torch._foreach_*` calls per dtype and device.
+
+Parameters and their state are float32 (or float64); bf16/fp16 parameters are refused (keep fp32 master weights and
+use autocast). Everything a step needs is validated before any tensor changes: a bad group, gradient or state
+raises with nothing updated.
 """
 
+import contextlib
 import math
+from collections import defaultdict
 
 import torch
+import triton
+import triton.language as tl
+
+CHUNK = 65536  # elements per program
+BLOCK = 1024  # elements per iteration of a program
+_INTERPRET = triton.knobs.runtime.interpret
+_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
+_UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
+# The per-step tensor table has a row of _ROW int64 per tensor: the addresses of param, grad, exp_avg, exp_avg_sq,
+# the size, then _COEFFICIENTS floats stored as the bits of float64s (the kernel's columns 5 to 11).
+_ROW = 16
+_COEFFICIENTS = ("decay", "step_size", "bc2_sqrt", "weight1", "beta2", "weight2", "eps")
+
+
+@triton.jit
+def _adamw_block(param, grad, exp_avg, exp_avg_sq, offs, mask, decay, step_size, bc2_sqrt, weight1, beta2, weight2,
+                 eps, MASKED: tl.constexpr):
+    if MASKED:
+        p = tl.load(param + offs, mask=mask)
+        g = tl.load(grad + offs, mask=mask)
+        m = tl.load(exp_avg + offs, mask=mask)
+        v = tl.load(exp_avg_sq + offs, mask=mask)
+    else:
+        p = tl.load(param + offs)
+        g = tl.load(grad + offs)
+        m = tl.load(exp_avg + offs)
+        v = tl.load(exp_avg_sq + offs)
+    # Each operation rounded as torch.optim.AdamW's rounds it (its foreach and single-tensor paths on the CPU):
+    # p *= 1 - lr wd;  m.lerp_(g, 1 - beta1);  v = v beta2 + ((1 - beta2) g) g;  p += (-step_size m) / denom.
+    p = p * decay
+    if weight1 < 0.5:
+        m = m + weight1 * (g - m)
+    else:
+        m = g - (g - m) * (1 - weight1)
+    v = v * beta2 + weight2 * g * g
+    if p.dtype == tl.float32:  # correctly rounded square root and divisions (Triton's defaults are approximate)
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        p = p - tl.div_rn(step_size * m, denom)
+    else:
+        denom = tl.sqrt(v) / bc2_sqrt + eps
+        p = p - step_size * m / denom
+    if MASKED:
+        tl.store(param + offs, p, mask=mask)
+        tl.store(exp_avg + offs, m, mask=mask)
+        tl.store(exp_avg_sq + offs, v, mask=mask)
+    else:
+        tl.store(param + offs, p)
+        tl.store(exp_avg + offs, m)
+        tl.store(exp_avg_sq + offs, v)
+
+
+@triton.jit
+def _pointer(row, column, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    pointer = tl.load(row + column).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        pointer = tl.multiple_of(pointer, 16)
+    return pointer
+
+
+@triton.jit
+def _coefficient(row, column, DTYPE: tl.constexpr):
+    return tl.load(row + column).to(tl.float64, bitcast=True).to(DTYPE)
+
+
+@triton.jit
+def _adamw_kernel(TENSORS, CHUNKS, ROW: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                  DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """One program per chunk: elements [start, start + CHUNK) of tensor `index` (CHUNKS holds (index, start) pairs);
+    TENSORS holds a row of ROW int64 per tensor (the column constants above)."""
+    chunk = tl.program_id(0).to(tl.int64)
+    index = tl.load(CHUNKS + 2 * chunk)
+    start = tl.multiple_of(tl.load(CHUNKS + 2 * chunk + 1), CHUNK)
+    row = TENSORS + index * ROW
+    param = _pointer(row, 0, DTYPE, ALIGNED)
+    grad = _pointer(row, 1, DTYPE, ALIGNED)
+    exp_avg = _pointer(row, 2, DTYPE, ALIGNED)
+    exp_avg_sq = _pointer(row, 3, DTYPE, ALIGNED)
+    numel = tl.load(row + 4)
+    decay = _coefficient(row, 5, DTYPE)
+    step_size = _coefficient(row, 6, DTYPE)
+    bc2_sqrt = _coefficient(row, 7, DTYPE)
+    weight1 = _coefficient(row, 8, DTYPE)
+    beta2 = _coefficient(row, 9, DTYPE)
+    weight2 = _coefficient(row, 10, DTYPE)
+    eps = _coefficient(row, 11, DTYPE)
+
+    end = tl.minimum(start + CHUNK, numel)
+    full_end = start + (end - start) // BLOCK * BLOCK
+    offs = tl.arange(0, BLOCK)
+    # Whole blocks without a mask (a mask on an unknown length would keep the loads from being vectorized), then
+    # the ragged tail of the tensor with one.
+    for lo in range(start, full_end, BLOCK):
+        lo = tl.multiple_of(lo, BLOCK)
+        _adamw_block(param, grad, exp_avg, exp_avg_sq, lo + offs, None, decay, step_size, bc2_sqrt, weight1, beta2,
+                     weight2, eps, False)
+    if full_end < end:
+        _adamw_block(param, grad, exp_avg, exp_avg_sq, full_end + offs, full_end + offs < end, decay, step_size,
+                     bc2_sqrt, weight1, beta2, weight2, eps, True)
+
+
+def _fused_runs_on(device: torch.device) -> bool:
+    # Under the interpreter the kernel reads host memory at the addresses in its tables: CPU tensors only.
+    return device.type == "cpu" if _INTERPRET else device.type == "cuda"
+
+
+def _check_hyperparameters(group: dict) -> None:
+    """A ValueError naming the first invalid hyper-parameter or unsupported option of `group`."""
+    lr, betas, eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    if isinstance(lr, torch.Tensor):
+        raise ValueError("lr must be a Python float, got a tensor (tensor learning rates are not supported)")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0.0):
+        raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
+            isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0.0):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if not (isinstance(weight_decay, (int, float)) and math.isfinite(weight_decay) and weight_decay >= 0.0):
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+    for flag in _UNSUPPORTED_FLAGS:
+        if group.get(flag):
+            raise ValueError(f"AdamW does not support {flag}=True")
+
+
+def _check_param(param: torch.Tensor, where: str) -> None:
+    if param.dtype not in _DTYPES:
+        raise ValueError(
+            f"AdamW: {where} is {param.dtype}; parameters must be float32 (or float64): keep fp32 master weights "
+            "and run the model under autocast"
+        )
+
+
+def _step_count(step, where: str) -> int:
+    """A saved step count (an int, or torch's 0-dim tensor) as an int; a ValueError if it is not one."""
+    if isinstance(step, torch.Tensor) and step.numel() == 1:
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or step < 0 or step != int(step):
+        raise ValueError(f"AdamW: {where} has step {step!r}, not a non-negative integer")
+    return int(step)
+
+
+def _state_fits(param: torch.Tensor, state: dict, fused: bool) -> bool:
+    """Whether `state` holds an int step and both moments with param's shape, dtype and device (contiguous if
+    `fused`): the per-step check, which `_check_state` explains when it fails."""
+    step, m, v = state.get("step"), state.get("exp_avg"), state.get("exp_avg_sq")
+    shape, dtype, device = param.shape, param.dtype, param.device
+    return (
+        type(step) is int and step >= 0 and isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor)
+        and m.shape == shape and v.shape == shape and m.dtype == dtype and v.dtype == dtype
+        and m.device == device and v.device == device and (not fused or m.is_contiguous() and v.is_contiguous())
+    )
+
+
+def _check_state(param: torch.Tensor, state: dict, where: str, fused: bool = False, placement: bool = True) -> None:
+    """A ValueError unless `state` is empty or holds a step count and both moments of param's shape (and, with
+    `placement`, its dtype and device; contiguous if `fused`)."""
+    if not state:
+        return
+    _step_count(state.get("step"), where)
+    for key in ("exp_avg", "exp_avg_sq"):
+        moment = state.get(key)
+        if not isinstance(moment, torch.Tensor):
+            raise ValueError(f"AdamW: {where} has no {key} in its state")
+        if moment.shape != param.shape or placement and (moment.dtype != param.dtype or moment.device != param.device):
+            raise ValueError(
+                f"AdamW: {where} has {key} of shape {tuple(moment.shape)}, {moment.dtype}, {moment.device} for a "
+                f"parameter of shape {tuple(param.shape)}, {param.dtype}, {param.device}"
+            )
+        if fused and not moment.is_contiguous():
+            raise ValueError(f"AdamW: {where} has a non-contiguous {key}; the fused update needs contiguous state")
+
+
+def _explain(param: torch.Tensor, grad: torch.Tensor, state: dict | None, fused: bool, where: str) -> None:
+    """Raise the ValueError that names what is wrong with updating `param` from `grad` and `state`."""
+    _check_param(param, where)
+    if grad.is_sparse:
+        raise ValueError(f"AdamW does not support sparse gradients ({where})")
+    if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
+        raise ValueError(
+            f"AdamW: {where} has a gradient of shape {tuple(grad.shape)}, {grad.dtype}, {grad.device} for a "
+            f"parameter of {param.dtype} on {param.device}"
+        )
+    if fused and not _fused_runs_on(param.device):
+        raise ValueError(
+            f"AdamW(fused=True) runs a Triton kernel: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1; {where} "
+            f"is on {param.device}" + (" under the interpreter" if _INTERPRET else "")
+        )
+    if fused and not param.is_contiguous():
+        raise ValueError(f"AdamW: {where} is not contiguous; the fused update needs contiguous parameters")
+    _check_state(param, state, where, fused)
+    if state:
+        state["step"] = _step_count(state["step"], where)  # a tensor step (set by hand) is fine once it is an int
 
 
 class AdamW(torch.optim.Optimizer):
-    """AdamW with decoupled weight decay and bias correction; same hyper-parameters and results as torch's."""
+    """AdamW with decoupled weight decay and bias correction; same hyper-parameters and results as torch's.
+
+    `fused=None` runs the Triton kernel on CUDA tensors and torch's foreach ops elsewhere; `fused=True` asks for the
+    kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), `fused=False` for the foreach ops. `amsgrad` and
+    `maximize` exist only to be refused clearly.
+    """
 
     def __init__(
         self,
@@ -23,16 +235,64 @@ class AdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.01,
+        *,
+        fused: bool | None = None,
+        amsgrad: bool = False,
+        maximize: bool = False,
     ):
-        if not lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not all(0.0 <= beta < 1.0 for beta in betas) or len(betas) != 2:
-            raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
-        if not eps >= 0.0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        if fused not in (None, True, False):
+            raise ValueError(f"fused must be None, True or False, got {fused!r}")
+        defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
+                        weight_decay=weight_decay)
+        _check_hyperparameters({**defaults, "amsgrad": amsgrad, "maximize": maximize})
+        self.fused = fused
+        self._chunk_tables = {}  # (device, dtype) -> (tensor sizes, device chunk table)
+        super().__init__(params, defaults)
+
+    def __getstate__(self):
+        return {**super().__getstate__(), "fused": self.fused}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.fused = state.get("fused")
+        self._chunk_tables = {}
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's `add_param_group`, after checking the group's hyper-parameters and parameter dtypes."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        _check_hyperparameters({**self.defaults, **param_group})
+        for param in params:
+            if isinstance(param, torch.Tensor):
+                _check_param(param, f"a parameter of shape {tuple(param.shape)}")
+        super().add_param_group({**param_group, "params": params})
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's `load_state_dict`, after checking every group and every parameter's state against this
+        optimizer's parameters (nothing changes when something does not fit); steps are kept as ints."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer {len(self.param_groups)}"
+            )
+        for index, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"loaded group {index} has {len(saved['params'])} parameters, this optimizer's "
+                    f"{len(group['params'])}"
+                )
+            _check_hyperparameters({**saved, "params": None})
+            for position, (param, key) in enumerate(zip(group["params"], saved["params"], strict=True)):
+                # torch's load_state_dict moves the moments to the parameter's dtype and device, so only shapes matter.
+                where = f"parameter {position} of group {index} (shape {tuple(param.shape)})"
+                _check_state(param, state_dict["state"].get(key, {}), where, placement=False)
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            if "step" in state:
+                state["step"] = _step_count(state["step"], "a loaded state")
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].contiguous()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -41,37 +301,114 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            grads = [p.grad for p in params]
-            if any(g.is_sparse for g in grads):
-                raise ValueError("AdamW does not support sparse gradients")
-            states = [self._state(p) for p in params]
-            for state in states:
-                state["step"] += 1
-            exp_avgs = [s["exp_avg"] for s in states]
-            exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-            lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
-
-            if group["weight_decay"] != 0:
-                torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
-            torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-            torch._foreach_mul_(exp_avg_sqs, beta2)
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
-            # Parameters can be at different steps (a gradient may have been missing), so corrections are per tensor.
-            denoms = torch._foreach_sqrt(exp_avg_sqs)
-            torch._foreach_div_(denoms, [math.sqrt(1.0 - beta2 ** s["step"]) for s in states])
-            torch._foreach_add_(denoms, eps)
-            torch._foreach_addcdiv_(params, exp_avgs, denoms, [-lr / (1.0 - beta1 ** s["step"]) for s in states])
+        work = self._validated_work()
+        # Nothing has changed so far; from here on nothing raises.
+        buckets = defaultdict(list)  # (device, dtype, fused) -> [(group, param, grad, state)]
+        for group, param, grad, fused in work:
+            state = self.state[param]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+            state["step"] += 1
+            buckets[param.device, param.dtype, fused].append((group, param, grad, state))
+        for (device, dtype, fused), items in buckets.items():
+            (self._fused_update if fused else _foreach_update)(device, dtype, items)
         return loss
 
-    def _state(self, param: torch.Tensor) -> dict:
-        """The moments of `param`, created as zeros on its first update."""
-        state = self.state[param]
-        if not state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        return state
+    def _validated_work(self) -> list:
+        """(group, param, grad, fused) for every parameter with a gradient, after checking all of them."""
+        work = []
+        for index, group in enumerate(self.param_groups):
+            _check_hyperparameters(group)
+            for position, param in enumerate(group["params"]):
+                grad = param.grad
+                if grad is None:
+                    continue
+                fused = self.fused if self.fused is not None else param.device.type == "cuda" and not _INTERPRET
+                state = self.state.get(param)
+                # The cheap test of the usual case first; the checks that name the problem only when it fails.
+                if not (
+                    param.dtype in _DTYPES and not grad.is_sparse and grad.shape == param.shape
+                    and grad.dtype == param.dtype and grad.device == param.device
+                    and (not fused or param.is_contiguous() and _fused_runs_on(param.device))
+                    and (not state or _state_fits(param, state, fused))
+                ):
+                    _explain(param, grad, state, fused, f"parameter {position} of group {index} (shape "
+                             f"{tuple(param.shape)})")
+                work.append((group, param, grad, fused))
+        return work
+
+    def _fused_update(self, device: torch.device, dtype: torch.dtype, items: list) -> None:
+        """One kernel launch over `items` (same device and dtype)."""
+        ints, floats, sizes, grads = [], [], [], []
+        coefficients = {}  # (group, step) -> the per-tensor floats, shared by the tensors of a group at one step
+        for group, param, grad, state in items:
+            numel = param.numel()
+            if numel == 0:
+                continue
+            if not grad.is_contiguous():
+                grad = grad.contiguous()
+                grads.append(grad)  # alive until the launch
+            ints += (param.data_ptr(), grad.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(),
+                     numel)
+            key = id(group), state["step"]
+            if key not in coefficients:
+                lr, (beta1, beta2), step = group["lr"], group["betas"], state["step"]
+                # In float64 here, as torch computes them in Python: 1 - beta2 in fp32 from fp32(0.999) would be off
+                # by 1.3e-5.
+                coefficients[key] = (1.0 - lr * group["weight_decay"], lr / (1.0 - beta1**step),
+                                     math.sqrt(1.0 - beta2**step), 1.0 - beta1, beta2, 1.0 - beta2, group["eps"])
+            floats += coefficients[key]
+            sizes.append(numel)
+        if not sizes:
+            return
+        table = torch.zeros(len(sizes), _ROW, dtype=torch.int64)
+        table[:, :5] = torch.tensor(ints, dtype=torch.int64).view(-1, 5)
+        table[:, 5: 5 + len(_COEFFICIENTS)] = torch.tensor(floats, dtype=torch.float64).view(torch.int64).view(
+            len(sizes), -1)
+        aligned = bool((table[:, :4] % 16 == 0).all())
+        chunks = self._chunk_table(device, dtype, sizes)
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            _adamw_kernel[(chunks.shape[0],)](
+                table.to(device, non_blocking=True), chunks,
+                ROW=_ROW, CHUNK=CHUNK, BLOCK=BLOCK, DTYPE=_DTYPES[dtype], ALIGNED=aligned, num_warps=4,
+            )
+
+    def _chunk_table(self, device: torch.device, dtype: torch.dtype, sizes: list[int]) -> torch.Tensor:
+        """(index, first element) of every chunk of tensors of these sizes, on `device`; rebuilt when sizes change."""
+        cached = self._chunk_tables.get((device, dtype))
+        if cached is not None and cached[0] == sizes:
+            return cached[1]
+        counts = torch.tensor([triton.cdiv(n, CHUNK) for n in sizes])
+        index = torch.repeat_interleave(torch.arange(len(sizes)), counts)  # (chunks,)
+        first_chunk = torch.cumsum(counts, 0) - counts
+        start = (torch.arange(index.numel()) - first_chunk[index]) * CHUNK
+        table = torch.stack((index, start), dim=1).to(device)  # (chunks, 2) int64
+        self._chunk_tables[device, dtype] = (sizes, table)
+        return table
+
+
+def _foreach_update(device: torch.device, dtype: torch.dtype, items: list) -> None:
+    """The update with torch's foreach ops, one call per operation for `items` (same device and dtype)."""
+    by_group = defaultdict(list)
+    for group, param, grad, state in items:
+        by_group[id(group)].append((group, param, grad, state))
+    for entries in by_group.values():
+        group = entries[0][0]
+        params = [param for _, param, _, _ in entries]
+        grads = [grad for _, _, grad, _ in entries]
+        exp_avgs = [state["exp_avg"] for _, _, _, state in entries]
+        exp_avg_sqs = [state["exp_avg_sq"] for _, _, _, state in entries]
+        steps = [state["step"] for _, _, _, state in entries]
+        lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+        if group["weight_decay"] != 0:
+            torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
+        # Parameters can be at different steps (a gradient may have been missing), so corrections are per tensor.
+        denoms = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denoms, [math.sqrt(1.0 - beta2**step) for step in steps])
+        torch._foreach_add_(denoms, eps)
+        torch._foreach_addcdiv_(params, exp_avgs, denoms, [-lr / (1.0 - beta1**step) for step in steps])

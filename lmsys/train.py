@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from lmsys import profiling
+from lmsys.optim import AdamW
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -51,30 +52,54 @@ def make_train_step(
     *,
     autocast_dtype: torch.dtype | None = None,
     compile: bool = False,
+    compile_loss: bool = False,
+    compile_optimizer: bool = False,
+    compile_backend: str = "inductor",
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Return `step(inputs, targets) -> loss`: forward, cross-entropy, backward, optimizer step, gradients cleared.
 
     The step runs in the parameters' dtype (fp32) by default; `autocast_dtype=torch.bfloat16` runs the matmuls
     under bf16 autocast (master weights, gradients and optimizer state stay fp32). `compile=True` compiles the
-    model once here; the first call of `step` pays the compilation. The loss comes back detached and unsynchronized.
+    model once here (with `compile_backend`); the first call of `step` pays the compilation. The loss comes back
+    detached and unsynchronized.
+
+    Options that change what is compiled (same results up to rounding):
+    - `compile_loss=True` (with `compile`): the cross-entropy is compiled together with the model, so the compiler
+      fuses it into the kernels around the logits: the fp32 copy of the logits and the softmax of the backward are
+      never materialized as separate passes.
+    - `compile_optimizer=True`: `optimizer.step` is compiled too (torch's recipe for its foreach optimizers; it
+      lets inductor fuse the update). Not for `lmsys.optim.AdamW`, which is one fused kernel already.
     """
     if autocast_dtype not in (None, torch.bfloat16):
         raise ValueError(
             f"autocast_dtype must be None or torch.bfloat16, got {autocast_dtype} (float16 would need a grad scaler)"
         )
+    if compile_loss and not compile:
+        raise ValueError("compile_loss=True compiles the loss with the model: it needs compile=True")
+    if compile_optimizer and isinstance(optimizer, AdamW):
+        raise ValueError(
+            "compile_optimizer=True is for torch's optimizers; lmsys.optim.AdamW is one fused kernel already (and its "
+            "step builds tables on the host that the compiler cannot trace)"
+        )
     device_type = next(model.parameters()).device.type
-    forward = torch.compile(model) if compile else model
+
+    def model_loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(forward(inputs), targets)
+
+    forward = torch.compile(model, backend=compile_backend) if compile and not compile_loss else model
+    loss_of = torch.compile(model_loss, backend=compile_backend) if compile_loss else model_loss
+    optimizer_step = torch.compile(optimizer.step, backend=compile_backend) if compile_optimizer else optimizer.step
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with (
             profiling.range("forward"),
             torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None),
         ):
-            loss = cross_entropy(forward(inputs), targets)
+            loss = loss_of(inputs, targets)
         with profiling.range("backward"):
             loss.backward()
         with profiling.range("optimizer_step"):
-            optimizer.step()
+            optimizer_step()
             optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 

@@ -1,10 +1,18 @@
-"""One training step of the LM (forward, cross-entropy, backward, AdamW) per preset, precision and attention backend.
+"""One training step of the LM (forward, cross-entropy, backward, AdamW) per preset, precision and provider.
 
-On a GPU: batch 4, context 512 (the configuration of ../shared/ANCHORS.md), `small` and `large` in fp32, bf16
-autocast and bf16 autocast + torch.compile, with SDPA as the attention and the naive reference beside it where it
-is affordable, and on `large` torch's fused AdamW beside ours; the rest of the grid (medium, xl, 2.7B, naive on
-large, the flash kernels) runs with --full-grid.
-On the CPU: the tiny preset in one configuration.
+Providers (a model and an optimizer):
+- `reference`: the same architecture written the way a user would (lmsys.reference_model: fused qkv projection,
+  SDPA, plain-op RMSNorm and RoPE) with `torch.optim.AdamW(fused=True)`: the plain-PyTorch step to beat;
+- `ours-torch-adamw`: lmsys.model with SDPA and torch's fused AdamW;
+- `ours`: lmsys.model with SDPA and lmsys.optim.AdamW (the fused Triton kernel);
+- `ours-flash_triton`: lmsys.model with our Triton FlashAttention and lmsys.optim.AdamW;
+- `ours-naive`: lmsys.model with the naive attention reference and lmsys.optim.AdamW.
+
+On a GPU: batch 4, context 512 (the configuration of ../shared/ANCHORS.md). The default subset: `large` in bf16
+autocast + torch.compile with the four main providers side by side (MFU in the report's "% of peak"), `large` in
+fp32 and bf16 eager (reference and ours), and `small` in every precision with SDPA and naive attention. The rest
+(2.7B with every provider, medium and xl, naive on large, flash_triton eager) runs with --full-grid.
+On the CPU: the tiny preset, reference and ours.
 """
 
 import dataclasses
@@ -16,6 +24,7 @@ import torch
 from lmsys import flops
 from lmsys.model import SIZES, TransformerLM
 from lmsys.optim import AdamW
+from lmsys.reference_model import ReferenceLM
 from lmsys.train import make_train_step, random_batch
 
 PRECISIONS = {
@@ -24,69 +33,61 @@ PRECISIONS = {
     "bf16-compile": dict(autocast_dtype=torch.bfloat16, compile=True),
 }
 
-# Ours, and torch's fused AdamW: the optimizer of the plain-PyTorch numbers in ../shared/ANCHORS.md.
-OPTIMIZERS = {"adamw": AdamW, "torch-fused-adamw": functools.partial(torch.optim.AdamW, fused=True)}
+TORCH_FUSED_ADAMW = functools.partial(torch.optim.AdamW, fused=True)
+# provider -> (model class, attention backend, optimizer class)
+PROVIDERS = {
+    "reference": (ReferenceLM, "sdpa", TORCH_FUSED_ADAMW),
+    "ours-torch-adamw": (TransformerLM, "sdpa", TORCH_FUSED_ADAMW),
+    "ours": (TransformerLM, "sdpa", AdamW),
+    "ours-flash_triton": (TransformerLM, "flash_triton", AdamW),
+    "ours-naive": (TransformerLM, "naive", AdamW),
+}
+MAIN_PROVIDERS = ("reference", "ours-torch-adamw", "ours", "ours-flash_triton")
 
 
-def case(
-    size: str,
-    precision: str,
-    attention: str,
-    optimizer: str = "adamw",
-    batch: int = 4,
-    context: int = 512,
-    full_grid: bool = False,
-):
+def case(size: str, precision: str, provider: str, batch: int = 4, context: int = 512, full_grid: bool = False):
     marks = [pytest.mark.full_grid] if full_grid else []
     return pytest.param(
-        size,
-        precision,
-        attention,
-        optimizer,
-        batch,
-        context,
-        marks=marks,
-        id=f"{size}-{precision}-{attention}-{optimizer}-b{batch}-t{context}",
+        size, precision, provider, batch, context, marks=marks, id=f"{size}-{precision}-{provider}-b{batch}-t{context}"
     )
 
 
 GPU_CASES = [
-    *(case("small", precision, attention) for precision in PRECISIONS for attention in ("sdpa", "naive")),
-    *(case("large", precision, "sdpa") for precision in PRECISIONS),
-    case("large", "fp32", "sdpa", "torch-fused-adamw"),
-    case("large", "bf16", "sdpa", "torch-fused-adamw"),
-    case("large", "bf16-compile", "sdpa", "torch-fused-adamw", full_grid=True),
-    *(case("large", precision, "naive", full_grid=True) for precision in PRECISIONS),
-    *(case(size, precision, "sdpa", full_grid=True) for size in ("medium", "xl", "2.7B") for precision in PRECISIONS),
-    *(
-        case(size, precision, "flash_triton", full_grid=True)
-        for size in ("large", "2.7B")
-        for precision in ("bf16", "bf16-compile")
-    ),
+    *(case("large", "bf16-compile", provider) for provider in MAIN_PROVIDERS),
+    *(case("large", precision, provider) for precision in ("fp32", "bf16") for provider in ("reference", "ours")),
+    *(case("small", precision, provider) for precision in PRECISIONS for provider in ("ours", "ours-naive")),
+    *(case("2.7B", "bf16-compile", provider, full_grid=True) for provider in MAIN_PROVIDERS),
+    *(case("2.7B", "bf16", provider, full_grid=True) for provider in ("reference", "ours", "ours-flash_triton")),
+    case("large", "bf16", "ours-flash_triton", full_grid=True),
+    *(case("large", precision, "ours-naive", full_grid=True) for precision in PRECISIONS),
+    *(case(size, precision, "ours", full_grid=True) for size in ("medium", "xl") for precision in PRECISIONS),
 ]
-CPU_CASES = [case("tiny", "fp32", "sdpa", batch=2, context=64)]
+CPU_CASES = [case("tiny", "fp32", provider, batch=2, context=64) for provider in ("reference", "ours")]
 
 
 @pytest.fixture
 def fresh_compiler():
-    """Drop compiled graphs after the test: they hold the model's memory, and every new model would recompile."""
+    """Drop compiled graphs and cached memory after the test: they hold the model's memory, and every new model would
+    recompile."""
     yield
     torch.compiler.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize(
-    "size,precision,attention,optimizer,batch,context", GPU_CASES if torch.cuda.is_available() else CPU_CASES
+    "size,precision,provider,batch,context", GPU_CASES if torch.cuda.is_available() else CPU_CASES
 )
-def test_train_step(gpu_benchmark, fresh_compiler, device, size, precision, attention, optimizer, batch, context):
+def test_train_step(gpu_benchmark, fresh_compiler, device, size, precision, provider, batch, context):
+    model_class, attention, optimizer_class = PROVIDERS[provider]
     config = dataclasses.replace(SIZES[size], context_length=context, attention=attention)
     with torch.device(device):
-        model = TransformerLM(config)
-    step = make_train_step(model, OPTIMIZERS[optimizer](model.parameters()), **PRECISIONS[precision])
+        model = model_class(config)
+    step = make_train_step(model, optimizer_class(model.parameters()), **PRECISIONS[precision])
     inputs, targets = random_batch(batch, context, config.vocab_size, device)
     # The embedding is a lookup; every other weight (the untied LM head included) is a matmul.
-    work = flops.training_step_flops(
-        model.num_parameters(embedding=False), batch, context, config.num_layers, config.d_model
-    )
-    # Percent of peak against the matmul precision: "fp32" or "bf16" (with or without compile).
+    matmul_params = sum(p.numel() for p in model.parameters()) - model.embedding.weight.numel()
+    work = flops.training_step_flops(matmul_params, batch, context, config.num_layers, config.d_model)
+    # Percent of peak against the matmul precision: "fp32" or "bf16" (with or without compile), i.e. the MFU.
     loss = gpu_benchmark(step, inputs, targets, flops=work, precision=precision.split("-")[0])
     assert torch.isfinite(loss)

@@ -243,6 +243,44 @@ def test_flash_attention_rejects_unknown_impl():
         flash_attention(q, q, q, impl="cuda")
 
 
+@pytest.mark.parametrize("position", [0, 17, 39])
+@pytest.mark.parametrize("backend", ["naive", "sdpa", "flash_torch", "flash_triton"])
+def test_nan_in_a_key_stays_in_the_rows_that_see_it(backend, position, seed):
+    """Causal: a NaN key at `position` reaches only the query rows at or after it; the rows before it match the
+    output of the clean inputs. (A NaN value vector reaches every row through 0 * NaN in P V, in naive attention and
+    SDPA too, so only keys are checked.) Length 40 is ragged for the tiles of both flash impls."""
+    device = TRITON_DEVICE if backend == "flash_triton" else torch.device("cpu")
+    q, k, v = make_inputs((2, 2, 40, 16), (2, 2, 40, 16), torch.float32, device)
+    poisoned = k.clone()
+    poisoned[1, 0, position, 3] = float("nan")
+    out = ATTENTION[backend](q, poisoned, v, True)
+    clean = ATTENTION[backend](q, k, v, True)
+    torch.testing.assert_close(out[:, :, :position], clean[:, :, :position])
+    assert torch.isnan(out[1, 0, position:]).any(dim=-1).all()  # the rows that see the NaN key
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_double_backward_is_refused(impl, is_causal, seed):
+    """First derivatives with create_graph=True are still right; differentiating them again raises a clear error
+    (the fused backwards are not differentiable: their second derivatives would be silently wrong)."""
+    q, k, v = make_inputs((1, 2, 20, 16), (1, 2, 20, 16), torch.float32, impl_device(impl))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    do = torch.randn_like(q)
+    o = flash_attention(q, k, v, causal=is_causal, impl=impl)
+    grads = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+    expected = reference(q, k, v, do, is_causal)
+    for name, actual, exp in zip(("dq", "dk", "dv"), grads, expected[2:], strict=True):
+        assert_matches(actual.detach(), exp, torch.float32, f"{impl} {name}")
+    with pytest.raises(RuntimeError, match=f"flash_{impl} attention: double backward is not supported"):
+        torch.autograd.grad(sum(g.square().sum() for g in grads), (q, k, v))
+
+
+def test_double_backward_of_naive_attention_matches_float64(seed):
+    """The reference the error message points to does support second derivatives."""
+    q, k, v = (x.requires_grad_() for x in make_inputs((1, 2, 6, 4), (1, 2, 6, 4), torch.float64, "cpu"))
+    assert torch.autograd.gradgradcheck(lambda q, k, v: naive_attention(q, k, v, True), (q, k, v))
+
+
 # ------------------------------------------------------------------------------------------- torch.compile
 
 
@@ -270,6 +308,40 @@ def test_flash_under_torch_compile(impl_name, dtype, on_gpu, device, seed):
     expected = reference(q, k, v, do, True)
     for name, actual, exp in zip(("o", "dq", "dk", "dv"), (o, *grads), (expected[0], *expected[2:]), strict=True):
         assert_matches(actual.detach(), exp, dtype, f"compiled {impl_name} {name}")
+
+
+def _strided(shape, layout, dtype, device):
+    """A tensor of `shape` (3-D or 4-D): contiguous, or a transposed view with the sequence dim outermost after the
+    batch, as heads split off a (B, T, H, D) projection arrive ((T, B, D) for 3-D)."""
+    if layout == "contiguous":
+        return torch.randn(shape, dtype=dtype, device=device)
+    if len(shape) == 4:
+        return torch.randn(shape[0], shape[2], shape[1], shape[3], dtype=dtype, device=device).transpose(1, 2)
+    return torch.randn(shape[1], shape[0], shape[2], dtype=dtype, device=device).transpose(0, 1)
+
+
+# (shape, layout of q, layout of k, v and dO, causal, dtype): 3-D and 4-D, contiguous and transposed, and the model's
+# mix (q and k out of RoPE contiguous, v a transposed view).
+OP_CASES = [
+    pytest.param((2, 2, 20, 16), "contiguous", "contiguous", True, torch.float32, id="4d-contiguous"),
+    pytest.param((2, 2, 20, 16), "transposed", "transposed", True, torch.float16, id="4d-transposed"),
+    pytest.param((1, 3, 17, 32), "contiguous", "transposed", True, torch.float32, id="4d-mixed"),
+    pytest.param((2, 20, 16), "contiguous", "contiguous", False, torch.float16, id="3d-contiguous"),
+    pytest.param((2, 20, 16), "transposed", "transposed", False, torch.float32, id="3d-transposed"),
+]
+
+
+@pytest.mark.parametrize("shape, q_layout, kv_layout, is_causal, dtype", OP_CASES)
+def test_custom_ops_pass_opcheck(shape, q_layout, kv_layout, is_causal, dtype, seed):
+    """torch.library.opcheck on both custom ops (schema, fake tensors against the real outputs' shapes, strides and
+    dtypes, AOT dispatch with dynamic shapes): inductor trusts the fake's strides, and asserts them at run time."""
+    q = _strided(shape, q_layout, dtype, TRITON_DEVICE)
+    k, v, do = (_strided(shape, kv_layout, dtype, TRITON_DEVICE) for _ in range(3))
+    torch.library.opcheck(torch.ops.lmsys.flash_attn_fwd.default, (q, k, v, is_causal))
+    o, lse = flash_triton.forward(q, k, v, is_causal)
+    assert o.is_contiguous() and lse.is_contiguous()
+    torch.library.opcheck(torch.ops.lmsys.flash_attn_bwd.default, (q, k, v, o, lse, do, is_causal))
+    assert all(g.is_contiguous() for g in flash_triton.backward(q, k, v, o, lse, do, is_causal))
 
 
 # --------------------------------------------------------------------------------------- GPU, realistic sizes
@@ -509,6 +581,14 @@ def test_triton_rejects_head_dim_and_dtype(dtype, d, message):
     q = _t(1, 4, d, dtype=dtype, device=TRITON_DEVICE)
     with pytest.raises(ValueError, match=message):
         FlashAttentionTriton.apply(q, q, q, False)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the interpreter's limits; on a GPU bf16 runs")
+def test_triton_interpreter_rejects_bf16():
+    """The interpreter's tl.dot returns wrong values for bf16 (around 8e8): refused, never returned."""
+    q = _t(1, 2, 16, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16 is not supported by triton under the Triton interpreter"):
+        FlashAttentionTriton.apply(q, q, q, True)
 
 
 def test_check_inputs_accepts_valid_inputs():

@@ -100,9 +100,11 @@ def test_bf16_autocast_logits_are_close_to_fp32(seed):
     torch.testing.assert_close(logits.float(), expected, rtol=0.0, atol=0.05 * scale)
 
 
-def _logits_and_grads(model: TransformerLM, tokens: torch.Tensor, autocast: torch.dtype | None = None):
+def _logits_and_grads(model: TransformerLM, tokens: torch.Tensor, autocast: torch.dtype | None = None, compile=None):
+    """Logits and every parameter's gradient of the next-token loss; `compile` names a torch.compile backend."""
+    forward = model if compile is None else torch.compile(model, backend=compile, fullgraph=True)
     with torch.autocast(tokens.device.type, dtype=autocast, enabled=autocast is not None):
-        logits = model(tokens)
+        logits = forward(tokens)
     cross_entropy(logits, tokens.roll(-1, dims=-1)).backward()
     return logits, {name: param.grad for name, param in model.named_parameters()}
 
@@ -133,6 +135,38 @@ def test_model_with_other_attention_matches_naive_on_gpu_in_bf16(gpu, seed, atte
     _assert_close_to_scale(logits, expected_logits, "logits")
     for name, expected in expected_grads.items():
         _assert_close_to_scale(grads[name], expected, f"gradient of {name}")
+
+
+# The Triton interpreter (triton 3.6) converts one-element arrays to scalars in a way NumPy deprecates.
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+@pytest.mark.parametrize(
+    "backend, on_gpu",
+    [("aot_eager", False), pytest.param("inductor", True, marks=pytest.mark.gpu)],
+)
+def test_compiled_model_with_flash_triton_matches_sdpa(backend, on_gpu, device, seed):
+    """The Triton kernels under torch.compile, as the training step runs them: through the custom ops, whose fake
+    implementations must describe the real outputs (inductor asserts their strides on the GPU). On the CPU
+    (interpreter; aot_eager, as inductor's CPU compile takes over ten seconds) in fp32 against eager SDPA; on the GPU
+    with inductor under bf16 autocast, head dim 64, against SDPA compiled the same way."""
+    if on_gpu and device.type != "cuda":
+        pytest.skip("needs a CUDA device")
+    config = tiny(d_model=256, num_heads=4, context_length=256) if on_gpu else tiny(num_layers=1)
+    with torch.device(device):
+        reference = TransformerLM(dataclasses.replace(config, attention="sdpa"))
+        model = TransformerLM(dataclasses.replace(config, attention="flash_triton"))
+    model.load_state_dict(reference.state_dict())
+    tokens = torch.randint(config.vocab_size, (4, 256) if on_gpu else (2, 45), device=device)
+    autocast = torch.bfloat16 if on_gpu else None
+    torch.compiler.reset()
+    logits, grads = _logits_and_grads(model, tokens, autocast, compile=backend)
+    expected_logits, expected_grads = _logits_and_grads(reference, tokens, autocast, compile=backend if on_gpu else None)
+    if on_gpu:
+        _assert_close_to_scale(logits, expected_logits, "logits")
+        for name, expected in expected_grads.items():
+            _assert_close_to_scale(grads[name], expected, f"gradient of {name}")
+    else:
+        torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(grads, expected_grads, rtol=1e-4, atol=1e-5)
 
 
 def _assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, what: str, fraction: float = 0.03) -> None:

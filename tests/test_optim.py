@@ -1,57 +1,146 @@
-"""Our AdamW against its reference, torch.optim.AdamW."""
+"""Our AdamW against its reference, torch.optim.AdamW: both implementations (the fused Triton kernel, under the Triton
+interpreter without CUDA, and the foreach ops), validation before any update, and state dicts."""
+
+import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from lmsys import optim
 from lmsys.optim import AdamW
 
-SHAPES = [(7,), (33, 5), (3, 1, 17), ()]
+# The Triton interpreter (triton 3.6) converts one-element arrays to scalars in a way NumPy deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+
+HAS_CUDA = torch.cuda.is_available()
+# Where the fused kernel runs in this session: on CUDA, or interpreted on the CPU (tests/conftest.py).
+FUSED_DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+# Odd sizes, a scalar and an empty parameter; fewer for the fused kernel, which the CPU runs interpreted (slowly).
+SHAPES = [(7,), (33, 5), (3, 1, 17), (), (0, 4), (130,)]
+FUSED_SHAPES = [(33, 5), (), (0, 4), (3, 1, 17)]
 
 
-def _params(generator: torch.Generator) -> list[torch.Tensor]:
-    return [torch.randn(shape, dtype=torch.float64, generator=generator).requires_grad_() for shape in SHAPES]
+def _params(generator: torch.Generator, dtype=torch.float64, device="cpu", shapes=SHAPES) -> list[torch.Tensor]:
+    return [torch.randn(shape, dtype=dtype, generator=generator).to(device).requires_grad_() for shape in shapes]
 
 
 def _groups(params: list[torch.Tensor], lr: float, weight_decay: float) -> list[dict]:
-    # Two groups with different hyper-parameters, as a model with and without decay on its norms would have.
+    # Two groups with different hyper-parameters, one with weight decay and one without, as a model with and
+    # without decay on its norms would have.
     return [
         dict(params=params[:2]),
-        dict(params=params[2:], lr=lr / 3, betas=(0.8, 0.95), weight_decay=weight_decay * 2),
+        dict(params=params[2:], lr=lr / 3, betas=(0.8, 0.95), weight_decay=0.0 if weight_decay else 0.1),
     ]
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str) -> None:
+    """Within `rtol` of `expected`, relative to its largest magnitude (an element near zero carries the rounding
+    of its neighbours' scale)."""
+    atol = rtol * max(expected.abs().max().item(), 1e-30) if expected.numel() else 0.0
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def _train_side_by_side(ours, theirs, optimizers, steps, seed):
+    device = ours[0].device  # gradients drawn where they are used: the GPU test's are large
+    grad_generator = torch.Generator(device=device).manual_seed(seed + 1)
+    for step in range(steps):
+        for index, (mine, reference) in enumerate(zip(ours, theirs, strict=True)):
+            grad = torch.randn(mine.shape, dtype=mine.dtype, generator=grad_generator, device=device)
+            # Every fifth step one parameter has no gradient, so parameters reach different step counts.
+            has_grad = not (step % 5 == 0 and index == step % len(ours))
+            mine.grad = grad.clone() if has_grad else None
+            reference.grad = grad.clone().to(reference.device) if has_grad else None
+        for optimizer in optimizers:
+            optimizer.step()
+
+
+def _assert_same_state(ours, theirs, optimizers, rtol):
+    for index, (mine, reference) in enumerate(zip(ours, theirs, strict=True)):
+        _assert_close(mine.detach(), reference.detach().to(mine.device), rtol, f"parameter {index}")
+        mine_state, reference_state = optimizers[0].state[mine], optimizers[1].state[reference]
+        assert mine_state["step"] == int(reference_state["step"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            _assert_close(mine_state[key], reference_state[key].to(mine.device), rtol, f"{key} of parameter {index}")
+
+
+HYPER = {
+    "default": dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01),
+    "large-steps": dict(lr=3e-2, betas=(0.5, 0.9), eps=1e-6, weight_decay=0.1),
+    "no-decay": dict(lr=1e-2, betas=(0.0, 0.0), eps=1e-3, weight_decay=0.0),
+}
 
 
 @pytest.mark.parametrize(
-    "lr,betas,eps,weight_decay",
-    [(1e-3, (0.9, 0.999), 1e-8, 0.01), (3e-2, (0.5, 0.9), 1e-6, 0.1), (1e-2, (0.0, 0.0), 1e-3, 0.0)],
+    "fused, dtype, hyper",
+    [
+        *((False, torch.float64, name) for name in HYPER),
+        (False, torch.float32, "default"),
+        (True, torch.float32, "default"),
+    ],
 )
-def test_matches_torch_adamw_over_100_steps(seed, lr, betas, eps, weight_decay):
-    ours, theirs = _params(torch.Generator().manual_seed(seed)), _params(torch.Generator().manual_seed(seed))
-    hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+def test_matches_torch_adamw_over_100_steps(seed, fused, dtype, hyper):
+    """Mixed shapes, two groups (with and without weight decay), missing gradients: parameters and moments within
+    1e-6 of torch's, relative to each tensor's scale (1e-12 in float64)."""
+    device = FUSED_DEVICE if fused else torch.device("cpu")
+    hyper, shapes = HYPER[hyper], FUSED_SHAPES if fused else SHAPES
+    ours = _params(torch.Generator().manual_seed(seed), dtype, device, shapes)
+    theirs = _params(torch.Generator().manual_seed(seed), dtype, "cpu", shapes)
     optimizers = [
-        AdamW(_groups(ours, lr, weight_decay), **hyper),
-        torch.optim.AdamW(_groups(theirs, lr, weight_decay), **hyper),
+        AdamW(_groups(ours, hyper["lr"], hyper["weight_decay"]), **hyper, fused=fused),
+        torch.optim.AdamW(_groups(theirs, hyper["lr"], hyper["weight_decay"]), **hyper),
     ]
-    grad_generator = torch.Generator().manual_seed(seed + 1)
-    for step in range(100):
-        grads = [torch.randn(p.shape, dtype=p.dtype, generator=grad_generator) for p in ours]
-        for index, (mine, reference, grad) in enumerate(zip(ours, theirs, grads, strict=True)):
-            # Every fifth step one parameter has no gradient, so parameters reach different step counts.
-            has_grad = not (step % 5 == 0 and index == step % len(SHAPES))
-            mine.grad = grad.clone() if has_grad else None
-            reference.grad = grad.clone() if has_grad else None
-        for optimizer in optimizers:
-            optimizer.step()
-    for mine, reference in zip(ours, theirs, strict=True):
-        torch.testing.assert_close(mine, reference)
-        mine_state, reference_state = optimizers[0].state[mine], optimizers[1].state[reference]
-        torch.testing.assert_close(mine_state["exp_avg"], reference_state["exp_avg"])
-        torch.testing.assert_close(mine_state["exp_avg_sq"], reference_state["exp_avg_sq"])
+    _train_side_by_side(ours, theirs, optimizers, 100, seed)
+    _assert_same_state(ours, theirs, optimizers, 1e-6 if dtype == torch.float32 else 1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_kernel_across_chunks_blocks_and_unaligned_tensors(seed, monkeypatch, dtype):
+    """Small chunks and blocks so that tensors span several chunks, end in ragged tails, or are exactly one block;
+    one parameter is a view one element into its storage, so its addresses are not 16-byte aligned."""
+    monkeypatch.setattr(optim, "CHUNK", 64)
+    monkeypatch.setattr(optim, "BLOCK", 16)
+    shapes = [(1,), (16,), (64,), (65,), (3, 67), (129,)]
+    ours = _params(torch.Generator().manual_seed(seed), dtype, FUSED_DEVICE, shapes)
+    theirs = _params(torch.Generator().manual_seed(seed), dtype, "cpu", shapes)
+    ours[-1] = torch.cat((torch.zeros(1, dtype=dtype, device=FUSED_DEVICE), ours[-1].detach()))[1:].requires_grad_()
+    assert ours[-1].data_ptr() % 16 != 0
+    optimizers = [AdamW(_groups(ours, 1e-2, 0.1), lr=1e-2, fused=True), torch.optim.AdamW(_groups(theirs, 1e-2, 0.1),
+                                                                                           lr=1e-2)]
+    _train_side_by_side(ours, theirs, optimizers, 6, seed)
+    _assert_same_state(ours, theirs, optimizers, 1e-6 if dtype == torch.float32 else 1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_fused_matches_torch_fused_adamw_on_gpu(gpu, seed, weight_decay):
+    """Model-like sizes (several chunks, ragged tails) against torch's own fused kernel, 100 steps."""
+    shapes = [(1280, 3840), (5120, 1280), (1280,), (), (0,), (3 * optim.CHUNK + 5,), (10_000, 1280)]
+    ours = _params(torch.Generator().manual_seed(seed), torch.float32, gpu, shapes)
+    theirs = _params(torch.Generator().manual_seed(seed), torch.float32, gpu, shapes)
+    optimizers = [
+        AdamW(_groups(ours, 1e-3, weight_decay), weight_decay=weight_decay),
+        torch.optim.AdamW(_groups(theirs, 1e-3, weight_decay), weight_decay=weight_decay, fused=True),
+    ]
+    _train_side_by_side(ours, theirs, optimizers, 100, seed)
+    _assert_same_state(ours, theirs, optimizers, 1e-6)
 
 
 def test_defaults_match_torch():
     param = torch.zeros(1, requires_grad=True)
     ours, theirs = AdamW([param]).defaults, torch.optim.AdamW([param]).defaults
     assert ours == {key: theirs[key] for key in ours}
+
+
+def test_fused_is_the_default_on_cuda_only(seed):
+    param = torch.zeros(3, device=FUSED_DEVICE, requires_grad=True)
+    param.grad = torch.ones(3, device=FUSED_DEVICE)
+    optimizer = AdamW([param])
+    assert optimizer.fused is None
+    work = optimizer._validated_work()
+    assert [fused for *_, fused in work] == [HAS_CUDA]
 
 
 def test_float32_step_matches_float64(seed):
@@ -84,10 +173,19 @@ def test_closure_is_called_with_grad_enabled():
     "kwargs,message",
     [
         (dict(lr=-1.0), "lr"),
+        (dict(lr=float("inf")), "lr must be a finite number"),
+        (dict(lr=float("nan")), "lr must be a finite number"),
+        (dict(lr=torch.tensor(1e-3)), "lr must be a Python float"),
         (dict(betas=(0.9, 1.0)), "betas"),
+        (dict(betas=(float("nan"), 0.9)), "betas"),
         (dict(betas=(0.9,)), "betas"),
         (dict(eps=-1e-8), "eps"),
+        (dict(eps=float("inf")), "eps"),
         (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(weight_decay=float("nan")), "weight_decay"),
+        (dict(amsgrad=True), "does not support amsgrad=True"),
+        (dict(maximize=True), "does not support maximize=True"),
+        (dict(fused="yes"), "fused must be None, True or False"),
     ],
 )
 def test_invalid_hyperparameters_raise(kwargs, message):
@@ -95,8 +193,215 @@ def test_invalid_hyperparameters_raise(kwargs, message):
         AdamW([torch.zeros(1, requires_grad=True)], **kwargs)
 
 
-def test_sparse_gradient_raises():
-    param = torch.zeros(4, requires_grad=True)
-    param.grad = torch.zeros(4).to_sparse()
-    with pytest.raises(ValueError, match="sparse"):
-        AdamW([param]).step()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_parameters_are_refused(dtype):
+    with pytest.raises(ValueError, match=f"is {dtype}; parameters must be float32"):
+        AdamW([torch.zeros(3, dtype=dtype, requires_grad=True)])
+
+
+# ---------------------------------------------------------------------------- nothing changes before an error
+
+
+def _break_sparse(optimizer, params):
+    params[-1].grad = torch.zeros_like(params[-1]).to_sparse()
+
+
+def _break_grad_dtype(optimizer, params):
+    if not hasattr(params[-1], "grad_dtype"):
+        pytest.skip("this torch refuses such a gradient itself")
+    params[-1].grad_dtype = None  # lets a gradient of another dtype be assigned
+    params[-1].grad = torch.zeros(params[-1].shape, dtype=torch.float64, device=params[-1].device)
+
+
+def _break_param_dtype(optimizer, params):
+    params[-1].data = params[-1].data.bfloat16()
+    params[-1].grad = torch.zeros_like(params[-1])
+
+
+def _break_lr(optimizer, params):
+    optimizer.param_groups[-1]["lr"] = float("nan")
+
+
+def _break_flag(optimizer, params):
+    optimizer.param_groups[-1]["amsgrad"] = True
+
+
+def _break_state_shape(optimizer, params):
+    optimizer.state[params[-1]]["exp_avg"] = torch.zeros(3, device=params[-1].device)
+
+
+def _break_state_device(optimizer, params):
+    optimizer.state[params[-1]]["exp_avg_sq"] = torch.zeros(params[-1].shape, device="meta")
+
+
+def _break_state_step(optimizer, params):
+    optimizer.state[params[-1]]["step"] = -1
+
+
+def _break_fused_device(optimizer, params):
+    # As on a machine where the kernel cannot run on these tensors (CPU tensors without the interpreter).
+    optim._INTERPRET = not optim._INTERPRET
+
+
+BREAKS = {
+    "sparse gradient": (_break_sparse, "sparse gradients"),
+    "gradient dtype": (_break_grad_dtype, "has a gradient of shape"),
+    "parameter dtype": (_break_param_dtype, "parameters must be float32"),
+    "lr": (_break_lr, "lr must be a finite number"),
+    "amsgrad": (_break_flag, "does not support amsgrad=True"),
+    "state shape": (_break_state_shape, r"has exp_avg of shape \(3,\)"),
+    "state device": (_break_state_device, "has exp_avg_sq of shape .* meta"),
+    "state step": (_break_state_step, "has step -1, not a non-negative integer"),
+    "fused device": (_break_fused_device, r"AdamW\(fused=True\) runs a Triton kernel"),
+}
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("case", list(BREAKS))
+def test_a_bad_last_group_changes_nothing(case, fused, seed, monkeypatch):
+    """A problem in the last parameter of the last group raises before any parameter or state is updated."""
+    monkeypatch.setattr(optim, "_INTERPRET", optim._INTERPRET)  # restored after _break_fused_device
+    if case == "fused device" and not fused:
+        pytest.skip("only the fused update needs a kernel device")
+    device = FUSED_DEVICE if fused else torch.device("cpu")
+    params = _params(torch.Generator().manual_seed(seed), torch.float32, device, [(5,), (4, 3), (6,)])
+    optimizer = AdamW([dict(params=params[:2]), dict(params=params[2:], lr=1e-2)], fused=fused)
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    for param in params:
+        param.grad = torch.randn_like(param)
+    BREAKS[case][0](optimizer, params)
+    before = [(p.detach().clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in
+                                    optimizer.state[p].items()}) for p in params[:2]]
+    with pytest.raises(ValueError, match=BREAKS[case][1]):
+        optimizer.step()
+    for param, (value, state) in zip(params, before):
+        torch.testing.assert_close(param.detach(), value, rtol=0, atol=0)
+        assert optimizer.state[param]["step"] == state["step"] == 1
+        torch.testing.assert_close(optimizer.state[param]["exp_avg"], state["exp_avg"], rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------- state dicts
+
+
+def _stepped(optimizer_class, params, steps=3, **kwargs):
+    optimizer = optimizer_class([dict(params=params[:2]), dict(params=params[2:], lr=3e-3)], **kwargs)
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=generator, dtype=param.dtype)
+        optimizer.step()
+    return optimizer
+
+
+def test_state_dict_round_trip_continues_identically(seed):
+    shapes = [(5,), (4, 3), (6,)]
+    params = _params(torch.Generator().manual_seed(seed), torch.float32, "cpu", shapes)
+    trained = _stepped(AdamW, params)
+    copies = [p.detach().clone().requires_grad_() for p in params]
+    restored = AdamW([dict(params=copies[:2]), dict(params=copies[2:], lr=3e-3)])
+    restored.load_state_dict(copy.deepcopy(trained.state_dict()))  # as torch.save and torch.load would
+    for group in (params, copies):
+        for param in group:
+            param.grad = torch.ones_like(param)
+    trained.step()
+    restored.step()
+    for param, twin in zip(params, copies, strict=True):
+        torch.testing.assert_close(twin, param, rtol=0, atol=0)
+        assert restored.state[twin]["step"] == 4
+
+
+def test_loads_torch_adamw_state_and_continues_like_it(seed):
+    """torch's state dicts hold steps as tensors; they load as ints and the next steps match torch's."""
+    shapes = [(5,), (4, 3), (6,)]
+    params = _params(torch.Generator().manual_seed(seed), torch.float32, "cpu", shapes)
+    reference = _stepped(torch.optim.AdamW, params)
+    copies = [p.detach().clone().requires_grad_() for p in params]
+    ours = AdamW([dict(params=copies[:2]), dict(params=copies[2:], lr=3e-3)])
+    ours.load_state_dict(copy.deepcopy(reference.state_dict()))
+    assert all(type(state["step"]) is int for state in ours.state.values())
+    _train_side_by_side(copies, params, [ours, reference], 5, seed)
+    _assert_same_state(copies, params, [ours, reference], 1e-6)
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda sd: sd["state"][1].update(exp_avg=torch.zeros(2)), r"has exp_avg of shape \(2,\)"),
+        (lambda sd: sd["state"][2].pop("exp_avg_sq"), "has no exp_avg_sq"),
+        (lambda sd: sd["state"][0].update(step=1.5), "has step 1.5"),
+        (lambda sd: sd["param_groups"][1].update(maximize=True), "does not support maximize=True"),
+        (lambda sd: sd["param_groups"][1].update(lr=float("inf")), "lr must be a finite number"),
+        (lambda sd: sd["param_groups"].pop(), "has 1 parameter groups, this optimizer 2"),
+    ],
+)
+def test_incompatible_state_dict_is_refused_and_changes_nothing(corrupt, message, seed):
+    shapes = [(5,), (4, 3), (6,)]
+    params = _params(torch.Generator().manual_seed(seed), torch.float32, "cpu", shapes)
+    optimizer = _stepped(AdamW, params)
+    state_dict = copy.deepcopy(optimizer.state_dict())  # its per-parameter dicts are the optimizer's own
+    before = {key: value for key, value in optimizer.state_dict()["state"][0].items()}
+    groups_before = [dict(g, params=None) for g in optimizer.param_groups]
+    corrupt(state_dict)
+    with pytest.raises(ValueError, match=message):
+        optimizer.load_state_dict(state_dict)
+    assert [dict(g, params=None) for g in optimizer.param_groups] == groups_before
+    assert optimizer.state[params[0]]["step"] == before["step"] == 3
+    assert optimizer.state[params[0]]["exp_avg"] is before["exp_avg"]
+
+
+def test_deepcopy_keeps_the_implementation_choice():
+    param = torch.zeros(3, requires_grad=True)
+    twin = copy.deepcopy(AdamW([param], fused=False))
+    assert twin.fused is False
+    twin.param_groups[0]["params"][0].grad = torch.ones(3)
+    twin.step()
+
+
+def test_add_param_group_checks_before_adding(seed):
+    first, second = torch.zeros(3, requires_grad=True), torch.zeros(2, requires_grad=True)
+    optimizer = AdamW([first])
+    with pytest.raises(ValueError, match="lr must be a finite number"):
+        optimizer.add_param_group(dict(params=[second], lr=float("nan")))
+    assert len(optimizer.param_groups) == 1
+    optimizer.add_param_group(dict(params=[second], lr=0.5, weight_decay=0.0))
+    second.grad = torch.ones(2)
+    optimizer.step()
+    torch.testing.assert_close(second.detach(), torch.full((2,), -0.5))  # first Adam step: lr * sign(g)
+    assert first not in optimizer.state
+
+
+# ------------------------------------------------------------------------------------------ compiled code
+
+# Compiles the fused kernel for sm_90 (no GPU needed), with and without the alignment promise, and counts the vector
+# loads and stores in each PTX. In its own process without TRITON_INTERPRET, like the Gluon compile test of
+# tests/test_attention.py.
+_COMPILE_KERNEL = """
+import re
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lmsys import optim
+
+kernel = optim._adamw_kernel
+names = kernel.arg_names
+for aligned in (True, False):
+    constexprs = dict(ROW=optim._ROW, CHUNK=optim.CHUNK, BLOCK=optim.BLOCK, DTYPE=tl.float32, ALIGNED=aligned)
+    signature = {n: "*i64" if n in ("TENSORS", "CHUNKS") else "constexpr" for n in names}
+    source = ASTSource(kernel, signature, {(names.index(n),): value for n, value in constexprs.items()})
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    print(aligned, len(re.findall(r"ld[.]global[.]v4[.]b32", ptx)), len(re.findall(r"st[.]global[.]v4[.]b32", ptx)))
+"""
+
+
+def test_fused_kernel_vectorizes_aligned_tensors(tmp_path):
+    """On any machine: with 16-byte aligned addresses the kernel's unmasked loads and stores are 16-byte vectors;
+    without the promise none are (an unaligned vector access would fault)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    result = subprocess.run([sys.executable, "-c", _COMPILE_KERNEL], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    counts = {line.split()[0]: tuple(map(int, line.split()[1:])) for line in result.stdout.splitlines()}
+    assert min(counts["True"]) > 0 and counts["False"] == (0, 0), result.stdout

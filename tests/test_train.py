@@ -1,6 +1,7 @@
 """The training step: loss, random batches, and forward + backward + AdamW in fp32, bf16 autocast and compiled."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -93,6 +94,15 @@ def test_bf16_autocast_step_runs_and_its_loss_is_close_to_fp32(seed):
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter's limits; on a GPU bf16 runs")
+def test_bf16_autocast_step_with_flash_triton_on_the_interpreter_raises(seed):
+    """The interpreter cannot multiply bf16: the step must fail, not train on wrong attention outputs."""
+    model = TransformerLM(dataclasses.replace(TINY, attention="flash_triton"))
+    step = make_train_step(model, AdamW(model.parameters()), autocast_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16 is not supported by triton under the Triton interpreter"):
+        step(*random_batch(2, 16, TINY.vocab_size, "cpu"))
+
+
 def test_float16_autocast_is_refused():
     model = TransformerLM(TINY)
     with pytest.raises(ValueError, match="autocast_dtype"):
@@ -115,3 +125,49 @@ def test_compiled_step_matches_eager_with_ranges_off_and_on(seed):
         torch.testing.assert_close(compiled_step(*batch), eager_step(*batch), rtol=1e-4, atol=1e-5)
     for mine, reference in zip(compiled.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-5)
+
+
+def _twin_steps(config, optimizer_class, **options):
+    """An eager step and a step with `options` on two copies of one model, each with its own optimizer."""
+    eager, other = TransformerLM(config), TransformerLM(config)
+    other.load_state_dict(eager.state_dict())
+    # eps=1e-4: see test_compiled_step_matches_eager_with_ranges_off_and_on.
+    eager_step = make_train_step(eager, optimizer_class(eager.parameters(), eps=1e-4))
+    other_step = make_train_step(other, optimizer_class(other.parameters(), eps=1e-4), **options)
+    return (eager, eager_step), (other, other_step)
+
+
+@pytest.mark.parametrize(
+    "options, optimizer_class",
+    [
+        (dict(compile=True, compile_loss=True), AdamW),
+        (dict(compile_optimizer=True), functools.partial(torch.optim.AdamW, foreach=True)),
+    ],
+    ids=["compile_loss", "compile_optimizer"],
+)
+def test_step_options_match_the_plain_step(seed, options, optimizer_class):
+    """The model and loss compiled together, or torch's optimizer step compiled, train as the eager step does
+    (aot_eager: the same graphs as inductor's, without its CPU compile time)."""
+    torch.compiler.reset()
+    config = dataclasses.replace(TINY, num_layers=1)
+    (eager, eager_step), (other, other_step) = _twin_steps(
+        config, optimizer_class, compile_backend="aot_eager", **options
+    )
+    batch = random_batch(2, 16, config.vocab_size, "cpu")
+    for _ in range(2):
+        torch.testing.assert_close(other_step(*batch), eager_step(*batch), rtol=1e-4, atol=1e-5)
+    for mine, reference in zip(other.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(compile_loss=True), "compile_loss=True compiles the loss with the model: it needs compile=True"),
+        (dict(compile_optimizer=True), "compile_optimizer=True is for torch's optimizers"),
+    ],
+)
+def test_step_options_that_cannot_work_are_refused(options, message):
+    model = TransformerLM(TINY)
+    with pytest.raises(ValueError, match=message):
+        make_train_step(model, AdamW(model.parameters()), **options)

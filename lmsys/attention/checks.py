@@ -1,4 +1,5 @@
-"""Input validation shared by every attention implementation: one `ValueError` per problem, naming it."""
+"""Input validation shared by every attention implementation (one `ValueError` per problem, naming it), and the
+refusal of double backward that the fused implementations share."""
 
 import torch
 
@@ -75,3 +76,24 @@ def check_inputs(
             f"{impl} attention: causal attention with {q.shape[-2]} queries and {k.shape[-2]} keys is not supported; "
             "causal needs seq_q == seq_k (use is_causal=False for different lengths)"
         )
+
+
+def refuse_double_backward(impl: str, grads: tuple, inputs: tuple) -> tuple:
+    """`grads` as they are, or, in a backward run with `create_graph=True` over inputs that require grad, aliases of
+    them whose own backward raises "double backward is not supported".
+
+    The fused backwards compute their gradients from saved statistics (the output and the log-sum-exp) that carry no
+    autograd history, so differentiating those gradients again would give wrong second derivatives or an unrelated
+    error. The mechanism is `torch.autograd.function.once_differentiable`'s, which only looks at the incoming
+    gradient and so misses the usual case of a gradient that does not itself require grad.
+    """
+    if not torch.is_grad_enabled() or not any(x.requires_grad for x in inputs):
+        return grads
+    refuse = torch._C._functions.DelayedError(
+        f"{impl} attention: double backward is not supported (its gradients are not differentiable); use naive "
+        "attention for second derivatives",
+        len(grads) + len(inputs),
+    )
+    # The inputs go through the raising node too, so that autograd.grad(..., inputs) finds a path to them (and
+    # raises this error rather than "appears to not have been used in the graph").
+    return refuse(*(g.detach() for g in grads), *inputs)[: len(grads)]

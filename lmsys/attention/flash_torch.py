@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from lmsys.attention.checks import check_inputs
+from lmsys.attention.checks import check_inputs, refuse_double_backward
 
 BLOCK_K = 64
 # Above MAX_KEY_TILES * BLOCK_K keys the tile grows instead, so the unrolled loop (and compile time) stays bounded.
@@ -121,7 +121,8 @@ def backward(
 class FlashAttentionTorch(torch.autograd.Function):
     """FlashAttention-2 in PyTorch as an autograd Function: `FlashAttentionTorch.apply(q, k, v, is_causal)`.
 
-    Saves the inputs, the output and the log-sum-exp; the backward recomputes the probabilities tile by tile.
+    Saves the inputs, the output and the log-sum-exp; the backward recomputes the probabilities tile by tile. Once
+    differentiable: a second backward through it raises.
     """
 
     @staticmethod
@@ -134,5 +135,7 @@ class FlashAttentionTorch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do: torch.Tensor):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = backward(q, k, v, o, lse, do, ctx.is_causal)
-        return dq, dk, dv, None
+        # o and lse carry no history, so a graph of these ops would give wrong second derivatives: build none.
+        with torch.no_grad():
+            grads = backward(q, k, v, o, lse, do, ctx.is_causal)
+        return (*refuse_double_backward("flash_torch", grads, (q, k, v, do)), None)

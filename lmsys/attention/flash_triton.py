@@ -37,12 +37,14 @@ import triton
 import triton.language as tl
 
 from lmsys.attention import flash_hopper, launch_order
-from lmsys.attention.checks import check_inputs
+from lmsys.attention.checks import check_inputs, refuse_double_backward
 
 HEAD_DIMS = (16, 32, 64, 128)
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
-# A finite "minus infinity" for masked scores: exp2 of it is 0, and a row whose tile is all masked gives no NaN.
+# A finite "minus infinity" for masked scores: exp2 of it is 0, and a row whose tile is all masked gives no NaN. It
+# replaces a masked score (tl.where) rather than being added to it, so a NaN or inf in a key that a query cannot see
+# stays out of that query's row, as in naive attention.
 MASKED = tl.constexpr(-1.0e6)
 
 _INTERPRET = triton.knobs.runtime.interpret
@@ -143,7 +145,7 @@ def _fwd_inner(
                 keep = offs_m[:, None] >= cols[None, :]
             else:
                 keep = cols[None, :] < N_K
-            qk = qk * qk_scale + tl.where(keep, 0.0, MASKED)
+            qk = tl.where(keep, qk * qk_scale, MASKED)
             m_ij = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.math.exp2(qk - m_ij[:, None])
         else:
@@ -484,6 +486,12 @@ def _dot_precision(dtype):
 
 def _check(q, k, v, is_causal):
     check_inputs(q, k, v, is_causal, impl="triton", head_dims=HEAD_DIMS)
+    if _INTERPRET and q.dtype == torch.bfloat16:
+        # Its tl.dot returns wrong values for bf16 operands (around 8e8 seen) rather than failing.
+        raise ValueError(
+            "dtype torch.bfloat16 is not supported by triton under the Triton interpreter (TRITON_INTERPRET=1), "
+            "which cannot multiply bf16 (triton-lang/triton#11584); use float32 or float16, or a CUDA device"
+        )
     if q.device.type != "cuda" and not _INTERPRET:
         raise ValueError(
             f"the Triton attention kernels need CUDA tensors, got tensors on {q.device}; "
@@ -545,7 +553,9 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) 
 
 @_fwd_op.register_fake
 def _(q, k, v, is_causal):
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    # Contiguous whatever the inputs' strides, as _fwd_impl allocates them: inductor checks the real strides
+    # against these.
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 def _bwd_impl(q, k, v, o, lse, do, is_causal):
@@ -554,7 +564,7 @@ def _bwd_impl(q, k, v, o, lse, do, is_causal):
     n_k = k4.shape[2]
     dq4 = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
     dk4, dv4 = (torch.empty(k4.shape, dtype=k.dtype, device=k.device) for _ in range(2))
-    lse = lse.view(q4.shape[:-1])
+    lse = lse.reshape(q4.shape[:-1]).contiguous()  # (B, H, T): the kernel indexes it as one row per head
     delta = torch.empty_like(lse)
     pre_block = 64
     _flash_bwd_preprocess_kernel[(triton.cdiv(n_q, pre_block), batch * heads)](
@@ -585,7 +595,8 @@ def _bwd_op(
 
 @_bwd_op.register_fake
 def _(q, k, v, o, lse, do, is_causal):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # Contiguous, as _bwd_impl allocates them (not the strides of q, k, v, which are often transposed views).
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def forward(q, k, v, is_causal=False):
@@ -609,7 +620,8 @@ class FlashAttentionTriton(torch.autograd.Function):
     """FlashAttention-2 with Triton kernels: ``FlashAttentionTriton.apply(q, k, v, is_causal)``.
 
     q, k, v: (batch, seq, d) or (batch, heads, seq, d), fp16/bf16/fp32 on CUDA, head dim 16/32/64/128;
-    causal needs equal query and key lengths. Softmax scale 1/sqrt(d).
+    causal needs equal query and key lengths. Softmax scale 1/sqrt(d). The output and the gradients are contiguous
+    whatever the inputs' strides. Once differentiable: a second backward through it raises.
     """
 
     @staticmethod
@@ -622,5 +634,5 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = backward(q, k, v, o, lse, do, ctx.is_causal)
-        return dq, dk, dv, None
+        grads = backward(q, k, v, o, lse, do, ctx.is_causal)
+        return (*refuse_double_backward("flash_triton", grads, (q, k, v, do)), None)

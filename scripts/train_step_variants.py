@@ -1,0 +1,190 @@
+"""Variants of the training step, timed side by side in one process: which of them pays? (issue 11)
+
+For each size (large and 2.7B by default): bf16 autocast + torch.compile, batch 4, context 512, random tokens;
+CUDA events around each step, the median of 20 steps after 8 warmup steps (the same-process table of
+shared/ANCHORS.md). Prints a markdown table (ms, TFLOP/s, MFU, peak memory, the first step's wall time, which holds
+the compilation) and writes every row to the CSV file named on the command line.
+
+    PYTHONPATH=. python scripts/train_step_variants.py variants.csv          (from the repository root)
+    PYTHONPATH=. python scripts/train_step_variants.py variants.csv --sizes large --variants ours ours-compile-loss
+
+Variants (model, attention, optimizer, make_train_step options):
+    reference                     the plain-PyTorch model (lmsys.reference_model), SDPA, torch's fused AdamW
+    ours-torch-adamw              lmsys.model, SDPA, torch's fused AdamW
+    ours                          lmsys.model, SDPA, lmsys AdamW (the fused Triton kernel)
+    ours-compile-loss             ... and the cross-entropy compiled with the model (compile_loss=True)
+    ours-flash_triton-compile-loss  ... with our Triton FlashAttention as the attention
+  not in the default set (each adds a compilation; run them with --variants):
+    ours-flash_triton             lmsys.model, flash_triton, lmsys AdamW, the loss outside the compiled model
+    ours-compiled-foreach         lmsys.model, SDPA, torch's foreach AdamW with its step compiled (compile_optimizer)
+
+Variants that share a model (class and attention) run on one model object, one after the other, each with a fresh
+optimizer; dynamo reuses the model's compiled graph where it can. Models are freed between groups and sizes. Without
+CUDA the script runs on the CPU (wall-clock timing, no MFU), for a smoke test with `--sizes tiny`.
+"""
+
+import argparse
+import csv
+import dataclasses
+import functools
+import gc
+import statistics
+import sys
+import time
+
+import torch
+
+from lmsys import flops
+from lmsys.model import SIZES, TransformerLM
+from lmsys.optim import AdamW
+from lmsys.reference_model import ReferenceLM
+from lmsys.train import make_train_step, random_batch
+
+OPTIMIZERS = {
+    "torch-fused": functools.partial(torch.optim.AdamW, fused=True),
+    "torch-foreach": functools.partial(torch.optim.AdamW, foreach=True),
+    "lmsys": AdamW,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    model: type
+    attention: str
+    optimizer: str
+    options: dict = dataclasses.field(default_factory=dict)
+
+
+VARIANTS = {
+    "reference": Variant(ReferenceLM, "sdpa", "torch-fused"),
+    "ours-torch-adamw": Variant(TransformerLM, "sdpa", "torch-fused"),
+    "ours": Variant(TransformerLM, "sdpa", "lmsys"),
+    "ours-compile-loss": Variant(TransformerLM, "sdpa", "lmsys", dict(compile_loss=True)),
+    "ours-flash_triton-compile-loss": Variant(TransformerLM, "flash_triton", "lmsys", dict(compile_loss=True)),
+    "ours-flash_triton": Variant(TransformerLM, "flash_triton", "lmsys"),
+    "ours-compiled-foreach": Variant(TransformerLM, "sdpa", "torch-foreach", dict(compile_optimizer=True)),
+}
+DEFAULT_VARIANTS = ["reference", "ours-torch-adamw", "ours", "ours-compile-loss", "ours-flash_triton-compile-loss"]
+COLUMNS = ["size", "variant", "median_ms", "min_ms", "max_ms", "tflops", "mfu", "peak_gib", "first_step_s"]
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def time_steps(step, batch, warmup: int, steps: int) -> tuple[list[float], float]:
+    """Per-step times in ms (CUDA events around each step; the wall clock on the CPU) and the first step's wall time
+    in seconds (the compilation lands there)."""
+    start = time.perf_counter()
+    step(*batch)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    for _ in range(warmup - 1):
+        step(*batch)
+    times = []
+    if torch.cuda.is_available():
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        torch.cuda.synchronize()
+        for begin, end in events:
+            begin.record()
+            step(*batch)
+            end.record()
+        torch.cuda.synchronize()
+        times = [begin.elapsed_time(end) for begin, end in events]
+    else:
+        for _ in range(steps):
+            begin = time.perf_counter()
+            step(*batch)
+            times.append((time.perf_counter() - begin) * 1e3)
+    return times, first
+
+
+def run_group(size: str, names: list[str], args, device: torch.device) -> list[dict]:
+    """Time the variants `names`, which share one model, on a model of `size`."""
+    first = VARIANTS[names[0]]
+    config = dataclasses.replace(SIZES[size], context_length=args.context, attention=first.attention)
+    with torch.device(device):
+        model = first.model(config)
+    batch = random_batch(args.batch, args.context, config.vocab_size, device)
+    matmul_params = sum(p.numel() for p in model.parameters()) - model.embedding.weight.numel()
+    work = flops.training_step_flops(matmul_params, args.batch, args.context, config.num_layers, config.d_model)
+    peak = flops.peak_tflops(torch.cuda.get_device_name(device), "bf16") if device.type == "cuda" else None
+    rows = []
+    for name in names:
+        variant = VARIANTS[name]
+        optimizer = OPTIMIZERS[variant.optimizer](model.parameters())
+        step = make_train_step(model, optimizer, autocast_dtype=torch.bfloat16, compile=True,
+                               compile_backend=args.compile_backend, **variant.options)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times, first_step = time_steps(step, batch, args.warmup, args.steps)
+        median = statistics.median(times)
+        tflops = work / (median * 1e-3) / 1e12
+        rows.append(dict(
+            size=size, variant=name, median_ms=round(median, 2), min_ms=round(min(times), 2),
+            max_ms=round(max(times), 2), tflops=round(tflops, 1),
+            mfu="" if peak is None else round(tflops / peak, 4),
+            peak_gib="" if device.type != "cuda" else round(torch.cuda.max_memory_allocated(device) / 2**30, 1),
+            first_step_s=round(first_step, 1),
+        ))
+        print(f"  {size} {name}: {median:.2f} ms (first step {first_step:.1f} s)", file=sys.stderr, flush=True)
+        del step, optimizer
+        model.zero_grad(set_to_none=True)
+        _release_memory()
+    del model
+    torch.compiler.reset()
+    _release_memory()
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """The rows as a markdown table, MFU as a percentage."""
+    header = ["size", "variant", "median ms", "min-max ms", "TFLOP/s", "MFU", "peak GiB", "first step s"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        mfu = "" if r["mfu"] == "" else f"{r['mfu']:.1%}"
+        cells = [r["size"], r["variant"], f"{r['median_ms']:.2f}", f"{r['min_ms']:.2f}-{r['max_ms']:.2f}",
+                 f"{r['tflops']:.1f}", mfu, str(r["peak_gib"]), f"{r['first_step_s']:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("csv", help="where to write the table as CSV")
+    parser.add_argument("--sizes", nargs="+", default=["large", "2.7B"], choices=list(SIZES))
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--warmup", type=int, default=8, help="untimed steps, the first one compiling (>= 1)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps")
+    parser.add_argument("--compile-backend", default="inductor")
+    args = parser.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be at least 1")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # Variants that share a model class and attention run on one model, in the order given.
+    groups = {}
+    for name in args.variants:
+        groups.setdefault((VARIANTS[name].model, VARIANTS[name].attention), []).append(name)
+    rows = []
+    for size in args.sizes:
+        for names in groups.values():
+            rows += run_group(size, names, args, device)
+    order = {name: index for index, name in enumerate(args.variants)}
+    rows.sort(key=lambda r: (args.sizes.index(r["size"]), order[r["variant"]]))
+    with open(args.csv, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"{device_name}, torch {torch.__version__}, bf16 autocast + torch.compile, batch {args.batch}, context "
+          f"{args.context}; median of {args.steps} steps after {args.warmup} warmup steps\n")
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
