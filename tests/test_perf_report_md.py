@@ -47,7 +47,7 @@ def test_without_comparison_the_report_says_so(pytester):
     result = run(pytester, "--perf-report=md:perf.md")
     result.assert_outcomes(passed=1)
     text = (pytester.path / "perf.md").read_text()
-    assert text.startswith("## lmsys perf: 1 benchmarks, not compared with a baseline\n")
+    assert text.startswith("## lmsys perf: 1 benchmark, not compared with a baseline\n")
     [row] = table_rows(text)
     assert row[0] == "not compared" and row[1] == "`test_a`"
     # 2 TFLOP in about 1 ms; the fake GPU is not in the peak table, so no fraction of peak.

@@ -203,14 +203,16 @@ def report_frame(records: list[Record], comparing: bool) -> pd.DataFrame:
 def markdown_report(
     frame: pd.DataFrame, device: str, commit: str | None, compared: list[str], notes: list[str], labels: list[str]
 ) -> str:
-    """The whole markdown report: a title counting the regressions, the device, commit and baseline files, the table
-    (report_frame) and the notes. `labels` are the verdict labels of the benchmarks ('' when not compared)."""
+    """The whole markdown report: a title counting the regressions, the device ('GPU: NAME'), commit and baseline
+    files, the table (report_frame) and the notes. `labels` are the benchmarks' verdict labels ('' if not compared)."""
     failing = sum(any(part in FAILING for part in label.split("+")) for label in labels)
     counts = pd.Series([label for label in labels if label]).value_counts()
-    title = f"## lmsys perf: {failing} of {len(labels)} benchmarks regressed" if compared or failing else (
-        f"## lmsys perf: {len(labels)} benchmarks, not compared with a baseline"
-    )
-    lines = [title, "", f"- GPU: {device}", f"- commit: {commit or 'unknown (not a git checkout)'}"]
+    benchmarks = f"{len(labels)} benchmark{'' if len(labels) == 1 else 's'}"
+    if compared or failing:
+        title = f"## lmsys perf: {failing} of {benchmarks} regressed"
+    else:
+        title = f"## lmsys perf: {benchmarks}, not compared with a baseline"
+    lines = [title, "", f"- {device}", f"- commit: {commit or 'unknown (not a git checkout)'}"]
     if compared:
         lines.append("- baselines compared: " + ", ".join(f"`{name}`" for name in compared))
     if len(counts):
@@ -247,6 +249,8 @@ def session_markdown(session: PerfSession) -> str:
 
     labels = [record.verdict.label if record.verdict else "" for record in session.records]
     return markdown_report(
-        report_frame(session.records, session.comparing), session.backend.name, session.environment.get("git_commit"),
+        report_frame(session.records, session.comparing),
+        f"GPU: {session.backend.name}" if session.backend.is_gpu else f"device: {session.backend.name} (CPU, no GPU)",
+        session.environment.get("git_commit"),
         [shown(path) for path in session.compared_files], session.notes, labels,
     )
