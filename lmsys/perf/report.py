@@ -184,15 +184,18 @@ def report_frame(records: list[Record], comparing: bool) -> pd.DataFrame:
         peak = None if record.memory is None else record.memory.peak_allocated_above_start
         baseline = record.baseline_median
         rates = _rate(record)
+        tflops = rates["TFLOP/s"] + (f" ({rates['% of peak']})" if rates["% of peak"] and rates["TFLOP/s"] else "")
         rows.append({
             "failed": failed,
             "verdict": f"**{verdict}**" if failed else verdict,
             "benchmark": f"`{record.name}`",
             "median": format_seconds(record.median),
-            "time change": "" if baseline is None else f"{_percent(record.median / baseline - 1)} vs {format_seconds(baseline)}",
+            "time change": "" if baseline is None else (
+                f"{_percent(record.median / baseline - 1)} vs {format_seconds(baseline)}"
+            ),
             "peak memory": "" if peak is None else format_bytes(peak),
             "memory change": _percent(_memory_change(record)),
-            "TFLOP/s": rates["TFLOP/s"] + (f" ({rates['% of peak']})" if rates["% of peak"] and rates["TFLOP/s"] else ""),
+            "TFLOP/s": tflops,
         })
     columns = ["failed", "verdict", "benchmark", "median", "time change", "peak memory", "memory change", "TFLOP/s"]
     frame = pd.DataFrame(rows, columns=columns)
