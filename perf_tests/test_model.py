@@ -1,6 +1,6 @@
 """One training step of the LM (forward, cross-entropy, backward, AdamW) per preset, precision and attention backend.
 
-On a GPU: batch 4, context 512 (the configuration of ../shared/ANCHORS.md), `small` and `large` in fp32, bf16
+On a GPU: batch 4, context 512 (as in the plain-PyTorch reference runs), `small` and `large` in fp32, bf16
 autocast and bf16 autocast + torch.compile, with SDPA as the attention and the naive reference beside it where it
 is affordable, and on `large` torch's fused AdamW beside ours; the rest of the grid (medium, xl, 2.7B, naive on
 large, the flash kernels) runs with --full-grid.
@@ -24,7 +24,7 @@ PRECISIONS = {
     "bf16-compile": dict(autocast_dtype=torch.bfloat16, compile=True),
 }
 
-# Ours, and torch's fused AdamW: the optimizer of the plain-PyTorch numbers in ../shared/ANCHORS.md.
+# Ours, and torch's fused AdamW: the optimizer of a plain-PyTorch training step (the reference runs).
 OPTIMIZERS = {"adamw": AdamW, "torch-fused-adamw": functools.partial(torch.optim.AdamW, fused=True)}
 
 
