@@ -63,6 +63,21 @@ def test_out_of_memory_is_a_row_and_the_sweep_goes_on(tmp_path, monkeypatch):
     assert table.loc["fwd", "status"] == "ok"
 
 
+def test_a_sweep_stopped_halfway_keeps_its_rows(tmp_path, monkeypatch):
+    real, calls = model_bench.run_case, []
+
+    def run_case(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(model_bench, "run_case", run_case)
+    with pytest.raises(KeyboardInterrupt):
+        main(["model", *QUICK, "--compile", "eager", "--modes", "fwd", "train", "-o", str(tmp_path / "m.csv")])
+    assert pd.read_csv(tmp_path / "m.csv")["mode"].tolist() == ["fwd"]
+
+
 def test_compiled_cases_are_labelled_and_the_compiler_is_reset(tmp_path, monkeypatch):
     # torch.compile on the CPU takes tens of seconds: here it is the identity, the plumbing is what is tested.
     resets = []

@@ -206,12 +206,12 @@ def run(args: argparse.Namespace) -> int:
     for provider, shape, mode in points:
         progress.start(f"{provider} {'x'.join(map(str, shape))} {mode}")
         rows.append(run_point(provider, shape, args.dtype, mode, args.causal, args, device))
+        sweep.write_outputs(pd.DataFrame(rows).reindex(columns=COLUMNS), args.output)  # kept if the sweep stops
     progress.close()
     frame = pd.DataFrame(rows).reindex(columns=COLUMNS)
     frame.attrs["device"] = device.name if device.is_gpu else f"{device.name} (CPU)"
     shown = frame.drop(columns=["batch", "heads", "dtype", "causal", "status"]).assign(status=frame["status"].str[:60])
     print(sweep.format_table(shown))
-    sweep.write_outputs(frame, args.output)
     if args.plots:
         for path in plot(frame, args.plots):
             print(f"plot: {path}")

@@ -5,7 +5,8 @@ Each case builds its model afresh (the gate's clock: CUDA events on a GPU, perf_
 untimed steps, then times `--steps` steps one by one: mean, std and median ms, tokens/s, model TFLOP/s (lmsys.flops:
 6 * matmul parameters * tokens plus the attention matmuls; a third of that for the forward) and MFU against the
 GPU's dense datasheet peak for the matmul precision, and the peak memory allocated during the timed steps. A case
-that runs out of GPU memory is a row with status 'OOM: ...'; the sweep goes on.
+that runs out of GPU memory is a row with status 'OOM: ...'; the sweep goes on. The --output files are rewritten
+after every case, so a sweep stopped halfway keeps the rows it has.
 
 Modes: `fwd` is the loss with autograd recording, as in training (its graph is dropped), `fwd_bwd` adds the
 backward (gradients cleared after it), `train` is lmsys.train's step (forward, backward, optimizer step).
@@ -281,8 +282,7 @@ def run(args: argparse.Namespace) -> int:
     for case in todo:
         progress.start(case.name)
         rows.append(run_case(case, args, device))
+        sweep.write_outputs(table(rows), args.output)  # a sweep stopped halfway keeps the rows it has
     progress.close()
-    frame = table(rows)
-    print(sweep.format_table(shown(frame)))
-    sweep.write_outputs(frame, args.output)
+    print(sweep.format_table(shown(table(rows))))
     return 0
