@@ -35,6 +35,7 @@ import pandas as pd
 import torch
 
 from lmsys import flops, profiling
+from lmsys.attention import ATTENTION
 from lmsys.bench import memory, sweep
 from lmsys.model import SIZES, TransformerLM
 from lmsys.optim import AdamW
@@ -82,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fp32, or bf16 autocast with fp32 master weights (default: both)")
     parser.add_argument("--compile", nargs="+", choices=COMPILE, default=list(COMPILE),
                         help="eager and/or torch.compile of the model (default: both)")
-    parser.add_argument("--attention", choices=sorted(_attention_names()), default="sdpa",
+    parser.add_argument("--attention", choices=sorted(ATTENTION), default="sdpa",
                         help="the model's attention kernel (default: sdpa)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                         help="train mode's optimizer: lmsys.optim's AdamW or torch's fused one (default: adamw)")
@@ -97,12 +98,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nvtx", action="store_true", help="NVTX ranges during the timed steps (nsys, ncu)")
     parser.add_argument("--memory-snapshot", type=Path, metavar="DIR",
                         help="CUDA memory history of one step: pickle, PNG timeline, largest allocations (CUDA)")
-
-
-def _attention_names():
-    from lmsys.attention import ATTENTION
-
-    return ATTENTION
 
 
 def cases(args: argparse.Namespace) -> list[Case]:

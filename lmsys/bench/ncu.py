@@ -47,6 +47,7 @@ import torch
 
 import lmsys
 from lmsys import flops
+from lmsys.attention import ATTENTION
 from lmsys.bench import model as model_bench
 from lmsys.bench import sweep
 from lmsys.model import SIZES, TransformerLM
@@ -96,7 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--dtype", choices=model_bench.DTYPES, default="bf16")
     parser.add_argument("--compile", choices=model_bench.COMPILE, default="eager")
-    parser.add_argument("--attention", default="sdpa", help="the model's attention kernel (default: sdpa)")
+    parser.add_argument("--attention", choices=sorted(ATTENTION), default="sdpa",
+                        help="the model's attention kernel (default: sdpa)")
     parser.add_argument("--optimizer", choices=model_bench.OPTIMIZERS, default="adamw")
     parser.add_argument("--num-layers", type=int, default=None,
                         help="fewer layers profile quicker (ncu replays every kernel; ~2000 kernels for small)")

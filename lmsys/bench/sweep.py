@@ -79,7 +79,7 @@ def out_of_memory_as_status(device, row: dict) -> Iterator[None]:
     try:
         yield
     except torch.cuda.OutOfMemoryError as exc:
-        row["status"] = "OOM: " + oom_reason(str(exc), device.name).split(": ", 1)[1]
+        row["status"] = "OOM: " + oom_reason(str(exc), device.name).rsplit(": ", 1)[1]
         # The traceback's frames hold the case's tensors; without clearing them nothing could be freed.
         traceback.clear_frames(exc.__traceback__)
         device.release_memory()
