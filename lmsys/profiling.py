@@ -104,10 +104,12 @@ def profile(
     return prof
 
 
-def table(prof: torch.profiler.profile, row_limit: int = 30) -> str:
-    """The profiler's per-operator table, sorted by device time on CUDA and by CPU time otherwise."""
+def table(prof: torch.profiler.profile, row_limit: int = 30, group_by_input_shape: bool = False) -> str:
+    """The profiler's per-operator table, sorted by device time on CUDA and by CPU time otherwise; with
+    `group_by_input_shape`, one row per operator and input shapes (needs `profile(..., record_shapes=True)`)."""
     sort_by = "device_time_total" if torch.cuda.is_available() else "cpu_time_total"
-    return prof.key_averages().table(sort_by=sort_by, row_limit=row_limit)
+    averages = prof.key_averages(group_by_input_shape=group_by_input_shape)
+    return averages.table(sort_by=sort_by, row_limit=row_limit)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ Providers (a model and an optimizer):
 - `ours-flash_triton`: lmsys.model with our Triton FlashAttention and lmsys.optim.AdamW;
 - `ours-naive`: lmsys.model with the naive attention reference and lmsys.optim.AdamW.
 
-On a GPU: batch 4, context 512 (the configuration of ../shared/ANCHORS.md). The default subset: `large` in bf16
+On a GPU: batch 4, context 512 (as in the plain-PyTorch reference runs). The default subset: `large` in bf16
 autocast + torch.compile with the four main providers side by side (MFU in the report's "% of peak"), `large` in
 fp32 and bf16 eager (reference and ours), and `small` in every precision with SDPA and naive attention. The rest
 (2.7B with every provider, medium and xl, naive on large, flash_triton eager) runs with --full-grid.

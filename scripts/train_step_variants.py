@@ -1,8 +1,8 @@
 """Variants of the training step, timed side by side in one process: which of them pays? (issue 11)
 
 For each size (large and 2.7B by default): bf16 autocast + torch.compile, batch 4, context 512, random tokens;
-CUDA events around each step, the median of 20 steps after 8 warmup steps (the same-process table of
-shared/ANCHORS.md). Prints a markdown table (ms, TFLOP/s, MFU, peak memory, the first step's wall time, which holds
+CUDA events around each step, the median of 20 steps after 8 warmup steps (how the plain-PyTorch reference numbers
+were taken). Prints a markdown table (ms, TFLOP/s, MFU, peak memory, the first step's wall time, which holds
 the compilation) and writes every row to the CSV file named on the command line.
 
     PYTHONPATH=. python scripts/train_step_variants.py variants.csv          (from the repository root)

@@ -19,8 +19,11 @@ from lmsys.perf.report import (
     MEMORY_REPORT_SUFFIXES,
     memory_frame,
     memory_report_lines,
+    parse_report_option,
+    session_markdown,
     summary_lines,
     write_memory_report,
+    write_new_file,
 )
 from lmsys.perf.session import PYTEST_BENCHMARK_DEFAULT_STORAGE, RECORD_KEY, SESSION_KEY, PerfSession
 
@@ -28,6 +31,7 @@ __all__ = ["gpu_benchmark"]
 
 MIB = 2**20
 _WRITTEN_KEY = pytest.StashKey[Path]()
+_MARKDOWN_KEY = pytest.StashKey[Path]()
 
 
 def _fraction(text: str) -> float:
@@ -76,6 +80,11 @@ def pytest_addoption(parser):
         ".json) also write them there.",
     )
     group.addoption(
+        "--perf-report", default=None, metavar="md:FILE",
+        help="At the end, write the results (verdicts first when comparing) as a GitHub markdown table to FILE, "
+        "e.g. for a CI job summary. The file must not exist yet.",
+    )
+    group.addoption(
         "--full-grid", action="store_true", default=False,
         help="Run the tests marked full_grid (points of the full perf grids), skipped otherwise.",
     )
@@ -103,6 +112,7 @@ def pytest_configure(config):
             f"--gpu-mem-report={report}: the file must end in {' or '.join(MEMORY_REPORT_SUFFIXES)} "
             "(write --gpu-mem-report=FILE, or put --gpu-mem-report after the test paths)"
         )
+    _check_markdown_report(config)
     config.addinivalue_line("markers", "perf_tolerance(time=None, memory=None): per-test regression tolerances")
     config.addinivalue_line("markers", "full_grid: a point of a full perf grid; runs only with --full-grid")
     config.stash[SESSION_KEY] = PerfSession(
@@ -121,6 +131,21 @@ def pytest_configure(config):
     # pytest-benchmark would load the baseline now, from a folder named after the OS and Python; the session
     # loads it at session start instead, from this device's folder.
     config.option.benchmark_compare = []
+
+
+def _check_markdown_report(config) -> None:
+    """Validates --perf-report before any test runs: a known format and a file that does not exist yet."""
+    value = config.getoption("perf_report")
+    if value is None:
+        return
+    try:
+        _, path = parse_report_option(value)
+    except ValueError as exc:
+        raise pytest.UsageError(f"--perf-report={value}: {exc}") from None
+    path = config.invocation_params.dir / path
+    if path.exists():
+        raise pytest.UsageError(f"--perf-report={value}: {path} already exists; remove it or name another file")
+    config.stash[_MARKDOWN_KEY] = path
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -194,6 +219,14 @@ def pytest_sessionfinish(session):
         path = session.config.invocation_params.dir / perf.memory_report
         write_memory_report(memory_frame(perf), path)
         session.config.stash[_WRITTEN_KEY] = path
+    markdown = session.config.stash.get(_MARKDOWN_KEY, None)
+    if perf is not None and markdown is not None:
+        try:
+            write_new_file(markdown, session_markdown(perf))
+        except FileExistsError:
+            perf.notes.append(f"markdown report NOT written: {markdown} appeared during the run")
+        else:
+            perf.notes.append(f"markdown report written to {markdown}")
 
 
 @pytest.hookimpl(tryfirst=True)

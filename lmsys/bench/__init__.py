@@ -1,0 +1,11 @@
+"""`lmsys-bench` (python -m lmsys.bench): the profiling workflow as one command-line tool.
+
+    lmsys-bench model       LM forward / forward+backward / training-step times over sizes, context lengths,
+                            fp32/bf16 and eager/compiled; --profile, --nvtx and --memory-snapshot per case
+    lmsys-bench attention   attention providers over sequence length x head dim: table, time and memory plots
+    lmsys-bench ncu         Nsight Compute on one training step: per kernel, per kernel family and per phase
+
+Every command prints its tables and writes them as files (model and attention: --output FILE.csv or .json; ncu:
+--out DIR); each runs on the CPU too, with small defaults there. The modules: sweep.py (what the commands share:
+the clock, progress, out-of-memory rows, output files), model.py, attention.py, ncu.py, memory.py (memory snapshots).
+"""

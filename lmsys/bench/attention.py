@@ -1,0 +1,218 @@
+"""`lmsys-bench attention`: attention providers over sequence length x head dimension: a table (median, mean and
+std ms, TFLOP/s, peak memory) and plots of time and of peak memory against sequence length.
+
+Inputs are q, k, v of shape (batch, heads, seq, d), fresh random values; FLOPs as in lmsys.flops (forward 4*b*h*s^2*d,
+halved when causal; backward 2.5x; both 3.5x). Modes: `fwd` (no autograd graph), `bwd` (the forward runs once,
+untimed; each timed call is a backward through the kept graph), `fwd_bwd`. Gradients come from a random dO through
+torch.autograd.grad. The peak memory is what one more call allocates above what was allocated before it (GPU only).
+
+Providers: lmsys.attention's naive reference, flash_torch (FlashAttention-2 in PyTorch), flash_triton, PyTorch's
+sdpa (its own choice of backend) and sdpa_flash / sdpa_cudnn / sdpa_efficient / sdpa_math (one SDPA backend each);
+`_compiled` after naive or flash_torch wraps it in torch.compile. A provider that cannot run a point is a row whose
+status says why (SDPA's own words when a backend refuses the inputs); running out of memory is a row 'OOM: ...'.
+"""
+
+import argparse
+import warnings
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch._functorch import config as functorch_config
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from lmsys.attention import ATTENTION
+from lmsys.bench import sweep
+from lmsys.flops import ATTENTION_MODES, attention_flops
+
+SDPA_BACKENDS = {
+    "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+    "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+    "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "sdpa_math": SDPBackend.MATH,
+}
+PROVIDERS = (
+    "naive", "naive_compiled", "flash_torch", "flash_torch_compiled", "flash_triton", "sdpa", *SDPA_BACKENDS
+)
+NEEDS_CUDA = {
+    "flash_triton": "needs CUDA (the Triton interpreter is for tests, not timing)",
+    "sdpa_cudnn": "needs CUDA (SDPA's cuDNN backend)",
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+COLUMNS = [
+    "provider", "batch", "heads", "seq", "d", "dtype", "mode", "causal", "status", "median_ms", "mean_ms", "std_ms",
+    "tflop_per_s", "peak_memory_mib",
+]
+HAS_CUDA = torch.cuda.is_available()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    gpu = HAS_CUDA
+    providers = ["naive", "flash_triton", "sdpa_flash", "sdpa_cudnn"] if gpu else ["naive", "flash_torch", "sdpa"]
+    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=providers,
+                        help=f"default: {' '.join(providers)}")
+    parser.add_argument("--seq", nargs="+", type=int, default=[256, 1024, 4096, 8192, 16384] if gpu else [64, 128],
+                        help="sequence lengths (default on a GPU: 256 1024 4096 8192 16384; on the CPU: 64 128)")
+    parser.add_argument("--dims", nargs="+", type=int, default=[64, 128] if gpu else [32],
+                        help="head dimensions (default on a GPU: 64 128; on the CPU: 32)")
+    parser.add_argument("--batch", type=int, default=8, help="default: 8 (the seeds' grid)")
+    parser.add_argument("--heads", type=int, default=1, help="default: 1 (the seeds' grid: (batch, seq, d) inputs)")
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16" if gpu else "fp32")
+    parser.add_argument("--modes", nargs="+", choices=ATTENTION_MODES, default=["fwd_bwd"], help="default: fwd_bwd")
+    parser.add_argument("--causal", action="store_true", help="causal masking (default: full attention)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls after the first (default: 3)")
+    parser.add_argument("--steps", type=int, default=10, help="timed calls (default: 10)")
+    parser.add_argument("--output", "-o", type=Path, action="append", default=[],
+                        help="write the table to this .csv or .json file (repeatable)")
+    parser.add_argument("--plots", type=Path, metavar="DIR",
+                        help="write DIR/attention_time.png and DIR/attention_memory.png")
+
+
+def _sdpa_with(backend: SDPBackend):
+    def attend(q, k, v, is_causal):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+    return attend
+
+
+def attention_function(provider: str):
+    """The provider's attention(q, k, v, is_causal), compiled for the `_compiled` providers."""
+    base = provider.removesuffix("_compiled")
+    attend = _sdpa_with(SDPA_BACKENDS[base]) if base in SDPA_BACKENDS else ATTENTION[base]
+    return torch.compile(attend, dynamic=False) if provider.endswith("_compiled") else attend
+
+
+def point_function(attend, q, k, v, causal: bool, mode: str):
+    """The timed call of one mode, as a function of no arguments (for `bwd` the forward runs here, once)."""
+    if mode == "fwd":
+
+        def forward():
+            with torch.no_grad():
+                return attend(q, k, v, causal)
+
+        return forward
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    do = torch.randn_like(q)
+    if mode == "fwd_bwd":
+        return lambda: torch.autograd.grad(attend(q, k, v, causal), (q, k, v), do)
+    # A compiled backward frees ("donates") the saved activations; timing it again over the same graph needs them.
+    with functorch_config.patch(donated_buffer=False):
+        out = attend(q, k, v, causal)
+    return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+
+
+def _refusal(exc: RuntimeError, caught: list) -> str:
+    """Why a provider refused the inputs: the warnings SDPA gives its reasons in, else the error's first line."""
+    reasons = " ".join(str(w.message) for w in caught) or str(exc)
+    return "unsupported: " + " ".join(reasons.split())[:200]
+
+
+def measure(provider: str, shape: tuple, dtype: str, mode: str, causal: bool, args, device) -> dict:
+    """One point: the first call (compilation, a refusal) untimed, warmup, timed calls, one call for the memory."""
+    if provider in NEEDS_CUDA and not device.is_gpu:
+        return {"status": NEEDS_CUDA[provider]}
+    q, k, v = (torch.randn(shape, device="cuda" if device.is_gpu else "cpu", dtype=DTYPES[dtype]) for _ in range(3))
+    attend = attention_function(provider)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            call = point_function(attend, q, k, v, causal, mode)
+            call()
+        except RuntimeError as exc:
+            if provider.startswith("sdpa"):
+                return {"status": _refusal(exc, caught)}
+            raise
+    samples = sweep.time_steps(device, call, args.warmup, args.steps)
+    _, reading = device.measure_memory(call)
+    batch, heads, seq, d = shape
+    seconds = sweep.summary(samples)["median_ms"] / 1e3
+    return {
+        **sweep.summary(samples),
+        "tflop_per_s": attention_flops(batch, heads, seq, seq, d, causal, mode) / seconds / 1e12,
+        "peak_memory_mib": None if reading is None else reading.peak_allocated_above_start / 2**20,
+    }
+
+
+def run_point(provider: str, shape: tuple, dtype: str, mode: str, causal: bool, args, device) -> dict:
+    """One row: the point and its measurements, or the status saying why there are none."""
+    batch, heads, seq, d = shape
+    row = {"provider": provider, "batch": batch, "heads": heads, "seq": seq, "d": d, "dtype": dtype, "mode": mode,
+           "causal": causal, "status": sweep.OK}
+    try:
+        with sweep.out_of_memory_as_status(device, row):
+            row.update(measure(provider, shape, dtype, mode, causal, args, device))
+    finally:
+        if provider.endswith("_compiled"):
+            torch.compiler.reset()  # each shape compiles anew; old graphs would hit dynamo's recompile limit
+    return row
+
+
+def plot(frame: pd.DataFrame, directory: Path) -> list[Path]:
+    """attention_time.png and attention_memory.png: one panel per (d, dtype, mode), a line per provider over the
+    sequence length (log-log); the memory plot says so when there are no readings (no GPU)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    measured = frame[frame["status"] == sweep.OK]
+    panels = list(measured.groupby(["d", "dtype", "mode", "causal"], sort=False))
+    written = []
+    for column, label, name in (("median_ms", "median ms", "attention_time.png"),
+                                ("peak_memory_mib", "peak MiB above start", "attention_memory.png")):
+        fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(5.5 * max(len(panels), 1), 4), squeeze=False)
+        for ax, ((d, dtype, mode, causal), group) in zip(axes.flat, panels, strict=False):
+            for provider, line in group.dropna(subset=[column]).groupby("provider", sort=False):
+                line = line.sort_values("seq")
+                ax.plot(line["seq"], line[column], marker="o", label=provider)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("sequence length")
+            ax.set_ylabel(label)
+            ax.set_title(f"d={d} {dtype} {mode}{' causal' if causal else ''}", fontsize=9)
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+            else:
+                ax.text(0.5, 0.5, "no readings (memory needs a GPU)" if column == "peak_memory_mib" else "no data",
+                        ha="center", va="center", transform=ax.transAxes)
+        if not panels:
+            axes[0, 0].text(0.5, 0.5, "no point ran", ha="center", va="center")
+        fig.suptitle(f"attention on {frame.attrs.get('device', '')}", fontsize=10)
+        fig.tight_layout()
+        path = directory / name
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def run(args: argparse.Namespace) -> int:
+    sweep.check_outputs(args.output)
+    for name, values, least in (("--seq", args.seq, 1), ("--dims", args.dims, 1), ("--batch", [args.batch], 1),
+                                ("--heads", [args.heads], 1), ("--steps", [args.steps], 1),
+                                ("--warmup", [args.warmup], 0)):
+        if min(values) < least:
+            raise sweep.UsageError(f"{name} must be at least {least}, got {min(values)}")
+    device = sweep.backend()
+    points = [(p, (args.batch, args.heads, s, d), m) for d in args.dims for s in args.seq for m in args.modes
+              for p in args.providers]
+    print(f"lmsys-bench attention on {device.name} (torch {torch.__version__}): {len(points)} points, "
+          f"{args.dtype}, {'causal' if args.causal else 'full'}, {args.warmup} warmup + {args.steps} timed calls")
+    progress = sweep.Progress(len(points))
+    rows = []
+    for provider, shape, mode in points:
+        progress.start(f"{provider} {'x'.join(map(str, shape))} {mode}")
+        rows.append(run_point(provider, shape, args.dtype, mode, args.causal, args, device))
+        sweep.write_outputs(pd.DataFrame(rows).reindex(columns=COLUMNS), args.output)  # kept if the sweep stops
+    progress.close()
+    frame = pd.DataFrame(rows).reindex(columns=COLUMNS)
+    frame.attrs["device"] = device.name if device.is_gpu else f"{device.name} (CPU)"
+    shown = frame.drop(columns=["batch", "heads", "dtype", "causal", "status"]).assign(status=frame["status"].str[:60])
+    print(sweep.format_table(shown))
+    if args.plots:
+        for path in plot(frame, args.plots):
+            print(f"plot: {path}")
+    return 0

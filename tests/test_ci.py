@@ -1,0 +1,93 @@
+"""The CI definitions: the workflow files parse as YAML with the expected triggers and jobs, and the GPU job's script
+(.ci/perf) runs end to end on this machine (the CPU configurations) in both of its modes."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml", reason="PyYAML reads the workflow files (not a dependency of lmsys)")
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOWS = ROOT / ".github" / "workflows"
+GPU_LABELS = ["self-hosted", "linux", "gpu"]
+
+
+def workflow(name: str) -> dict:
+    doc = yaml.safe_load((WORKFLOWS / name).read_text())
+    # YAML 1.1 (PyYAML) reads the key `on` as the boolean True.
+    doc["on"] = doc.pop(True, doc.get("on"))
+    return doc
+
+
+def commands(job: dict) -> str:
+    return "\n".join(step.get("run", "") for step in job["steps"])
+
+
+def test_cpu_workflow_runs_ci_run_on_pushes_and_pull_requests():
+    doc = workflow("ci.yml")
+    assert {"push", "pull_request"} <= set(doc["on"])
+    [job] = doc["jobs"].values()
+    assert job["runs-on"] == "ubuntu-latest"
+    [python] = [step["with"] for step in job["steps"] if step.get("uses", "").startswith("actions/setup-python")]
+    assert (python["python-version"], python["cache"]) == ("3.11", "pip")
+    assert "bash .ci/run" in commands(job)
+
+
+def test_gpu_workflow_compares_on_a_gpu_runner_and_saves_only_by_hand():
+    doc = workflow("perf.yml")
+    assert {"push", "pull_request", "workflow_dispatch"} <= set(doc["on"])
+    assert doc["on"]["workflow_dispatch"]["inputs"]["baseline_name"]["required"] is True
+    compare, save = doc["jobs"]["compare"], doc["jobs"]["save-baseline"]
+    for job in (compare, save):
+        assert job["runs-on"] == GPU_LABELS
+        assert "bash .ci/setup" in commands(job)
+        [upload] = [step for step in job["steps"] if step.get("uses", "").startswith("actions/upload-artifact")]
+        assert upload["if"] == "always()"
+        assert "git commit" not in commands(job) and "git push" not in commands(job)
+    assert 'bash .ci/perf "$RUNNER_TEMP/perf"' in commands(compare) and "--save" not in commands(compare)
+    assert "workflow_dispatch" not in compare["if"].replace("github.event_name == 'push'", "")
+    assert save["if"] == "github.event_name == 'workflow_dispatch'"
+    assert '--save "$BASELINE_NAME"' in commands(save)
+    assert save["env"]["BASELINE_NAME"] == "${{ inputs.baseline_name }}"
+
+
+def test_the_gpu_script_is_executable_valid_bash():
+    script = ROOT / ".ci" / "perf"
+    assert os.access(script, os.X_OK)
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+def run_script(out: Path, *args: str) -> subprocess.CompletedProcess:
+    pytest_args = ["-k", "matmul", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "--benchmark-max-time=0.01"]
+    env = {**os.environ, "GITHUB_STEP_SUMMARY": str(out.parent / "step-summary.md")}
+    return subprocess.run(
+        ["bash", str(ROOT / ".ci" / "perf"), str(out), *args, "--", *pytest_args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_the_gpu_script_compares_reports_and_saves_into_a_copy(tmp_path):
+    before = sorted(p.relative_to(ROOT) for p in (ROOT / "baselines").rglob("*"))
+    done = run_script(tmp_path / "compare")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / "compare"
+    assert {"summary.md", "results.json", "memory.csv", "pytest.log"} <= {p.name for p in out.iterdir()}
+    summary = (out / "summary.md").read_text()
+    assert "`test_matmul`" in summary
+    assert (tmp_path / "step-summary.md").read_text() == summary
+    assert [b["name"] for b in json.loads((out / "results.json").read_text())["benchmarks"]] == ["test_matmul"]
+
+    done = run_script(tmp_path / "save", "--save", "ci-test")
+    assert done.returncode == 0, done.stdout + done.stderr
+    [new] = (tmp_path / "save" / "new-baseline").rglob("*.json")
+    assert new.name.endswith("_ci-test.json")
+    assert [b["name"] for b in json.loads(new.read_text())["benchmarks"]] == ["test_matmul"]
+    assert sorted(p.relative_to(ROOT) for p in (ROOT / "baselines").rglob("*")) == before
+
+
+def test_the_gpu_script_explains_its_usage():
+    done = subprocess.run(["bash", str(ROOT / ".ci" / "perf")], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "usage: bash .ci/perf OUT" in done.stderr
