@@ -131,8 +131,8 @@ def compare_time(
 ) -> TimeComparison:
     """Compare per-round times (seconds) with the baseline's. A baseline without rounds can be passed as [median]:
     then only the current run's spread is accounted for."""
-    if not tolerance >= 0:
-        raise ValueError(f"tolerance must be a non-negative fraction, got {tolerance!r}")
+    if not (math.isfinite(tolerance) and tolerance >= 0):
+        raise ValueError(f"tolerance must be a finite, non-negative fraction, got {tolerance!r}")
     if not 0.5 < confidence < 1:
         raise ValueError(f"confidence must be in (0.5, 1), got {confidence!r}")
     now = _as_samples(samples, "samples")
@@ -157,8 +157,8 @@ def compare_memory(peak: int, baseline_peak: int, tolerance: float, floor: int) 
     """Compare peak bytes with the baseline's: MORE-MEMORY when the growth exceeds tolerance * baseline and floor."""
     if peak < 0 or baseline_peak < 0:
         raise ValueError(f"peaks must be non-negative byte counts, got {peak!r} and {baseline_peak!r}")
-    if not tolerance >= 0 or floor < 0:
-        raise ValueError(f"tolerance and floor must be non-negative, got {tolerance!r} and {floor!r}")
+    if not (math.isfinite(tolerance) and tolerance >= 0 and floor >= 0):
+        raise ValueError(f"tolerance and floor must be finite and non-negative, got {tolerance!r} and {floor!r}")
     allowed = max(tolerance * baseline_peak, floor)
     if peak - baseline_peak > allowed:
         verdict = MORE_MEMORY
