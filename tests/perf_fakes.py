@@ -1,9 +1,9 @@
-"""A deterministic stand-in for a GPU, for pytester runs of the lmsys.perf plugin.
+"""A deterministic stand-in for a GPU, and tiny inner suites on it, for pytester runs of the lmsys.perf plugin.
 
 An inner suite's conftest returns a FakeGpu from the plugin's `pytest_perf_backend` hook (see INNER_CONFTEST). The
 clock only moves when a benchmarked function asks it to (`FakeGpu.work`), by a set time with seeded noise; memory
 readings are whatever the function says it allocated. The plugin then runs its real timing loop, statistics,
-storage and verdicts on these numbers.
+storage and verdicts on these numbers. `write_suite`, `run` and `save_baseline` build and run such suites.
 """
 
 import random
@@ -96,3 +96,53 @@ class FakeGpu:
             return calls
 
         return fn
+
+
+# max-time 0 makes every run exactly min-rounds rounds, whatever the machine's speed.
+# The hypothesis plugin would be imported afresh by every inner run (pytester restores sys.modules): 2 s each.
+RUN_ARGS = (
+    "--benchmark-max-time=0", "--benchmark-min-rounds=21", "-rfEs",
+    "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
+)
+GPU = "Fake GPU 80GB"
+MACHINE = "Fake_GPU_80GB"
+MIB = 2**20
+
+
+def write_suite(pytester, tests: dict, seed: int, gpu: str = GPU) -> None:
+    """An inner suite: one test per entry, benchmarking fake.work(**spec); 'marker' and 'call' (extra keyword
+    arguments of the gpu_benchmark call, as source text) are taken out of the spec."""
+    pytester.makeini("[pytest]\n")
+    pytester.makeconftest(INNER_CONFTEST.format(name=gpu))
+    lines = ["import pytest", ""]
+    for index, (name, spec) in enumerate(tests.items()):
+        spec = {"noise": 0.01, "memory": 64 * MIB, **spec}
+        marker = spec.pop("marker", None)
+        call = spec.pop("call", "")
+        if marker:
+            lines.append(f"@pytest.mark.{marker}")
+        args = ", ".join(f"{key}={value!r}" for key, value in spec.items())
+        lines += [
+            f"def {name}(gpu_benchmark, fake):",
+            f"    gpu_benchmark(fake.work({args}, seed={seed * 100 + index}){call})",
+            "",
+        ]
+    pytester.makepyfile(test_suite="\n".join(lines))
+
+
+def run(pytester, *args, **kwargs):
+    """Runs the inner suite in-process with RUN_ARGS and args (kwargs go to pytester's inline_run)."""
+    return pytester.runpytest_inprocess(*RUN_ARGS, *args, **kwargs)
+
+
+def save_baseline(pytester, tests: dict, name: str = "base", gpu: str = GPU):
+    """Writes the suite (seed 1) and saves it as a baseline named `name`; the run must pass."""
+    write_suite(pytester, tests, seed=1, gpu=gpu)
+    result = run(pytester, f"--benchmark-save={name}")
+    assert result.ret == 0, result.stdout.str()
+    return result
+
+
+def baseline_files(pytester, machine: str = MACHINE) -> list:
+    """The files in the inner project's baseline folder of `machine`, sorted."""
+    return sorted((pytester.path / "baselines" / machine).glob("*.json"))

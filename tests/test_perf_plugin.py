@@ -7,56 +7,9 @@ import re
 
 import pandas as pd
 import pytest
-from perf_fakes import INNER_CONFTEST
+from perf_fakes import GPU, MACHINE, MIB, baseline_files, run, save_baseline, write_suite
 
 pytest_plugins = ["pytester"]
-
-# max-time 0 makes every run exactly min-rounds rounds, whatever the machine's speed.
-# The hypothesis plugin would be imported afresh by every inner run (pytester restores sys.modules): 2 s each.
-RUN_ARGS = (
-    "--benchmark-max-time=0", "--benchmark-min-rounds=21", "-rfEs",
-    "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
-)
-GPU = "Fake GPU 80GB"
-MACHINE = "Fake_GPU_80GB"
-MIB = 2**20
-
-
-def write_suite(pytester, tests: dict, seed: int, gpu: str = GPU) -> None:
-    """An inner suite: one test per entry, benchmarking fake.work(**spec); 'marker' and 'call' (extra keyword
-    arguments of the gpu_benchmark call, as source text) are taken out of the spec."""
-    pytester.makeini("[pytest]\n")
-    pytester.makeconftest(INNER_CONFTEST.format(name=gpu))
-    lines = ["import pytest", ""]
-    for index, (name, spec) in enumerate(tests.items()):
-        spec = {"noise": 0.01, "memory": 64 * MIB, **spec}
-        marker = spec.pop("marker", None)
-        call = spec.pop("call", "")
-        if marker:
-            lines.append(f"@pytest.mark.{marker}")
-        args = ", ".join(f"{key}={value!r}" for key, value in spec.items())
-        lines += [
-            f"def {name}(gpu_benchmark, fake):",
-            f"    gpu_benchmark(fake.work({args}, seed={seed * 100 + index}){call})",
-            "",
-        ]
-    pytester.makepyfile(test_suite="\n".join(lines))
-
-
-def run(pytester, *args):
-    return pytester.runpytest_inprocess(*RUN_ARGS, *args)
-
-
-def save_baseline(pytester, tests: dict, name: str = "base", gpu: str = GPU):
-    write_suite(pytester, tests, seed=1, gpu=gpu)
-    result = run(pytester, f"--benchmark-save={name}")
-    assert result.ret == 0, result.stdout.str()
-    return result
-
-
-def baseline_files(pytester, machine: str = MACHINE) -> list:
-    return sorted((pytester.path / "baselines" / machine).glob("*.json"))
-
 
 def test_unchanged_run_passes(pytester):
     tests = {"test_a": {"ms": 1.0}, "test_b": {"ms": 3.0, "memory": 300 * MIB}}
@@ -149,10 +102,14 @@ def test_baseline_of_another_gpu_is_never_compared(pytester):
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*test_a*NEW*", "*no baseline for Fake_GPU_B in *Fake_GPU_B: nothing compared*"])
 
+    # Named explicitly, it is an error: the user asked for a comparison that the gate never makes.
     (other,) = baseline_files(pytester, "Fake_GPU_A")
     result = run(pytester, f"--benchmark-compare={other}")
-    result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines([f"*not compared: {other} was recorded on Fake_GPU_A, this run is on Fake_GPU_B*"])
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([
+        f"*--benchmark-compare={other}: {other} was recorded on Fake_GPU_A, this run is on Fake_GPU_B; a baseline of "
+        "another GPU model is never compared*"
+    ])
 
 
 def test_compare_picks_the_newest_baseline_unless_one_is_named(pytester):

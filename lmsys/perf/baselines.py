@@ -353,7 +353,7 @@ def save_new(folder: Path, name: str, text: str) -> Path:
             while True:
                 number = next_number(folder)
                 if number > MAX_NUMBER:
-                    raise BaselineError(f"{folder} already holds baseline {MAX_NUMBER}; move old files away to save more")
+                    raise BaselineError(f"{folder} already holds baseline {MAX_NUMBER}; move old files away to save")
                 target = folder / file_name(number, name)
                 try:
                     os.link(temporary, target)

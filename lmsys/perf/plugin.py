@@ -2,17 +2,25 @@
 
 State lives in one PerfSession in config.stash (session.py); the fixture is in fixture.py, verdicts in compare.py,
 files in baselines.py, tables in report.py.
+
+The plugin is installed for every pytest run in the environment, so it keeps out of the way of projects that do not
+use `gpu_benchmark`: the gate switches on after collection, when a selected test uses the fixture; until then it
+changes no option of pytest-benchmark's and writes nothing (pytest-benchmark's own loading of --benchmark-compare is
+only held back until collection says whose it is).
 """
 
 import argparse
+import math
+import os
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
+from pytest_benchmark.storage.file import FileStorage
 from pytest_benchmark.utils import load_timer
 
-from lmsys.perf import compare, hookspecs
+from lmsys.perf import baselines, compare, hookspecs
 from lmsys.perf.backend import detect_backend
 from lmsys.perf.fixture import gpu_benchmark, oom_reason
 from lmsys.perf.report import (
@@ -22,11 +30,14 @@ from lmsys.perf.report import (
     summary_lines,
     write_memory_report,
 )
-from lmsys.perf.session import PYTEST_BENCHMARK_DEFAULT_STORAGE, RECORD_KEY, SESSION_KEY, PerfSession
+from lmsys.perf.session import RECORD_KEY, SESSION_KEY, PerfSession
 
 __all__ = ["gpu_benchmark"]
 
 MIB = 2**20
+# pytest-benchmark's default --benchmark-storage; when it is unchanged the gate stores in rootdir/baselines.
+PYTEST_BENCHMARK_DEFAULT_STORAGE = "file://./.benchmarks"
+_REPORT_PATH_KEY = pytest.StashKey[Path]()
 _WRITTEN_KEY = pytest.StashKey[Path]()
 
 
@@ -71,9 +82,18 @@ def pytest_addoption(parser):
         help="Memory growth below this many bytes never fails. Default: %(default)s (1 MiB)",
     )
     group.addoption(
+        "--benchmark-save-failing", action="store_true", default=False,
+        help="With --benchmark-save/--benchmark-autosave, also save the results of tests that failed (a SLOWER "
+        "verdict, an error after measuring). Without it they are left out of the saved baseline.",
+    )
+    group.addoption(
         "--gpu-mem-report", nargs="?", const=True, default=None, metavar="FILE",
         help="At the end, print every benchmark's memory high-water marks, largest first; with =FILE (.csv or "
-        ".json) also write them there.",
+        ".json) also write them there (a new file: see --gpu-mem-report-overwrite).",
+    )
+    group.addoption(
+        "--gpu-mem-report-overwrite", action="store_true", default=False,
+        help="Let --gpu-mem-report=FILE replace an existing FILE (never a baseline).",
     )
     group.addoption(
         "--full-grid", action="store_true", default=False,
@@ -81,8 +101,52 @@ def pytest_addoption(parser):
     )
 
 
-def _saving(config) -> bool:
-    return bool(config.getoption("benchmark_save") or config.getoption("benchmark_autosave"))
+def _xdist_distributes(config) -> bool:
+    """Whether pytest-xdist distributes this run: the test pytest-benchmark applies before it disables itself."""
+    return (
+        config.getoption("dist", "no") != "no"
+        or bool(os.environ.get("PYTEST_XDIST_WORKER"))
+        or hasattr(config, "workerinput")
+    )
+
+
+def _refuse_under_xdist(config, asked: list[str]) -> None:
+    if asked and _xdist_distributes(config):
+        raise pytest.UsageError(
+            f"{', '.join(asked)} under pytest-xdist (-n/--dist): pytest-benchmark times nothing in a distributed "
+            "run, so nothing would be compared or saved and every test would pass. Run the benchmarks without -n "
+            "(or with -n 0)."
+        )
+
+
+def _test_path_problem(config, value) -> str | None:
+    """Why a --benchmark-compare value is a test path that the option swallowed, or None."""
+    if not isinstance(value, str):
+        return None
+    path = config.invocation_params.dir / value.split("::")[0]
+    if not (path.is_dir() or (path.is_file() and (path.suffix == ".py" or "::" in value))):
+        return None
+    args = list(config.invocation_params.args)
+    hint = "pytest PATHS ... --benchmark-compare"
+    if "--benchmark-compare" in args and args.index("--benchmark-compare") + 1 < len(args):
+        args.remove("--benchmark-compare")
+        hint = "pytest " + " ".join([*args, "--benchmark-compare"])
+    return (
+        f"--benchmark-compare took {value!r} as the baseline to compare with, but it is a path of the project: "
+        "--benchmark-compare takes an optional value, so it swallowed the test path. Put --benchmark-compare after "
+        f"the test paths ({hint}), or write --benchmark-compare=NUM to name a baseline."
+    )
+
+
+def _asked(config) -> list[str]:
+    """The options given that write or compare baselines or reports."""
+    names = {
+        "--benchmark-compare": config.getoption("benchmark_compare"),
+        "--benchmark-save": config.getoption("benchmark_save"),
+        "--benchmark-autosave": config.getoption("benchmark_autosave"),
+        "--gpu-mem-report": config.getoption("gpu_mem_report"),
+    }
+    return [name for name, value in names.items() if value]
 
 
 @pytest.hookimpl(trylast=True)
@@ -92,19 +156,22 @@ def pytest_perf_backend(config):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
-    # Runs before pytest-benchmark's pytest_configure (trylast), which builds its session from these options.
-    if config.getoption("benchmark_storage") == PYTEST_BENCHMARK_DEFAULT_STORAGE:
-        config.option.benchmark_storage = str(config.rootpath / "baselines")
-    if _saving(config):
-        config.option.benchmark_save_data = True
+    # Runs before pytest-benchmark's pytest_configure (trylast), which loads --benchmark-compare at once.
+    config.addinivalue_line("markers", "perf_tolerance(time=None, memory=None): per-test regression tolerances")
+    config.addinivalue_line("markers", "full_grid: a point of a full perf grid; runs only with --full-grid")
     report = config.getoption("gpu_mem_report")
     if isinstance(report, str) and Path(report).suffix not in MEMORY_REPORT_SUFFIXES:
         raise pytest.UsageError(
             f"--gpu-mem-report={report}: the file must end in {' or '.join(MEMORY_REPORT_SUFFIXES)} "
             "(write --gpu-mem-report=FILE, or put --gpu-mem-report after the test paths)"
         )
-    config.addinivalue_line("markers", "perf_tolerance(time=None, memory=None): per-test regression tolerances")
-    config.addinivalue_line("markers", "full_grid: a point of a full perf grid; runs only with --full-grid")
+    if not config.pluginmanager.has_plugin("benchmark"):
+        return  # pytest-benchmark is disabled (-p no:benchmark): so is the gate
+    _refuse_under_xdist(config, _asked(config))
+    compare_value = config.getoption("benchmark_compare") or None
+    problem = _test_path_problem(config, compare_value)
+    if problem:
+        raise pytest.UsageError(problem)
     config.stash[SESSION_KEY] = PerfSession(
         backend=config.hook.pytest_perf_backend(config=config),
         rootpath=config.rootpath,
@@ -113,43 +180,92 @@ def pytest_configure(config):
         memory_floor=config.getoption("perf_mem_floor"),
         full_grid=config.getoption("full_grid"),
         memory_report=report,
-        compare=config.getoption("benchmark_compare") or None,
+        compare=compare_value,
+        save=config.getoption("benchmark_save") or config.getoption("benchmark_autosave"),
+        save_failing=config.getoption("benchmark_save_failing"),
         disable_gc=config.getoption("benchmark_disable_gc"),
-        max_time=float(config.getoption("benchmark_max_time")),
         min_rounds=config.getoption("benchmark_min_rounds"),
     )
-    # pytest-benchmark would load the baseline now, from a folder named after the OS and Python; the session
-    # loads it at session start instead, from this device's folder.
+    # Held back from pytest-benchmark's configure: collection decides who loads it (pytest_collection_finish).
     config.option.benchmark_compare = []
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_sessionstart(session):
-    perf = session.config.stash[SESSION_KEY]
-    session.config.option.benchmark_compare = perf.compare or []
-    perf.attach(session.config._benchmarksession, _saving(session.config))
+def _max_time(config) -> float:
+    text = config.getoption("benchmark_max_time")
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise pytest.UsageError(f"--benchmark-max-time={text}: must be a finite, non-negative number of seconds")
+    return value
 
 
-def pytest_report_header(config):
-    session = config.stash[SESSION_KEY]
-    tolerances = (
-        f"time {session.time_tolerance:.0%}, memory {session.memory_tolerance:.0%} "
-        f"and {compare.format_bytes(session.memory_floor)}"
+def _storage_path(config, bench_session) -> Path:
+    if config.getoption("benchmark_storage") == PYTEST_BENCHMARK_DEFAULT_STORAGE:
+        return config.rootpath / "baselines"
+    if not isinstance(bench_session.storage, FileStorage):
+        raise pytest.UsageError(
+            f"--benchmark-storage={config.getoption('benchmark_storage')}: the lmsys gate keeps baselines in a "
+            "folder (a path or file://path)"
+        )
+    return bench_session.storage.path
+
+
+def _check_memory_report(config, perf: PerfSession) -> None:
+    if not isinstance(perf.memory_report, str):
+        return
+    path = config.invocation_params.dir / perf.memory_report
+    problem = baselines.output_problem(
+        path, overwrite=config.getoption("gpu_mem_report_overwrite"), protected=[perf.storage_path]
     )
-    lines = [f"lmsys perf: baselines in {session.folder or session.storage_path}; tolerances: {tolerances}"]
-    lines += [f"lmsys perf: comparing with {path}" for path in session.compared_files]
-    return lines
+    if problem:
+        raise pytest.UsageError(
+            f"--gpu-mem-report={perf.memory_report}: {problem} (--gpu-mem-report-overwrite replaces a file that is "
+            "not a baseline; checked before running any test)"
+        )
+    config.stash[_REPORT_PATH_KEY] = path
 
 
+def pytest_collection_finish(session):
+    config = session.config
+    perf = config.stash.get(SESSION_KEY, None)
+    gated = [item for item in session.items if "gpu_benchmark" in getattr(item, "fixturenames", ())]
+    if perf is None:
+        if gated:
+            raise pytest.UsageError(
+                f"{len(gated)} selected test(s) use gpu_benchmark, which needs pytest-benchmark; this run disabled "
+                "it (-p no:benchmark)"
+            )
+        return
+    bench_session = config._benchmarksession
+    config.option.benchmark_compare = perf.compare or []
+    if not gated:
+        # Not a run of the gate: --benchmark-compare is pytest-benchmark's own business, as if the gate were absent.
+        bench_session.compare = config.option.benchmark_compare
+        bench_session.handle_loading()
+        return
+    perf.max_time = _max_time(config)
+    perf.storage_path = _storage_path(config, bench_session)
+    _check_memory_report(config, perf)
+    perf.activate(bench_session)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        for line in perf.header_lines():
+            reporter.write_line(line)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-benchmark hook: absent under -p no:benchmark
 def pytest_benchmark_update_machine_info(config, machine_info):
-    machine_info["lmsys"] = config.stash[SESSION_KEY].environment
+    perf = config.stash.get(SESSION_KEY, None)
+    if perf is None or not perf.active:
+        return
+    machine_info["lmsys"] = perf.environment
     # The CPU's momentary clock says nothing about the machine, but made every comparison warn that it differs.
     for volatile in ("hz_actual", "hz_actual_friendly"):
         (machine_info.get("cpu") or {}).pop(volatile, None)
 
 
 def pytest_collection_modifyitems(config, items):
-    session = config.stash[SESSION_KEY]
+    perf = config.stash.get(SESSION_KEY, None)
+    full_grid = perf.full_grid if perf is not None else config.getoption("full_grid")
     skip_grid = pytest.mark.skip(reason="a point of the full grid: run with --full-grid to include it")
     for item in items:
         for marker in item.iter_markers("perf_tolerance"):
@@ -157,7 +273,7 @@ def pytest_collection_modifyitems(config, items):
                 compare.check_tolerances(marker.args, marker.kwargs)
             except ValueError as exc:
                 raise pytest.UsageError(f"{item.nodeid}: bad @pytest.mark.perf_tolerance: {exc}") from None
-        if not session.full_grid and item.get_closest_marker("full_grid"):
+        if not full_grid and item.get_closest_marker("full_grid"):
             item.add_marker(skip_grid)
 
 
@@ -181,25 +297,55 @@ def pytest_runtest_call(item):
     pytest.skip(reason)
 
 
-def pytest_sessionfinish(session):
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    perf = item.config.stash.get(SESSION_KEY, None)
+    if perf is not None and (report.failed or (report.skipped and hasattr(report, "wasxfail"))):
+        perf.failed.add(item.nodeid)
+    return report
+
+
+@pytest.hookimpl(specname="pytest_sessionfinish", wrapper=True, tryfirst=True)
+def pytest_sessionfinish_before_saving(session, exitstatus):
+    # Wraps pytest-benchmark's own sessionfinish, which saves before its yield.
     perf = session.config.stash.get(SESSION_KEY, None)
-    if perf is not None and isinstance(perf.memory_report, str):
-        path = session.config.invocation_params.dir / perf.memory_report
-        write_memory_report(memory_frame(perf), path)
-        session.config.stash[_WRITTEN_KEY] = path
+    if perf is not None and perf.active and exitstatus in (pytest.ExitCode.INTERRUPTED, pytest.ExitCode.USAGE_ERROR):
+        # A partial run is never saved as a baseline; after a usage error nothing ran.
+        perf.interrupted = exitstatus == pytest.ExitCode.INTERRUPTED
+        session.config._benchmarksession.save = session.config._benchmarksession.autosave = None
+    return (yield)
+
+
+def pytest_sessionfinish(session):
+    # Runs after pytest-benchmark saved and before the terminal summary (printed after every sessionfinish).
+    config = session.config
+    perf = config.stash.get(SESSION_KEY, None)
+    if perf is None or not perf.active:
+        return
+    path = config.stash.get(_REPORT_PATH_KEY, None)
+    if path is not None:
+        try:
+            write_memory_report(memory_frame(perf), path, overwrite=config.getoption("gpu_mem_report_overwrite"))
+        except OSError as exc:
+            perf.report_error = f"NOT WRITTEN: the memory report {path}: {exc}"
+        else:
+            config.stash[_WRITTEN_KEY] = path
+    if perf.unwritten() and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_terminal_summary(terminalreporter, config):
-    session = config.stash.get(SESSION_KEY, None)
-    if session is None:
+    perf = config.stash.get(SESSION_KEY, None)
+    if perf is None or not perf.active:
         return
-    lines = summary_lines(session)
+    lines = summary_lines(perf)
     if lines:
         terminalreporter.write_sep("-", "lmsys perf")
         for line in lines:
-            terminalreporter.write_line(line)
-    if session.memory_report:
+            terminalreporter.write_line(line, red=line.startswith("NOT "))
+    if perf.memory_report:
         terminalreporter.write_sep("-", "GPU memory high-water marks (largest first)")
-        for line in memory_report_lines(session, config.stash.get(_WRITTEN_KEY, None)):
+        for line in memory_report_lines(perf, config.stash.get(_WRITTEN_KEY, None)):
             terminalreporter.write_line(line)

@@ -87,15 +87,18 @@ def memory_frame(session: PerfSession) -> pd.DataFrame:
     return frame.sort_values("peak_allocated_bytes", ascending=False, na_position="last", kind="stable")
 
 
-def write_memory_report(frame: pd.DataFrame, path: Path) -> None:
-    """Writes the memory table as CSV or JSON (a list of records), chosen by the file's extension."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+def write_memory_report(frame: pd.DataFrame, path: Path, overwrite: bool = False) -> None:
+    """Writes the memory table as CSV or JSON (a list of records), chosen by the file's extension; a file that
+    appeared since the run began is only replaced with overwrite."""
     if path.suffix == ".csv":
-        frame.to_csv(path, index=False)
+        text = frame.to_csv(index=False)
     elif path.suffix == ".json":
-        frame.to_json(path, orient="records", indent=2)
+        text = frame.to_json(orient="records", indent=2)
     else:
         raise ValueError(f"--gpu-mem-report file must end in {' or '.join(MEMORY_REPORT_SUFFIXES)}, got {path}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w" if overwrite else "x", encoding="utf-8") as fh:
+        fh.write(text)
 
 
 def _memory_lines(frame: pd.DataFrame) -> list[str]:
@@ -121,6 +124,9 @@ def summary_lines(session: PerfSession) -> list[str]:
     if session.records:
         lines += results_frame(session.records, session.comparing).to_string(index=False).splitlines()
     lines += session.notes
+    lines += session.saving_notes()
+    if session.report_error:
+        lines.append(session.report_error)
     return lines
 
 
