@@ -36,10 +36,12 @@ def fake():
 
 
 class FakeGpu:
-    """A fake device: a manual clock, an L2 flush that costs a whole second of clock time, and set memory peaks."""
+    """A fake device: a manual clock, an L2 flush that costs a whole second of clock time, set memory peaks, CUDA
+    graphs whose replays skip the CPU launch cost, a device-side delay, and machine readings a test can change."""
 
     is_gpu = True
     timer_name = "fake clock"
+    machine_note = None
 
     def __init__(self, name: str):
         self.name = name
@@ -47,6 +49,12 @@ class FakeGpu:
         self.flushes = 0
         self.released = 0
         self.allocated = 0
+        self.capturing = False
+        self.replaying = False
+        self.captures = 0
+        # What machine_state() returns: a healthy GPU unless a test says otherwise (None: no NVML).
+        self.machine = {"sm_clock_mhz": 1980, "memory_clock_mhz": 2619, "max_sm_clock_mhz": 1980,
+                        "temperature_c": 40, "power_w": 300.0, "throttle": [], "processes": [1], "other_processes": 0}
 
     def describe(self) -> dict:
         return {"kind": "fake", "name": self.name}
@@ -81,22 +89,59 @@ class FakeGpu:
     def release_memory(self) -> None:
         self.released += 1
 
-    def work(self, ms: float, noise: float = 0.0, memory: int = 0, seed: int = 0, slow_calls: int = 0, slow_ms: float = 0):
-        """A function for gpu_benchmark: each call takes `ms` milliseconds times (1 + noise * N(0, 1)) on the clock and
-        allocates `memory` bytes at its peak; its first `slow_calls` calls take `slow_ms` instead."""
+    def capture_graph(self, call):
+        """Records the call without running it (a work function that is not capturable raises); a replay costs the
+        call's device time only."""
+        self.capturing = True
+        try:
+            call()
+        finally:
+            self.capturing = False
+        self.captures += 1
+
+        def replay():
+            self.replaying = True
+            try:
+                call()
+            finally:
+                self.replaying = False
+
+        return replay, lambda: None
+
+    def make_delay(self, seconds: float):
+        def delay():
+            if not self.capturing:
+                self.now += seconds
+
+        return delay
+
+    def machine_state(self):
+        return None if self.machine is None else dict(self.machine)
+
+    def work(self, ms: float, noise: float = 0.0, memory: int = 0, seed: int = 0, slow_calls: int = 0, slow_ms: float = 0,
+             launch_ms: float = 0.0, launch_noise: float = 0.0, capturable: bool = True):
+        """A function for gpu_benchmark: each call takes `ms` milliseconds times (1 + noise * N(0, 1)) of device time
+        on the clock plus `launch_ms` times (1 + launch_noise * N(0, 1)) of CPU launch cost (not in a graph replay)
+        and allocates `memory` bytes at its peak; its first `slow_calls` calls take `slow_ms` instead. Capturing it
+        in a graph fails unless capturable."""
         rng = random.Random(seed)
         calls = 0
 
         def fn():
             nonlocal calls
+            if self.capturing:
+                if not capturable:
+                    raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+                return calls
             calls += 1
             base = slow_ms if calls <= slow_calls else ms
             self.now += max(base * 1e-3 * (1 + noise * rng.gauss(0.0, 1.0)), 0.0)
+            if launch_ms and not self.replaying:
+                self.now += launch_ms * 1e-3 * max(1 + launch_noise * rng.gauss(0.0, 1.0), 0.0)
             self.allocated = max(self.allocated, memory)
             return calls
 
         return fn
-
 
 # max-time 0 makes every run exactly min-rounds rounds, whatever the machine's speed.
 # The hypothesis plugin would be imported afresh by every inner run (pytester restores sys.modules): 2 s each.

@@ -38,6 +38,9 @@ TEMPORARY_PREFIX = ".tmp-"
 # The stats pytest-benchmark's comparison table reads from a loaded baseline.
 REQUIRED_STATS = ("min", "max", "mean", "stddev", "median", "iqr", "rounds", "iterations")
 MEMORY_KEY = "peak_allocated_above_start_bytes"
+# The eager rounds of a benchmark timed in a CUDA graph (its stats are the replays).
+EAGER_KEY = "eager_data"
+TIMINGS = ("eager", "graph")
 FORBIDDEN_NAME_CHARACTERS = '\\/:*?<>|'
 
 
@@ -132,6 +135,14 @@ def _problem(doc) -> str | None:
             return f"benchmark {bench['fullname']!r} has an 'extra_info' that is not an object"
         if MEMORY_KEY in extra and not (_is_number(extra[MEMORY_KEY]) and extra[MEMORY_KEY] >= 0):
             return f"benchmark {bench['fullname']!r} has a {MEMORY_KEY} that is not a non-negative number"
+        if extra.get("timing", "eager") not in TIMINGS:
+            return f"benchmark {bench['fullname']!r} has a timing that is not one of {TIMINGS}"
+        eager = extra.get(EAGER_KEY)
+        if eager is not None:
+            if not (isinstance(eager, list) and eager and all(_is_number(x) and x >= 0 for x in eager)):
+                return f"benchmark {bench['fullname']!r} has malformed eager rounds ({EAGER_KEY})"
+            if sorted(eager)[(len(eager) - 1) // 2] <= 0:
+                return f"benchmark {bench['fullname']!r} has eager rounds whose median is 0 s"
     return None
 
 
@@ -205,10 +216,21 @@ def newest_per_benchmark(docs: Iterable[tuple[Path, dict]]) -> dict[Path, dict[s
     return {path: benchmarks for path, benchmarks in chosen.items() if benchmarks}
 
 
-def samples(bench: dict) -> list[float]:
-    """A baseline benchmark's per-round times in seconds, or [median] when it was saved without them."""
-    stats = bench["stats"]
-    return list(stats.get("data") or [stats["median"]])
+def timing(bench: dict) -> str:
+    """How a baseline benchmark's stats were timed: 'eager' calls, or 'graph' replays of a CUDA graph."""
+    return (bench.get("extra_info") or {}).get("timing", "eager")
+
+
+def samples(bench: dict, timed: str = "eager") -> list[float] | None:
+    """A baseline benchmark's per-round times in seconds as timed `timed` ('eager' or 'graph'): its stats when it was
+    timed that way ([median] when saved without rounds), the eager rounds a graph-timed benchmark keeps beside its
+    replays, or None when it has no such times."""
+    if timing(bench) == timed:
+        stats = bench["stats"]
+        return list(stats.get("data") or [stats["median"]])
+    if timed == "eager":
+        return (bench.get("extra_info") or {}).get(EAGER_KEY)
+    return None
 
 
 def peak_memory(bench: dict) -> int | None:
@@ -329,6 +351,28 @@ def _remove_stale_temporaries(folder: Path) -> None:
     for path in folder.glob(f"{TEMPORARY_PREFIX}*"):
         with contextlib.suppress(OSError):
             path.unlink()
+
+
+def replace_file(path: Path, text: str) -> Path:
+    """Writes text to path atomically (a temporary file renamed over it), under the folder's lock: for the files
+    that are meant to be updated (the calibration), never for a baseline."""
+    path = Path(path)
+    if file_number(path) is not None:
+        raise ValueError(f"{path} is named like a baseline: baselines are written once, with save_new")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _terminate_as_exit(), _locked(path.parent):
+        _remove_stale_temporaries(path.parent)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=TEMPORARY_PREFIX, suffix=".json")
+        try:
+            with os.fdopen(handle, "w", encoding="utf-8") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            os.unlink(temporary)
+            raise
+    return path
 
 
 def save_new(folder: Path, name: str, text: str) -> Path:

@@ -20,7 +20,7 @@ import torch
 from pytest_benchmark.storage.file import FileStorage
 from pytest_benchmark.utils import load_timer
 
-from lmsys.perf import baselines, compare, hookspecs
+from lmsys.perf import baselines, calibration, compare, hookspecs, reruns
 from lmsys.perf.backend import detect_backend
 from lmsys.perf.fixture import gpu_benchmark, oom_reason
 from lmsys.perf.report import (
@@ -30,11 +30,18 @@ from lmsys.perf.report import (
     summary_lines,
     write_memory_report,
 )
-from lmsys.perf.session import RECORD_KEY, SESSION_KEY, PerfSession
+from lmsys.perf.session import (
+    DEFAULT_EAGER_TOLERANCE,
+    DEFAULT_TIME_TOLERANCE,
+    RECORD_KEY,
+    SESSION_KEY,
+    PerfSession,
+)
+from lmsys.perf.timing import INJECT_DELAY
 
 __all__ = ["gpu_benchmark"]
 
-MIB = 2**20
+KIB = 2**10
 # pytest-benchmark's default --benchmark-storage; when it is unchanged the gate stores in rootdir/baselines.
 PYTEST_BENCHMARK_DEFAULT_STORAGE = "file://./.benchmarks"
 _REPORT_PATH_KEY = pytest.StashKey[Path]()
@@ -65,21 +72,59 @@ def pytest_addhooks(pluginmanager):
     pluginmanager.add_hookspecs(hookspecs)
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite, non-negative number of seconds")
+    return value
+
+
+def _runs(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of runs") from None
+    if value < calibration.MIN_RUNS:
+        raise argparse.ArgumentTypeError(f"{text!r}: a calibration needs at least {calibration.MIN_RUNS} runs")
+    return value
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("lmsys perf", "lmsys perf regression gate (on top of pytest-benchmark)")
     group.addoption(
-        "--perf-time-tolerance", type=_fraction, default=0.05, metavar="FRACTION",
+        "--perf-time-tolerance", type=_fraction, default=None, metavar="FRACTION",
         help="SLOWER only when the median is slower than the baseline by more than this fraction, with confidence "
-        "(see README, 'How a regression is decided'). Default: %(default)s",
+        f"(see README, 'How a regression is decided'). Default: the benchmark's noise calibration, else "
+        f"{DEFAULT_TIME_TOLERANCE}",
     )
     group.addoption(
-        "--perf-mem-tolerance", type=_fraction, default=0.01, metavar="FRACTION",
-        help="MORE-MEMORY when the peak grows by more than this fraction and by more than --perf-mem-floor. "
+        "--perf-eager-tolerance", type=_fraction, default=None, metavar="FRACTION",
+        help="The same for the eager time (CPU launch cost included) of a benchmark timed in a CUDA graph "
+        f"(graph=True). Default: its calibration, else {DEFAULT_EAGER_TOLERANCE}",
+    )
+    group.addoption(
+        "--perf-max-time", type=_seconds, default=10.0, metavar="SECONDS",
+        help="While a benchmark's median is known less precisely than a quarter of its tolerance, its rounds are "
+        "doubled, up to this many seconds of timed rounds; 0 keeps the rounds --benchmark-max-time plans. "
         "Default: %(default)s",
     )
     group.addoption(
-        "--perf-mem-floor", type=_byte_count, default=MIB, metavar="BYTES",
-        help="Memory growth below this many bytes never fails. Default: %(default)s (1 MiB)",
+        "--perf-mem-tolerance", type=_fraction, default=0.0, metavar="FRACTION",
+        help="MORE-MEMORY when the peak grows by more than this fraction of the baseline's and by more than "
+        "--perf-mem-floor. Default: %(default)s",
+    )
+    group.addoption(
+        "--perf-mem-floor", type=_byte_count, default=256 * KIB, metavar="BYTES",
+        help="Memory growth up to this many bytes never fails. Default: %(default)s (256 KiB)",
+    )
+    group.addoption(
+        "--benchmark-calibrate", type=_runs, default=None, metavar="N",
+        help="Instead of running the selected benchmarks, rerun them N times in fresh processes and store each "
+        "one's run-to-run spread of the median in calibration.json in this GPU's baselines folder: their time "
+        "tolerances then follow from their own noise (README, 'How a regression is decided').",
     )
     group.addoption(
         "--benchmark-save-failing", action="store_true", default=False,
@@ -145,8 +190,20 @@ def _asked(config) -> list[str]:
         "--benchmark-save": config.getoption("benchmark_save"),
         "--benchmark-autosave": config.getoption("benchmark_autosave"),
         "--gpu-mem-report": config.getoption("gpu_mem_report"),
+        "--benchmark-calibrate": config.getoption("benchmark_calibrate"),
     }
     return [name for name, value in names.items() if value]
+
+
+def _injected_delay() -> float:
+    text = os.environ.get(INJECT_DELAY, "0")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 <= value <= 10):
+        raise pytest.UsageError(f"{INJECT_DELAY}={text}: must be a fraction of a call's time between 0 and 10")
+    return value
 
 
 @pytest.hookimpl(trylast=True)
@@ -172,10 +229,21 @@ def pytest_configure(config):
     problem = _test_path_problem(config, compare_value)
     if problem:
         raise pytest.UsageError(problem)
+    calibrate = config.getoption("benchmark_calibrate")
+    others = [name for name in _asked(config) if name not in ("--benchmark-calibrate", "--gpu-mem-report")]
+    if calibrate and others:
+        raise pytest.UsageError(
+            f"--benchmark-calibrate runs the benchmarks in other processes and only writes the calibration: "
+            f"leave out {', '.join(others)}"
+        )
     config.stash[SESSION_KEY] = PerfSession(
         backend=config.hook.pytest_perf_backend(config=config),
         rootpath=config.rootpath,
         time_tolerance=config.getoption("perf_time_tolerance"),
+        eager_tolerance=config.getoption("perf_eager_tolerance"),
+        time_cap=config.getoption("perf_max_time"),
+        injected_delay=_injected_delay(),
+        calibrate=calibrate,
         memory_tolerance=config.getoption("perf_mem_tolerance"),
         memory_floor=config.getoption("perf_mem_floor"),
         full_grid=config.getoption("full_grid"),
@@ -237,6 +305,8 @@ def pytest_collection_finish(session):
         return
     bench_session = config._benchmarksession
     config.option.benchmark_compare = perf.compare or []
+    if not gated and perf.calibrate:
+        raise pytest.UsageError("--benchmark-calibrate: no selected test uses gpu_benchmark: nothing to calibrate")
     if not gated:
         # Not a run of the gate: --benchmark-compare is pytest-benchmark's own business, as if the gate were absent.
         bench_session.compare = config.option.benchmark_compare
@@ -250,6 +320,30 @@ def pytest_collection_finish(session):
     if reporter is not None:
         for line in perf.header_lines():
             reporter.write_line(line)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    # --benchmark-calibrate replaces the run: the selected benchmarks run in fresh processes, not in this one.
+    perf = session.config.stash.get(SESSION_KEY, None)
+    if perf is None or not perf.active or not perf.calibrate or session.config.option.collectonly:
+        return None
+    config = session.config
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+
+    def progress(index, done):
+        if reporter is not None:
+            reporter.write_line(
+                f"lmsys perf: calibration run {index + 1} of {perf.calibrate} done (exit {done.returncode})"
+            )
+
+    args = reruns.child_args(config.invocation_params.args, config.invocation_params.dir)
+    try:
+        docs = reruns.rerun(args, perf.calibrate, config.invocation_params.dir, progress=progress)
+    except reruns.RerunError as exc:
+        raise pytest.UsageError(f"--benchmark-calibrate={perf.calibrate}: {exc}") from None
+    perf.record_calibration(calibration.noise(docs))
+    return True
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-benchmark hook: absent under -p no:benchmark

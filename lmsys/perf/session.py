@@ -15,10 +15,26 @@ from typing import Any
 
 import pytest
 
-from lmsys.perf import baselines, environment
+from lmsys.perf import baselines, calibration, environment
 from lmsys.perf.backend import MemoryReading
 from lmsys.perf.compare import SLOWER, Verdict, format_bytes
 from lmsys.perf.storage import BaselineStorage
+from lmsys.perf.timing import Precision
+
+# Time tolerances when neither a marker, an option nor a calibration gives one: the device (or eager) time, and
+# the eager time of a benchmark timed in a CUDA graph (CPU launch cost included, so noisier).
+DEFAULT_TIME_TOLERANCE = 0.05
+DEFAULT_EAGER_TOLERANCE = 0.15
+# The adaptive rounds aim at a median known to within this share of the tolerance (95% interval, half-width).
+PRECISION_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """A tolerance and where it came from ('default', 'marker', 'calibrated from 20 runs', an option's name)."""
+
+    value: float
+    source: str
 
 
 class PerfWarning(pytest.PytestWarning):
@@ -39,12 +55,22 @@ class Record:
     baseline_peak: int | None = None
     verdict: Verdict | None = None
     remeasured: bool = False
+    timing: str = "eager"
+    tolerance: Tolerance | None = None
+    eager_median: float | None = None
+    baseline_eager_median: float | None = None
+    # what the summary says beside the verdict: the machine's state, a timing the baseline lacks, a failed capture
+    notes: list[str] = field(default_factory=list)
 
     def failure_message(self) -> str:
-        """What the failing test reports: the verdict's message and whether a re-measurement confirmed it."""
+        """What the failing test reports: the verdict's message, whether a re-measurement confirmed it, and the
+        machine's state when it was not clean (a SLOWER taken under throttling says so)."""
         message = self.verdict.message(self.name)
-        if self.remeasured and self.verdict.time is not None and self.verdict.time.verdict == SLOWER:
+        slower = [t for t in (self.verdict.time, self.verdict.eager) if t is not None and t.verdict == SLOWER]
+        if self.remeasured and slower:
             message += "\n(confirmed: the time was re-measured once and was SLOWER again)"
+        if self.notes:
+            message += f"\n(measured with: {'; '.join(self.notes)})"
         return message
 
 
@@ -55,7 +81,7 @@ class PerfSession:
 
     backend: Any
     rootpath: Path
-    time_tolerance: float
+    time_tolerance: float | None
     memory_tolerance: float
     memory_floor: int
     full_grid: bool
@@ -66,6 +92,16 @@ class PerfSession:
     disable_gc: bool = False
     max_time: float = 1.0
     min_rounds: int = 5
+    # None: DEFAULT_EAGER_TOLERANCE unless calibrated
+    eager_tolerance: float | None = None
+    # seconds of timed rounds a benchmark may spend on adaptive rounds (0: the planned rounds only)
+    time_cap: float = 0.0
+    # LMSYS_INJECT_DELAY: a device-side delay after every benchmarked call, as a fraction of its time
+    injected_delay: float = 0.0
+    # --benchmark-calibrate=N: rerun the selected benchmarks N times in fresh processes instead of running them
+    calibrate: int | None = None
+    # fullname -> calibration entry (calibration.py), from the GPU's folder
+    calibration: dict[str, dict] = field(default_factory=dict)
     storage_path: Path | None = None
     # Set by activate(): a selected test uses gpu_benchmark.
     active: bool = False
@@ -102,6 +138,46 @@ class PerfSession:
         """The baseline entry of a benchmark, or None when it has none (NEW) or nothing is compared."""
         return self.baseline_benchmarks.get(fullname)
 
+    def note(self, text: str) -> None:
+        """Adds a line to the summary's notes, once."""
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def time_tolerance_for(self, fullname: str, timed: str, marker: dict, eager: bool = False) -> Tolerance:
+        """The time tolerance of a benchmark's samples timed `timed` ('eager' or 'graph'; eager=True: the eager rounds
+        of a graph-timed benchmark): the marker's, else the option's when given, else its calibration's, else the
+        default."""
+        key, option, name, default = (
+            ("eager", self.eager_tolerance, "--perf-eager-tolerance", DEFAULT_EAGER_TOLERANCE) if eager
+            else ("time", self.time_tolerance, "--perf-time-tolerance", DEFAULT_TIME_TOLERANCE)
+        )
+        if key in marker:
+            return Tolerance(float(marker[key]), "marker")
+        if option is not None:
+            return Tolerance(option, name)
+        entry = self.calibration.get(fullname)
+        value = None if entry is None else calibration.time_tolerance(entry, timed, eager)
+        if value is not None:
+            return Tolerance(value, f"calibrated from {entry['runs']} runs")
+        return Tolerance(default, "default")
+
+    def memory_allowance(self, fullname: str, marker: dict) -> tuple[float, int, str]:
+        """The memory tolerance (a fraction), floor (bytes) and their source; a calibration whose runs saw the peak
+        move raises the floor by that range."""
+        tolerance = float(marker.get("memory", self.memory_tolerance))
+        entry = self.calibration.get(fullname)
+        moved = 0 if entry is None else calibration.memory_range(entry)
+        source = "marker" if "memory" in marker else "default"
+        if moved:
+            source = f"{source}, floor raised by the {format_bytes(moved)} the calibration saw"
+        return tolerance, self.memory_floor + moved, source
+
+    def precision(self, tolerance: Tolerance) -> Precision:
+        """How precisely the adaptive rounds should pin a median judged with this tolerance."""
+        if self.time_cap <= 0:
+            return Precision()
+        return Precision(target=PRECISION_SHARE * tolerance.value, time_cap=self.time_cap)
+
     def leaves_out(self, fullname: str) -> bool:
         """Whether a save leaves this benchmark out: its test failed and --benchmark-save-failing was not given."""
         return fullname in self.failed and not self.save_failing
@@ -113,7 +189,7 @@ class PerfSession:
         Raises pytest.UsageError for a baseline that is not there or cannot be used, naming it; nothing is written.
         """
         self.active = True
-        if not (self.save or self.comparing):
+        if not (self.save or self.comparing or self.calibrate):
             return
         self.folder = self.storage_path / self.machine_id
         bench_session.machine_id = self.machine_id
@@ -125,6 +201,15 @@ class PerfSession:
             problem = baselines.save_problem(self.folder, self.save)
             if problem:
                 raise pytest.UsageError(f"--benchmark-save={self.save}: {problem} (checked before running any test)")
+        if self.calibrate:
+            problem = baselines.save_problem(self.folder, "calibration")
+            if problem:
+                raise pytest.UsageError(f"--benchmark-calibrate={self.calibrate}: {problem}")
+        try:
+            self.calibration = calibration.read(self.folder)
+        except calibration.CalibrationError as exc:
+            message = f"{exc}\nRepair or remove it, or calibrate again (--benchmark-calibrate=N)."
+            raise pytest.UsageError(message) from None
         if self.comparing:
             self._load(bench_session)
         if bench_session.disabled and self.comparing:
@@ -177,13 +262,44 @@ class PerfSession:
                 self.notes.append(text)
                 bench_session.config.issue_config_time_warning(PerfWarning(text), stacklevel=2)
 
+    def record_calibration(self, entries: dict[str, dict]) -> None:
+        """Merges a calibration's entries into the GPU's calibration file and notes what was written and replaced."""
+        everything, replaced = calibration.merged(self.calibration, entries)
+        path = calibration.write(self.folder, self.machine_id, everything)
+        self.calibration = everything
+        self.notes.append(f"calibration of {len(entries)} benchmark(s) written to {path}")
+        if replaced:
+            self.notes.append(f"it replaced the earlier calibration of: {', '.join(replaced)}")
+        for fullname, entry in entries.items():
+            tolerance = calibration.time_tolerance(entry, entry["timing"])
+            line = (
+                f"  {fullname}: {entry['timing']} median spread {entry['spread']:.2%} over {entry['runs']} runs -> "
+                f"time tolerance {tolerance:.2%}"
+            )
+            if "eager_spread" in entry and entry["timing"] == "graph":
+                line += f"; eager spread {entry['eager_spread']:.2%}"
+            if calibration.memory_range(entry):
+                line += f"; peak memory moved by {format_bytes(calibration.memory_range(entry))}"
+            self.notes.append(line)
+
     def header_lines(self) -> list[str]:
         """Printed after collection: where baselines are, the tolerances, and the files compared with."""
-        tolerances = (
-            f"time {self.time_tolerance:.0%}, memory {self.memory_tolerance:.0%} "
-            f"and {format_bytes(self.memory_floor)}"
-        )
+        if self.time_tolerance is None:
+            time = f"calibrated, else {DEFAULT_TIME_TOLERANCE:.0%}"
+        else:
+            time = f"{self.time_tolerance * 100:.3g}%"
+        tolerances = f"time {time}, memory {self.memory_tolerance:.0%} and {format_bytes(self.memory_floor)}"
         lines = [f"lmsys perf: baselines in {self.folder or self.storage_path}; tolerances: {tolerances}"]
+        if self.calibration:
+            lines.append(
+                f"lmsys perf: noise calibration of {len(self.calibration)} benchmark(s) in "
+                f"{self.folder / calibration.FILE_NAME}"
+            )
+        if self.injected_delay:
+            lines.append(
+                f"lmsys perf: LMSYS_INJECT_DELAY={self.injected_delay}: every benchmarked call gets a device-side "
+                f"delay of {self.injected_delay:.1%} of its time (measuring the gate)"
+            )
         return lines + [f"lmsys perf: comparing with {path}" for path in self.compared_files]
 
     def unwritten(self) -> bool:
