@@ -47,11 +47,16 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, context_length: int, theta: float):
         super().__init__()
+        # A theta far below 1 overflows float32 below, and cos/sin of inf would fill every query with NaN. Checked
+        # in Python so that the meta device (no values) builds too.
+        try:
+            fastest = max(1.0, theta ** (-(head_dim - 2) / head_dim))
+        except OverflowError:
+            fastest = math.inf
+        if not (context_length - 1) * fastest < torch.finfo(torch.float32).max:
+            raise ValueError(f"theta={theta!r} gives rotation angles beyond float32 for {context_length} positions")
         inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (D/2,)
         angles = torch.outer(torch.arange(context_length, dtype=torch.float32), inv_freq)  # (T, D/2)
-        if not torch.isfinite(angles).all():
-            # A theta far below 1 overflows float32 here, and cos/sin of inf would fill every query with NaN.
-            raise ValueError(f"theta={theta!r} gives rotation angles beyond float32 for {context_length} positions")
         # Derived from the config, so kept out of the state dict.
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
