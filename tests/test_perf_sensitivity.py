@@ -132,8 +132,10 @@ def test_a_noisy_benchmark_gets_more_rounds_unless_the_cap_is_zero(pytester):
 
 
 def test_an_injected_device_side_delay_is_caught(pytester, monkeypatch):
-    save_baseline(pytester, {"test_a": {"ms": 1.0}, "test_b": {"ms": 2.0, "call": ", graph=True"}})
-    write_suite(pytester, {"test_a": {"ms": 1.0}, "test_b": {"ms": 2.0, "call": ", graph=True"}}, seed=2)
+    # In graph mode the delay is a fraction of the replays' time, not of the eager time (4 ms of it launch cost).
+    tests = {"test_a": {"ms": 1.0}, "test_b": {"ms": 2.0, "launch_ms": 4.0, "call": ", graph=True"}}
+    save_baseline(pytester, tests)
+    write_suite(pytester, tests, seed=2)
     monkeypatch.setenv("LMSYS_INJECT_DELAY", "0.1")
     result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
     result.assert_outcomes(failed=2)

@@ -153,10 +153,19 @@ def warm_up(backend, call: Callable[[], Any], flush, max_time: float, min_rounds
     return chosen
 
 
-def with_delay(backend, call: Callable[[], Any], flush, fraction: float) -> Callable[[], Any]:
-    """call followed by a device-side delay of `fraction` of its time (the median of three timed rounds): a
-    regression of known size, injected to measure the gate."""
+def with_delay(backend, call: Callable[[], Any], flush, fraction: float, graph: bool) -> Callable[[], Any]:
+    """call followed by a device-side delay of `fraction` of its time: a regression of known size, injected to
+    measure the gate. The time is the median of three rounds of what the benchmark will judge: the call, or with
+    graph=True the replays of a trial capture (a launch-bound call's eager time is mostly CPU)."""
     typical = median(time_rounds(backend, call, 3, flush))
+    if graph:
+        try:
+            replay, release = backend.capture_graph(call)
+        except Exception:  # run() notes the failed capture when it captures for real
+            pass
+        else:
+            typical = median(time_rounds(backend, replay, 3, flush))
+            release()
     delay = backend.make_delay(fraction * typical)
 
     def delayed():
@@ -219,7 +228,7 @@ def run(
     """
     before = backend.machine_state()
     chosen = warm_up(backend, call, flush, max_time, min_rounds, warmup_rounds)
-    timed = with_delay(backend, call, flush, delay) if delay else call
+    timed = with_delay(backend, call, flush, delay, graph) if delay else call
     notes = []
     eager_judge = eager_judge or judge
     captured = _capture(backend, timed, flush, max_time, min_rounds, notes) if graph else None
