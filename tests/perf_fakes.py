@@ -6,6 +6,7 @@ readings are whatever the function says it allocated. The plugin then runs its r
 storage and verdicts on these numbers. `write_suite`, `run` and `save_baseline` build and run such suites.
 """
 
+import contextlib
 import random
 
 from lmsys.perf.backend import MemoryReading
@@ -52,6 +53,7 @@ class FakeGpu:
         self.capturing = False
         self.replaying = False
         self.captures = 0
+        self.held = 0
         # What machine_state() returns: a healthy GPU unless a test says otherwise (None: no NVML).
         self.machine = {"sm_clock_mhz": 1980, "memory_clock_mhz": 2619, "max_sm_clock_mhz": 1980,
                         "temperature_c": 40, "power_w": 300.0, "throttle": [], "processes": [1], "other_processes": 0}
@@ -115,6 +117,14 @@ class FakeGpu:
 
         return delay
 
+    @contextlib.contextmanager
+    def holding(self, nbytes: int):
+        self.held += nbytes
+        try:
+            yield
+        finally:
+            self.held -= nbytes
+
     def machine_state(self):
         return None if self.machine is None else dict(self.machine)
 
@@ -138,7 +148,7 @@ class FakeGpu:
             self.now += max(base * 1e-3 * (1 + noise * rng.gauss(0.0, 1.0)), 0.0)
             if launch_ms and not self.replaying:
                 self.now += launch_ms * 1e-3 * max(1 + launch_noise * rng.gauss(0.0, 1.0), 0.0)
-            self.allocated = max(self.allocated, memory)
+            self.allocated = max(self.allocated, memory + self.held)
             return calls
 
         return fn

@@ -10,14 +10,18 @@ def doc(verdicts: dict[str, str]) -> dict:
                            for name, verdict in verdicts.items()]}
 
 
-def test_tally_counts_failing_verdicts_per_benchmark_and_over_all():
-    results = {
-        0.0: [doc({"a": "PASS", "b": "PASS"}), doc({"a": "SLOWER", "b": "IMPROVED"})],
-        0.05: [doc({"a": "SLOWER", "b": "SLOWER-EAGER"}), doc({"a": "SLOWER+MORE-MEMORY", "b": "PASS", "c": "NEW"})],
-    }
-    table = detection.tally(results)
-    assert list(table.columns) == ["benchmark", "A/A false alarms", "+5% caught"]
-    assert table.values.tolist() == [["a", "1/2", "2/2"], ["b", "0/2", "1/2"], ["all", "1/4", "3/4"]]
+def test_tally_counts_the_verdicts_each_case_looks_for_per_benchmark_and_over_all():
+    cases = [
+        ("A/A false alarms", [doc({"a": "PASS", "b": "PASS"}), doc({"a": "SLOWER", "b": "IMPROVED"})], detection.failed),
+        ("+5% caught", [doc({"a": "SLOWER", "b": "SLOWER-EAGER"}), doc({"a": "SLOWER+MORE-MEMORY", "b": "PASS",
+                                                                        "c": "NEW"})], detection.failed),
+        ("+1 MiB caught", [doc({"a": "MORE-MEMORY", "b": "SLOWER"})], detection.more_memory),
+    ]
+    table = detection.tally(cases)
+    assert list(table.columns) == ["benchmark", "A/A false alarms", "+5% caught", "+1 MiB caught"]
+    assert table.values.tolist() == [
+        ["a", "1/2", "2/2", "1/1"], ["b", "0/2", "1/2", "0/1"], ["all", "1/4", "3/4", "1/2"]
+    ]
 
 
 def test_main_saves_a_reference_then_reruns_each_case_with_the_delay(monkeypatch, tmp_path, capsys):
@@ -33,18 +37,23 @@ def test_main_saves_a_reference_then_reruns_each_case_with_the_delay(monkeypatch
         storage = Path(next(a for a in args if a.startswith("--benchmark-storage=")).split("=", 1)[1])
         assert (storage / "GPU" / "calibration.json").exists()  # the GPU's calibration applies to the reruns too
         caught = "SLOWER" if float(env[detection.INJECT_DELAY]) > 0 else "PASS"
+        caught = "PASS+SLOWER" if int(env[detection.INJECT_MEMORY]) else caught  # a slow run: not a caught allocation
         return [doc({"test_x": caught})] * runs
 
     (tmp_path / "baselines" / "GPU").mkdir(parents=True)
     (tmp_path / "baselines" / "GPU" / "calibration.json").write_text("{}")
     monkeypatch.setattr(detection.reruns, "rerun", fake_rerun)
-    assert detection.main(["--runs", "3", "--inject", "0.05", "--", "perf_tests", "-k", "x"]) == 0
+    argv = ["--runs", "3", "--inject", "0.05", "--inject-memory", "1048576", "--", "perf_tests", "-k", "x"]
+    assert detection.main(argv) == 0
     out = capsys.readouterr().out
-    assert "test_x              0/3        3/3" in out
-    reference, aa, injected = calls
+    assert "benchmark A/A false alarms +5% caught +1 MiB caught" in out
+    assert "   test_x              0/3        3/3           0/3" in out
+    reference, aa, injected, allocated = calls
     assert reference[0][:3] == ["perf_tests", "-k", "x"] and reference[1] == 1
-    assert aa[0][-1] == "--benchmark-compare" and aa[2] == {detection.INJECT_DELAY: "0.0"} and aa[1] == 3
-    assert injected[2] == {detection.INJECT_DELAY: "0.05"}
+    assert aa[0][-1] == "--benchmark-compare" and aa[1] == 3
+    assert aa[2] == {detection.INJECT_DELAY: "0", detection.INJECT_MEMORY: "0"}
+    assert injected[2] == {detection.INJECT_DELAY: "0.05", detection.INJECT_MEMORY: "0"}
+    assert allocated[2] == {detection.INJECT_DELAY: "0", detection.INJECT_MEMORY: "1048576"}
 
 
 def test_main_compares_with_a_named_baseline_when_asked(monkeypatch, capsys):

@@ -148,6 +148,20 @@ def test_an_injected_device_side_delay_is_caught(pytester, monkeypatch):
         assert info["time_change"] == pytest.approx(0.1, abs=0.02)
 
 
+def test_an_injected_allocation_of_one_mib_is_caught(pytester, monkeypatch):
+    save_baseline(pytester, {"test_a": {"ms": 1.0, "memory": 130 * MIB}})
+    write_suite(pytester, {"test_a": {"ms": 1.0, "memory": 130 * MIB}}, seed=2)
+    monkeypatch.setenv("LMSYS_INJECT_MEMORY", str(MIB))
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "lmsys perf: LMSYS_INJECT_MEMORY=1048576: every benchmarked call holds 1 MiB more on the device*",
+        "*MORE-MEMORY: test_a peak allocated above start 131 MiB vs baseline 130 MiB*",
+    ])
+    monkeypatch.setenv("LMSYS_INJECT_MEMORY", "-1")
+    assert run(pytester).ret == pytest.ExitCode.USAGE_ERROR
+
+
 @pytest.mark.parametrize("value", ["fast", "nan", "-0.1"])
 def test_a_bad_injected_delay_is_a_usage_error(pytester, monkeypatch, value):
     write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=1)

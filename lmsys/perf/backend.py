@@ -13,6 +13,7 @@ import gc
 import platform
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Protocol
@@ -72,6 +73,7 @@ class Backend(Protocol):
     def release_memory(self) -> None: ...
     def capture_graph(self, call: Callable[[], Any]) -> tuple[Callable[[], None], Callable[[], None]]: ...
     def make_delay(self, seconds: float) -> Callable[[], None]: ...
+    def holding(self, nbytes: int) -> AbstractContextManager: ...
     def machine_state(self) -> dict[str, Any] | None: ...
 
 
@@ -139,6 +141,10 @@ class CpuBackend:
                 pass
 
         return spin
+
+    def holding(self, nbytes: int) -> AbstractContextManager:
+        """The CPU has no memory reading, so nothing is held."""
+        return nullcontext()
 
     def machine_state(self) -> None:
         """No readings on the CPU."""
@@ -271,6 +277,15 @@ class CudaBackend:
         """A function that queues `seconds` of device-side work (a spinning kernel) on the current stream."""
         cycles = max(1, round(seconds * self._sleep_cycles_per_second))
         return lambda: torch.cuda._sleep(cycles)
+
+    @contextmanager
+    def holding(self, nbytes: int):
+        """Holds `nbytes` more of device memory inside the block (an allocation that lives as long as it)."""
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.index)
+        try:
+            yield
+        finally:
+            del buffer
 
     @cached_property
     def _machine(self) -> tuple[machine.Reader | None, str | None]:

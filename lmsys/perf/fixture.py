@@ -127,6 +127,7 @@ class GpuBenchmark:
                 precision=session.precision(time_tolerance), graph=graph,
                 eager_judge=self._judge(timing.EAGER, eager_tolerance),
                 eager_precision=session.precision(eager_tolerance), delay=session.injected_delay,
+                extra_memory=session.injected_memory,
             )
         del flush
         measurement.extra_info["cold_l2"] = bool(cold_l2)

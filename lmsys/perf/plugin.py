@@ -37,7 +37,7 @@ from lmsys.perf.session import (
     SESSION_KEY,
     PerfSession,
 )
-from lmsys.perf.timing import INJECT_DELAY
+from lmsys.perf.timing import INJECT_DELAY, INJECT_MEMORY
 
 __all__ = ["gpu_benchmark"]
 
@@ -206,6 +206,14 @@ def _injected_delay() -> float:
     return value
 
 
+def _injected_memory() -> int:
+    text = os.environ.get(INJECT_MEMORY, "0")
+    try:
+        return _byte_count(text)
+    except argparse.ArgumentTypeError as exc:
+        raise pytest.UsageError(f"{INJECT_MEMORY}={text}: {exc} (a number of bytes held during every call)") from None
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_perf_backend(config):
     return detect_backend(load_timer(config.getoption("benchmark_timer")).target)
@@ -243,6 +251,7 @@ def pytest_configure(config):
         eager_tolerance=config.getoption("perf_eager_tolerance"),
         time_cap=config.getoption("perf_max_time"),
         injected_delay=_injected_delay(),
+        injected_memory=_injected_memory(),
         calibrate=calibrate,
         memory_tolerance=config.getoption("perf_mem_tolerance"),
         memory_floor=config.getoption("perf_mem_floor"),

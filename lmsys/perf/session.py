@@ -98,6 +98,8 @@ class PerfSession:
     time_cap: float = 0.0
     # LMSYS_INJECT_DELAY: a device-side delay after every benchmarked call, as a fraction of its time
     injected_delay: float = 0.0
+    # LMSYS_INJECT_MEMORY: bytes held on the device during every benchmarked call
+    injected_memory: int = 0
     # --benchmark-calibrate=N: rerun the selected benchmarks N times in fresh processes instead of running them
     calibrate: int | None = None
     # fullname -> calibration entry (calibration.py), from the GPU's folder
@@ -299,6 +301,11 @@ class PerfSession:
             lines.append(
                 f"lmsys perf: LMSYS_INJECT_DELAY={self.injected_delay}: every benchmarked call gets a device-side "
                 f"delay of {self.injected_delay:.1%} of its time (measuring the gate)"
+            )
+        if self.injected_memory:
+            lines.append(
+                f"lmsys perf: LMSYS_INJECT_MEMORY={self.injected_memory}: every benchmarked call holds "
+                f"{format_bytes(self.injected_memory)} more on the device (measuring the gate)"
             )
         return lines + [f"lmsys perf: comparing with {path}" for path in self.compared_files]
 

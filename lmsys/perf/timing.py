@@ -32,6 +32,8 @@ EAGER, GRAPH = "eager", "graph"
 # The environment variable that adds a device-side delay to every benchmarked call, a fraction of the call's time:
 # a regression of known size, to measure the gate (lmsys.perf.detection).
 INJECT_DELAY = "LMSYS_INJECT_DELAY"
+# The same for memory: this many more bytes held on the device during every benchmarked call.
+INJECT_MEMORY = "LMSYS_INJECT_MEMORY"
 
 Judge = Callable[[list[float]], TimeComparison | None]
 
@@ -176,6 +178,16 @@ def with_delay(backend, call: Callable[[], Any], flush, fraction: float, graph: 
     return delayed
 
 
+def with_allocation(backend, call: Callable[[], Any], nbytes: int) -> Callable[[], Any]:
+    """call with `nbytes` more held on the device while it runs: a memory regression of known size."""
+
+    def holding():
+        with backend.holding(nbytes):
+            return call()
+
+    return holding
+
+
 def _series(backend, call, rounds, flush, precision: Precision, judge: Judge):
     """Samples, wall seconds per round, comparison and whether a SLOWER first comparison was re-measured."""
     samples, wall = sample(backend, call, rounds, flush, precision)
@@ -218,14 +230,18 @@ def run(
     eager_judge: Judge | None = None,
     eager_precision: Precision = Precision(),
     delay: float = 0.0,
+    extra_memory: int = 0,
 ) -> Measurement:
     """Warm up, time the rounds, judge them (`judge` compares with the baseline, None without one); when the verdict
     is SLOWER time the rounds once more and let that decide; then one call under the memory reading.
 
     With graph=True the eager rounds are judged by `eager_judge` (with `eager_precision`) and the replays of the
     captured call by `judge`; when the capture fails the eager rounds are the benchmark's time, judged by
-    `eager_judge`. `delay` > 0 adds a device-side delay of that fraction of the call's time to every call.
+    `eager_judge`. `delay` > 0 adds a device-side delay of that fraction of the call's time to every call,
+    `extra_memory` > 0 that many bytes held on the device during every call.
     """
+    if extra_memory:
+        call = with_allocation(backend, call, extra_memory)
     before = backend.machine_state()
     chosen = warm_up(backend, call, flush, max_time, min_rounds, warmup_rounds)
     timed = with_delay(backend, call, flush, delay, graph) if delay else call
@@ -260,4 +276,6 @@ def run(
         measurement.extra_info["eager_wall_seconds_per_round"] = eager_wall
     if delay:
         measurement.extra_info["injected_delay"] = delay
+    if extra_memory:
+        measurement.extra_info["injected_memory"] = extra_memory
     return measurement
