@@ -11,11 +11,13 @@ def doc(verdicts: dict[str, str]) -> dict:
 
 
 def test_tally_counts_the_verdicts_each_case_looks_for_per_benchmark_and_over_all():
+    same = [doc({"a": "PASS", "b": "PASS"}), doc({"a": "SLOWER", "b": "IMPROVED"})]
+    delayed = [doc({"a": "SLOWER", "b": "SLOWER-EAGER"}), doc({"a": "SLOWER+MORE-MEMORY", "b": "PASS", "c": "NEW"})]
+    allocated = [doc({"a": "MORE-MEMORY", "b": "SLOWER"})]
     cases = [
-        ("A/A false alarms", [doc({"a": "PASS", "b": "PASS"}), doc({"a": "SLOWER", "b": "IMPROVED"})], detection.failed),
-        ("+5% caught", [doc({"a": "SLOWER", "b": "SLOWER-EAGER"}), doc({"a": "SLOWER+MORE-MEMORY", "b": "PASS",
-                                                                        "c": "NEW"})], detection.failed),
-        ("+1 MiB caught", [doc({"a": "MORE-MEMORY", "b": "SLOWER"})], detection.more_memory),
+        ("A/A false alarms", same, detection.failed),
+        ("+5% caught", delayed, detection.failed),
+        ("+1 MiB caught", allocated, detection.more_memory),
     ]
     table = detection.tally(cases)
     assert list(table.columns) == ["benchmark", "A/A false alarms", "+5% caught", "+1 MiB caught"]
