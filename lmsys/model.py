@@ -12,6 +12,7 @@ plugs in without editing this file. Sizes are data: `SIZES` maps preset names to
 """
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,8 @@ class RMSNorm(nn.Module):
 
     def __init__(self, d_model: int, eps: float = 1e-5):
         super().__init__()
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (math.isfinite(eps) and eps >= 0):
+            raise ValueError(f"eps must be a finite non-negative number, got {eps!r}")
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d_model))
 
@@ -44,6 +47,14 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, context_length: int, theta: float):
         super().__init__()
+        # A theta far below 1 overflows float32 below, and cos/sin of inf would fill every query with NaN. Checked
+        # in Python so that the meta device (no values) builds too.
+        try:
+            fastest = max(1.0, theta ** (-(head_dim - 2) / head_dim))
+        except OverflowError:
+            fastest = math.inf
+        if not (context_length - 1) * fastest < torch.finfo(torch.float32).max:
+            raise ValueError(f"theta={theta!r} gives rotation angles beyond float32 for {context_length} positions")
         inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (D/2,)
         angles = torch.outer(torch.arange(context_length, dtype=torch.float32), inv_freq)  # (T, D/2)
         # Derived from the config, so kept out of the state dict.
@@ -127,15 +138,17 @@ class ModelConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "context_length", "d_model", "d_ff", "num_layers", "num_heads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.d_model % self.num_heads or (self.d_model // self.num_heads) % 2:
             raise ValueError(
                 f"d_model ({self.d_model}) must be num_heads ({self.num_heads}) times an even head size (RoPE "
                 "rotates pairs)"
             )
-        if self.rope_theta <= 0:
-            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
+        theta = self.rope_theta
+        if isinstance(theta, bool) or not isinstance(theta, numbers.Real) or not (math.isfinite(theta) and theta > 0):
+            raise ValueError(f"rope_theta must be a finite positive number, got {theta!r}")
         if self.attention not in attention.ATTENTION:
             raise ValueError(f"unknown attention {self.attention!r}; choose one of {sorted(attention.ATTENTION)}")
 

@@ -40,6 +40,10 @@ NEEDS_CUDA = {
     "sdpa_cudnn": "SDPA's cuDNN backend needs a CUDA device",
 }
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+# Up to this length the fused kernels are launch-bound on an H100 (the CPU's launch path costs more than the
+# kernels): on a GPU they are timed as CUDA-graph replays, their eager time kept beside (README, "Graph mode").
+GRAPH_PROVIDERS = ("flash_triton", "sdpa_flash", "sdpa_cudnn")
+GRAPH_MAX_SEQ = 4096
 MODES = ("fwd", "bwd", "fwd_bwd")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HAS_CUDA = torch.cuda.is_available()
@@ -103,9 +107,12 @@ def fresh_compiler():
 
 
 def run_case(gpu_benchmark, device, provider, shape, is_causal, dtype, mode, compile_all=False):
-    """Benchmark one provider in one mode on fresh random (q, k, v) of `shape`; returns nothing, checks finiteness."""
+    """Benchmark one provider in one mode on fresh random (q, k, v) of `shape`; returns nothing, checks finiteness.
+
+    Launch-bound points of the fused kernels on a GPU are timed in a CUDA graph (GRAPH_PROVIDERS, GRAPH_MAX_SEQ)."""
     q, k, v = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
     attend = attention_for(provider, q, k, v, is_causal, compile_all)
+    graph = device.type == "cuda" and provider in GRAPH_PROVIDERS and shape[-2] <= GRAPH_MAX_SEQ and not compile_all
     batch, heads = (shape[0], 1) if len(shape) == 3 else shape[:2]
     work = attention_flops(batch, heads, shape[-2], shape[-2], shape[-1], is_causal, mode)
     if mode == "fwd":
@@ -114,7 +121,7 @@ def run_case(gpu_benchmark, device, provider, shape, is_causal, dtype, mode, com
             with torch.no_grad():
                 return attend(q, k, v, is_causal)
 
-        out = gpu_benchmark(forward, q, k, v, flops=work)
+        out = gpu_benchmark(forward, q, k, v, flops=work, graph=graph)
         assert torch.isfinite(out).all()
         return
     q, k, v = (x.requires_grad_() for x in (q, k, v))
@@ -124,7 +131,7 @@ def run_case(gpu_benchmark, device, provider, shape, is_causal, dtype, mode, com
         def forward_backward(q, k, v, do):
             return torch.autograd.grad(attend(q, k, v, is_causal), (q, k, v), do)
 
-        grads = gpu_benchmark(forward_backward, q, k, v, do, flops=work)
+        grads = gpu_benchmark(forward_backward, q, k, v, do, flops=work, graph=graph)
     else:
         # A compiled backward normally frees ("donates") the saved activations; timing it again over the same
         # graph needs them kept. The flag is read when the forward compiles.
@@ -134,7 +141,7 @@ def run_case(gpu_benchmark, device, provider, shape, is_causal, dtype, mode, com
         def backward(out, do):
             return torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
 
-        grads = gpu_benchmark(backward, out, do, flops=work)
+        grads = gpu_benchmark(backward, out, do, flops=work, graph=graph)
     assert all(torch.isfinite(g).all() for g in grads)
 
 

@@ -1,11 +1,12 @@
-"""A deterministic stand-in for a GPU, for pytester runs of the lmsys.perf plugin.
+"""A deterministic stand-in for a GPU, and tiny inner suites on it, for pytester runs of the lmsys.perf plugin.
 
 An inner suite's conftest returns a FakeGpu from the plugin's `pytest_perf_backend` hook (see INNER_CONFTEST). The
 clock only moves when a benchmarked function asks it to (`FakeGpu.work`), by a set time with seeded noise; memory
 readings are whatever the function says it allocated. The plugin then runs its real timing loop, statistics,
-storage and verdicts on these numbers.
+storage and verdicts on these numbers. `write_suite`, `run` and `save_baseline` build and run such suites.
 """
 
+import contextlib
 import functools
 import random
 
@@ -37,10 +38,12 @@ def fake():
 
 
 class FakeGpu:
-    """A fake device: a manual clock, an L2 flush that costs a whole second of clock time, and set memory peaks."""
+    """A fake device: a manual clock, an L2 flush that costs a whole second of clock time, set memory peaks, CUDA
+    graphs whose replays skip the CPU launch cost, a device-side delay, and machine readings a test can change."""
 
     is_gpu = True
     timer_name = "fake clock"
+    machine_note = None
 
     def __init__(self, name: str):
         self.name = name
@@ -48,6 +51,13 @@ class FakeGpu:
         self.flushes = 0
         self.released = 0
         self.allocated = 0
+        self.capturing = False
+        self.replaying = False
+        self.captures = 0
+        self.held = 0
+        # What machine_state() returns: a healthy GPU unless a test says otherwise (None: no NVML).
+        self.machine = {"sm_clock_mhz": 1980, "memory_clock_mhz": 2619, "max_sm_clock_mhz": 1980,
+                        "temperature_c": 40, "power_w": 300.0, "throttle": [], "processes": [1], "other_processes": 0}
 
     def describe(self) -> dict:
         return {"kind": "fake", "name": self.name}
@@ -89,18 +99,113 @@ class FakeGpu:
         # Each rank gets a fresh fake of the same name: its clock starts at 0 and moves only by the rank's own work.
         return functools.partial(FakeGpu, self.name)
 
-    def work(self, ms: float, noise: float = 0.0, memory: int = 0, seed: int = 0, slow_calls: int = 0, slow_ms: float = 0):
-        """A function for gpu_benchmark: each call takes `ms` milliseconds times (1 + noise * N(0, 1)) on the clock and
-        allocates `memory` bytes at its peak; its first `slow_calls` calls take `slow_ms` instead."""
+    def capture_graph(self, call):
+        """Records the call without running it (a work function that is not capturable raises); a replay costs the
+        call's device time only."""
+        self.capturing = True
+        try:
+            call()
+        finally:
+            self.capturing = False
+        self.captures += 1
+
+        def replay():
+            self.replaying = True
+            try:
+                call()
+            finally:
+                self.replaying = False
+
+        return replay, lambda: None
+
+    def make_delay(self, seconds: float):
+        def delay():
+            if not self.capturing:
+                self.now += seconds
+
+        return delay
+
+    @contextlib.contextmanager
+    def holding(self, nbytes: int):
+        self.held += nbytes
+        try:
+            yield
+        finally:
+            self.held -= nbytes
+
+    def machine_state(self):
+        return None if self.machine is None else dict(self.machine)
+
+    def work(self, ms: float, noise: float = 0.0, memory: int = 0, seed: int = 0, slow_calls: int = 0, slow_ms: float = 0,
+             launch_ms: float = 0.0, launch_noise: float = 0.0, capturable: bool = True):
+        """A function for gpu_benchmark: each call takes `ms` milliseconds times (1 + noise * N(0, 1)) of device time
+        on the clock plus `launch_ms` times (1 + launch_noise * N(0, 1)) of CPU launch cost (not in a graph replay)
+        and allocates `memory` bytes at its peak; its first `slow_calls` calls take `slow_ms` instead. Capturing it
+        in a graph fails unless capturable."""
         rng = random.Random(seed)
         calls = 0
 
         def fn():
             nonlocal calls
+            if self.capturing:
+                if not capturable:
+                    raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+                return calls
             calls += 1
             base = slow_ms if calls <= slow_calls else ms
             self.now += max(base * 1e-3 * (1 + noise * rng.gauss(0.0, 1.0)), 0.0)
-            self.allocated = max(self.allocated, memory)
+            if launch_ms and not self.replaying:
+                self.now += launch_ms * 1e-3 * max(1 + launch_noise * rng.gauss(0.0, 1.0), 0.0)
+            self.allocated = max(self.allocated, memory + self.held)
             return calls
 
         return fn
+
+# max-time 0 makes every run exactly min-rounds rounds, whatever the machine's speed.
+# The hypothesis plugin would be imported afresh by every inner run (pytester restores sys.modules): 2 s each.
+RUN_ARGS = (
+    "--benchmark-max-time=0", "--benchmark-min-rounds=21", "-rfEs",
+    "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
+)
+GPU = "Fake GPU 80GB"
+MACHINE = "Fake_GPU_80GB"
+MIB = 2**20
+
+
+def write_suite(pytester, tests: dict, seed: int, gpu: str = GPU) -> None:
+    """An inner suite: one test per entry, benchmarking fake.work(**spec); 'marker' and 'call' (extra keyword
+    arguments of the gpu_benchmark call, as source text) are taken out of the spec."""
+    pytester.makeini("[pytest]\n")
+    pytester.makeconftest(INNER_CONFTEST.format(name=gpu))
+    lines = ["import pytest", ""]
+    for index, (name, spec) in enumerate(tests.items()):
+        spec = {"noise": 0.01, "memory": 64 * MIB, **spec}
+        marker = spec.pop("marker", None)
+        call = spec.pop("call", "")
+        if marker:
+            lines.append(f"@pytest.mark.{marker}")
+        args = ", ".join(f"{key}={value!r}" for key, value in spec.items())
+        lines += [
+            f"def {name}(gpu_benchmark, fake):",
+            f"    gpu_benchmark(fake.work({args}, seed={seed * 100 + index}){call})",
+            "",
+        ]
+    pytester.makepyfile(test_suite="\n".join(lines))
+
+
+def run(pytester, *args, **kwargs):
+    """Runs the inner suite in-process with RUN_ARGS and args (kwargs go to pytester's inline_run)."""
+    return pytester.runpytest_inprocess(*RUN_ARGS, *args, **kwargs)
+
+
+def save_baseline(pytester, tests: dict, name: str = "base", gpu: str = GPU):
+    """Writes the suite (seed 1) and saves it as a baseline named `name`; the run must pass."""
+    write_suite(pytester, tests, seed=1, gpu=gpu)
+    result = run(pytester, f"--benchmark-save={name}")
+    assert result.ret == 0, result.stdout.str()
+    return result
+
+
+def baseline_files(pytester, machine: str = MACHINE) -> list:
+    """The files in the inner project's baseline folder of `machine`, sorted."""
+    return sorted((pytester.path / "baselines" / machine).glob("*.json"))

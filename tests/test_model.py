@@ -214,12 +214,30 @@ def test_rope_position_zero_is_identity(seed):
         (dict(d_model=12, num_heads=4), "even head size"),
         (dict(num_layers=0), "num_layers"),
         (dict(rope_theta=0.0), "rope_theta"),
+        (dict(rope_theta=float("inf")), "rope_theta must be a finite positive number, got inf"),
+        (dict(rope_theta=float("nan")), "rope_theta must be a finite positive number, got nan"),
+        (dict(rope_theta=True), "rope_theta"),
+        (dict(d_ff=256.5), "d_ff must be a positive integer, got 256.5"),
+        (dict(num_layers=float("inf")), "num_layers must be a positive integer, got inf"),
+        (dict(vocab_size=True), "vocab_size must be a positive integer"),
         (dict(attention="nope"), "unknown attention 'nope'"),
     ],
 )
 def test_invalid_config_raises(changes, message):
     with pytest.raises(ValueError, match=message):
         tiny(**changes)
+
+
+@pytest.mark.parametrize("eps", [float("nan"), float("inf"), -1e-5])
+def test_rmsnorm_rejects_a_non_finite_or_negative_eps(eps):
+    with pytest.raises(ValueError, match="eps must be a finite non-negative number"):
+        RMSNorm(8, eps=eps)
+
+
+def test_rope_theta_whose_angles_overflow_is_rejected():
+    # theta = 1e-60 passes as positive and finite, but theta^(-2i/D) overflows float32: cos/sin would be NaN.
+    with pytest.raises(ValueError, match="rotation angles beyond float32"):
+        TransformerLM(tiny(rope_theta=1e-60))
 
 
 def test_sequence_longer_than_context_raises():

@@ -78,7 +78,7 @@ def test_the_verdict_does_not_depend_on_the_unit(scale, seed):
 @pytest.mark.parametrize(
     ("now", "base", "tolerance"),
     [([], [1.0], 0.05), ([1.0], [], 0.05), ([float("nan")], [1.0], 0.05), ([-1.0], [1.0], 0.05),
-     ([1.0], [0.0], 0.05), ([1.0], [1.0], -0.1)],
+     ([1.0], [0.0], 0.05), ([1.0], [1.0], -0.1), ([1.0], [1.0], float("inf")), ([1.0], [1.0], float("nan"))],
 )
 def test_bad_time_inputs_are_rejected(now, base, tolerance):
     with pytest.raises(ValueError):
@@ -101,6 +101,12 @@ MIB = 2**20
 )
 def test_memory_needs_both_the_relative_tolerance_and_the_floor(peak, baseline, verdict):
     assert compare.compare_memory(peak, baseline, tolerance=0.01, floor=MIB).verdict == verdict
+
+
+@pytest.mark.parametrize(("tolerance", "floor"), [(float("inf"), MIB), (float("nan"), MIB), (0.01, -1)])
+def test_bad_memory_tolerances_are_rejected(tolerance, floor):
+    with pytest.raises(ValueError, match="tolerance and floor must be finite and non-negative"):
+        compare.compare_memory(MIB, MIB, tolerance, floor)
 
 
 def test_memory_change_is_relative_and_absent_for_a_zero_baseline():

@@ -1,5 +1,6 @@
 """The plugin on a real CUDA device (skipped without one): CUDA-event timing that agrees with triton's do_bench,
-memory high-water marks, environment in the JSON, and a real out-of-memory error turned into a skip."""
+memory high-water marks, environment in the JSON, a real out-of-memory error turned into a skip, CUDA-graph timing
+and its fallback, an injected device-side delay of the size asked for, and NVML machine readings."""
 
 import json
 
@@ -56,3 +57,82 @@ def test_cuda_backend_end_to_end(pytester, gpu):
     assert info["tflops"] > 1
     ones = benches["test_after_oom"]["extra_info"]
     assert ones["peak_allocated_above_start_bytes"] >= 4 * 2**20
+
+
+GRAPH_SUITE = """
+import torch
+
+
+def test_small_mm(gpu_benchmark):
+    a = torch.randn(256, 256, device="cuda")
+    out = gpu_benchmark(torch.mm, a, a, graph=True)
+    torch.testing.assert_close(out, a @ a)
+
+
+def test_reads_back(gpu_benchmark):
+    x = torch.ones(1024, device="cuda")
+    # .item() synchronizes, which a CUDA graph capture refuses: timed eagerly, with a note.
+    assert gpu_benchmark(lambda: x.sum().item(), graph=True) == 1024
+"""
+
+
+def test_graph_mode_on_cuda(pytester, gpu):
+    pytester.makeini("[pytest]\n")
+    pytester.makepyfile(test_graph=GRAPH_SUITE)
+    result = pytester.runpytest_inprocess("--benchmark-max-time=0.2", "--benchmark-json=out.json",
+                                          "-p", "no:hypothesispytest")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["test_reads_back: timed eagerly: the CUDA graph capture failed*"])
+    benches = {b["name"]: b for b in json.loads((pytester.path / "out.json").read_text())["benchmarks"]}
+    small = benches["test_small_mm"]
+    assert small["extra_info"]["timing"] == "graph"
+    # A replay skips the Python and dispatch cost of the eager call: never slower than the eager rounds.
+    assert small["stats"]["median"] <= small["extra_info"]["eager_median"] * 1.05
+    assert benches["test_reads_back"]["extra_info"]["timing"] == "eager"
+
+
+DELAY_SUITE = """
+import torch
+
+N = 4096
+
+
+def test_mm(gpu_benchmark):
+    a = torch.randn(N, N, device="cuda", dtype=torch.bfloat16)
+    gpu_benchmark(torch.mm, a, a)
+
+
+def test_mm_graph(gpu_benchmark):
+    a = torch.randn(N, N, device="cuda", dtype=torch.bfloat16)
+    gpu_benchmark(torch.mm, a, a, graph=True)
+"""
+
+
+def test_an_injected_delay_is_the_fraction_asked_for_and_caught(pytester, gpu, monkeypatch):
+    pytester.makeini("[pytest]\n")
+    pytester.makepyfile(test_delay=DELAY_SUITE)
+    args = ("--benchmark-max-time=0.3", "-p", "no:hypothesispytest")
+    pytester.runpytest_inprocess(*args, "--benchmark-save=reference").assert_outcomes(passed=2)
+    monkeypatch.setenv("LMSYS_INJECT_DELAY", "0.2")
+    result = pytester.runpytest_inprocess(*args, "--benchmark-compare", "--benchmark-json=out.json")
+    result.assert_outcomes(failed=2)
+    for bench in json.loads((pytester.path / "out.json").read_text())["benchmarks"]:
+        assert bench["extra_info"]["verdict"].startswith("SLOWER")
+        assert bench["extra_info"]["time_change"] == pytest.approx(0.2, abs=0.05)
+
+
+def test_machine_readings_on_cuda(pytester, gpu):
+    pytester.makeini("[pytest]\n")
+    pytester.makepyfile(test_one="import torch\n\ndef test_ones(gpu_benchmark):\n"
+                                 "    gpu_benchmark(torch.ones, 2**20, device='cuda')\n")
+    result = pytester.runpytest_inprocess("--benchmark-max-time=0.1", "--benchmark-json=out.json",
+                                          "-p", "no:hypothesispytest")
+    result.assert_outcomes(passed=1)
+    (bench,) = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    try:
+        import pynvml  # noqa: F401
+    except ImportError:
+        result.stdout.fnmatch_lines(["no machine readings (clocks, throttling, other processes): pynvml*"])
+        return
+    after = bench["extra_info"]["machine"]["after"]
+    assert after["sm_clock_mhz"] > 0 and after["memory_clock_mhz"] > 0 and isinstance(after["throttle"], list)

@@ -7,56 +7,9 @@ import re
 
 import pandas as pd
 import pytest
-from perf_fakes import INNER_CONFTEST
+from perf_fakes import GPU, MACHINE, MIB, baseline_files, run, save_baseline, write_suite
 
 pytest_plugins = ["pytester"]
-
-# max-time 0 makes every run exactly min-rounds rounds, whatever the machine's speed.
-# The hypothesis plugin would be imported afresh by every inner run (pytester restores sys.modules): 2 s each.
-RUN_ARGS = (
-    "--benchmark-max-time=0", "--benchmark-min-rounds=21", "-rfEs",
-    "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
-)
-GPU = "Fake GPU 80GB"
-MACHINE = "Fake_GPU_80GB"
-MIB = 2**20
-
-
-def write_suite(pytester, tests: dict, seed: int, gpu: str = GPU) -> None:
-    """An inner suite: one test per entry, benchmarking fake.work(**spec); 'marker' and 'call' (extra keyword
-    arguments of the gpu_benchmark call, as source text) are taken out of the spec."""
-    pytester.makeini("[pytest]\n")
-    pytester.makeconftest(INNER_CONFTEST.format(name=gpu))
-    lines = ["import pytest", ""]
-    for index, (name, spec) in enumerate(tests.items()):
-        spec = {"noise": 0.01, "memory": 64 * MIB, **spec}
-        marker = spec.pop("marker", None)
-        call = spec.pop("call", "")
-        if marker:
-            lines.append(f"@pytest.mark.{marker}")
-        args = ", ".join(f"{key}={value!r}" for key, value in spec.items())
-        lines += [
-            f"def {name}(gpu_benchmark, fake):",
-            f"    gpu_benchmark(fake.work({args}, seed={seed * 100 + index}){call})",
-            "",
-        ]
-    pytester.makepyfile(test_suite="\n".join(lines))
-
-
-def run(pytester, *args):
-    return pytester.runpytest_inprocess(*RUN_ARGS, *args)
-
-
-def save_baseline(pytester, tests: dict, name: str = "base", gpu: str = GPU):
-    write_suite(pytester, tests, seed=1, gpu=gpu)
-    result = run(pytester, f"--benchmark-save={name}")
-    assert result.ret == 0, result.stdout.str()
-    return result
-
-
-def baseline_files(pytester, machine: str = MACHINE) -> list:
-    return sorted((pytester.path / "baselines" / machine).glob("*.json"))
-
 
 def test_unchanged_run_passes(pytester):
     tests = {"test_a": {"ms": 1.0}, "test_b": {"ms": 3.0, "memory": 300 * MIB}}
@@ -103,7 +56,8 @@ def test_memory_growth_of_ten_percent_fails(pytester):
     result = run(pytester, "--benchmark-compare")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
-        "*MORE-MEMORY: test_a peak allocated above start 110 MiB vs baseline 100 MiB (+10.0%, tolerance 1% and 1 MiB)*",
+        "*MORE-MEMORY: test_a peak allocated above start 110 MiB vs baseline 100 MiB (+10.0%, tolerance 0% and "
+        "256 KiB)*",
         "*test_a*+10.0%*MORE-MEMORY*",
     ])
 
@@ -149,10 +103,14 @@ def test_baseline_of_another_gpu_is_never_compared(pytester):
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*test_a*NEW*", "*no baseline for Fake_GPU_B in *Fake_GPU_B: nothing compared*"])
 
+    # Named explicitly, it is an error: the user asked for a comparison that the gate never makes.
     (other,) = baseline_files(pytester, "Fake_GPU_A")
     result = run(pytester, f"--benchmark-compare={other}")
-    result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines([f"*not compared: {other} was recorded on Fake_GPU_A, this run is on Fake_GPU_B*"])
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([
+        f"*--benchmark-compare={other}: {other} was recorded on Fake_GPU_A, this run is on Fake_GPU_B; a baseline of "
+        "another GPU model is never compared*"
+    ])
 
 
 def test_compare_picks_the_newest_baseline_unless_one_is_named(pytester):
@@ -273,7 +231,7 @@ def test_gpu_mem_report_prints_largest_first_and_writes_csv_and_json(pytester):
     save_baseline(pytester, tests)
     tests["test_big"]["memory"] = 303 * MIB
     write_suite(pytester, tests, seed=2)
-    result = run(pytester, "--benchmark-compare", "--gpu-mem-report=reports/mem.csv")
+    result = run(pytester, "--benchmark-compare", "--gpu-mem-report=reports/mem.csv", "--perf-mem-tolerance=0.05")
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines([
         "*GPU memory high-water marks (largest first)*",

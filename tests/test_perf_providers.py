@@ -76,3 +76,29 @@ def test_command_line_names_a_file_without_providers(tmp_path, capsys):
         providers.main([str(path)])
     assert exit_info.value.code == 2
     assert f"{path} has no benchmark with a 'provider' parameter" in capsys.readouterr().err
+
+
+def test_exports_never_replace_a_baseline_or_an_existing_file(tmp_path, capsys):
+    folder = tmp_path / "baselines" / "GPU"
+    folder.mkdir(parents=True)
+    results = folder / "0001_h100.json"
+    results.write_bytes(H100_BASELINE.read_bytes())
+    (folder / "0002_other.json").write_text("{}")
+    mine = tmp_path / "table.md"
+    mine.write_text("mine")
+    refused = [
+        (["--markdown", str(results), "--overwrite"], "which holds baselines"),
+        (["--markdown", str(folder / "new.md"), "--overwrite"], "which holds baselines"),
+        (["--plot", str(folder / "0002_other.json"), "--overwrite"], "which holds baselines"),
+        (["--markdown", str(mine)], "exists: choose another name, or ask to overwrite it"),
+        (["--markdown", str(tmp_path)], "is a folder"),
+    ]
+    for args, problem in refused:
+        with pytest.raises(SystemExit) as exit_info:
+            providers.main([str(results), *args])
+        assert exit_info.value.code == 2
+        assert problem in capsys.readouterr().err
+    assert results.read_bytes() == H100_BASELINE.read_bytes()
+    assert mine.read_text() == "mine"
+    assert providers.main([str(results), "--markdown", str(mine), "--overwrite"]) == 0
+    assert mine.read_text().startswith("median ms")

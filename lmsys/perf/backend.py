@@ -1,5 +1,6 @@
-"""What the plugin needs from the hardware: a name, a clock that covers the device's work, an L2 flush and a memory
-high-water mark. One class per kind of device; `detect_backend` picks one.
+"""What the plugin needs from the hardware: a name, a clock that covers the device's work, an L2 flush, a memory
+high-water mark, CUDA-graph capture (to time replays), a device-side delay (to measure the gate) and readings of
+the machine's state. One class per kind of device; `detect_backend` picks one.
 
 Tests and other plugins can supply their own object with the same methods (see `Backend`) through the
 `pytest_perf_backend(config)` hook; the plugin's tests do that to get a deterministic clock and fake memory readings.
@@ -13,11 +14,14 @@ import gc
 import platform
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Protocol
 
 import torch
+
+from lmsys.perf import machine
 
 # About 0.5 ms on a GPU clocked near 2 GHz: longer than the launch latency of a Python call into a few kernels.
 SLEEP_CYCLES = 1_000_000
@@ -60,6 +64,7 @@ class Backend(Protocol):
     is_gpu: bool
     name: str
     timer_name: str
+    machine_note: str | None  # why machine_state() has no readings, when that is worth saying
 
     def describe(self) -> dict[str, Any]: ...
     def synchronize(self) -> None: ...
@@ -68,6 +73,10 @@ class Backend(Protocol):
     def measure_memory(self, call: Callable[[], Any]) -> tuple[Any, MemoryReading | None]: ...
     def release_memory(self) -> None: ...
     def for_rank(self) -> Callable[[], Any]: ...
+    def capture_graph(self, call: Callable[[], Any]) -> tuple[Callable[[], None], Callable[[], None]]: ...
+    def make_delay(self, seconds: float) -> Callable[[], None]: ...
+    def holding(self, nbytes: int) -> AbstractContextManager: ...
+    def machine_state(self) -> dict[str, Any] | None: ...
 
 
 def _cpu_model() -> str:
@@ -85,6 +94,7 @@ class CpuBackend:
     """The CPU: times with pytest-benchmark's clock (--benchmark-timer), has no L2 flush and no memory reading."""
 
     is_gpu = False
+    machine_note = None
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self.clock = clock
@@ -123,6 +133,28 @@ class CpuBackend:
     def for_rank(self) -> Callable[[], "CpuBackend"]:
         """A picklable maker of the same backend in a rank process (multi-rank benchmarks)."""
         return functools.partial(CpuBackend, self.clock)
+
+    def capture_graph(self, call: Callable[[], Any]) -> tuple[Callable[[], None], Callable[[], None]]:
+        """There are no CUDA graphs on the CPU: graph=True falls back to eager timing, with a note."""
+        raise RuntimeError("CUDA graphs need a CUDA device")
+
+    def make_delay(self, seconds: float) -> Callable[[], None]:
+        """A function that keeps the CPU busy for `seconds` (a sleep would give the CPU away and come back late)."""
+
+        def spin():
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                pass
+
+        return spin
+
+    def holding(self, nbytes: int) -> AbstractContextManager:
+        """The CPU has no memory reading, so nothing is held."""
+        return nullcontext()
+
+    def machine_state(self) -> None:
+        """No readings on the CPU."""
+        return None
 
 
 class CudaBackend:
@@ -215,6 +247,73 @@ class CudaBackend:
     def for_rank(self) -> Callable[[], "CudaBackend"]:
         """A picklable maker of the backend in a rank process: it measures the rank's current device."""
         return CudaBackend
+
+    def capture_graph(self, call: Callable[[], Any]) -> tuple[Callable[[], None], Callable[[], None]]:
+        """Captures one call in a CUDA graph; returns (replay, release). Raises what the capture raises (a call that
+        synchronizes, reads a value back to the CPU or allocates pinned memory cannot be captured).
+
+        As torch.cuda.graph's documentation asks, the call runs once on a side stream first (lazy workspaces, autograd
+        state); the graph keeps its outputs and its memory pool until release().
+        """
+        current = torch.cuda.current_stream(self.index)
+        side = torch.cuda.Stream(self.index)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            call()
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        kept = {}
+        with torch.cuda.graph(graph):
+            kept["output"] = call()
+
+        def release():
+            kept.clear()
+            graph.reset()
+
+        return graph.replay, release
+
+    @cached_property
+    def _sleep_cycles_per_second(self) -> float:
+        # torch.cuda._sleep spins for a number of GPU clock cycles: time a long one to convert seconds to cycles.
+        start, end = self._events
+        torch.cuda._sleep(SLEEP_CYCLES)
+        start.record()
+        torch.cuda._sleep(20 * SLEEP_CYCLES)
+        end.record()
+        end.synchronize()
+        return 20 * SLEEP_CYCLES / (start.elapsed_time(end) / 1e3)
+
+    def make_delay(self, seconds: float) -> Callable[[], None]:
+        """A function that queues `seconds` of device-side work (a spinning kernel) on the current stream."""
+        cycles = max(1, round(seconds * self._sleep_cycles_per_second))
+        return lambda: torch.cuda._sleep(cycles)
+
+    @contextmanager
+    def holding(self, nbytes: int):
+        """Holds `nbytes` more of device memory inside the block (an allocation that lives as long as it)."""
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.index)
+        try:
+            yield
+        finally:
+            del buffer
+
+    @cached_property
+    def _machine(self) -> tuple[machine.Reader | None, str | None]:
+        props = self.properties
+        uuid = getattr(props, "uuid", None)
+        bus = [getattr(props, f"pci_{part}_id", None) for part in ("domain", "bus", "device")]
+        pci = None if None in bus else f"{bus[0]:08x}:{bus[1]:02x}:{bus[2]:02x}.0"
+        return machine.open_device(None if uuid is None else f"GPU-{uuid}", pci)
+
+    @property
+    def machine_note(self) -> str | None:
+        """Why there are no machine readings (NVML missing), or None when there are."""
+        return self._machine[1]
+
+    def machine_state(self) -> dict[str, Any] | None:
+        """Clocks, temperature, power, throttle reasons and other processes (NVML), or None without NVML."""
+        reader = self._machine[0]
+        return None if reader is None else reader.read()
 
 
 def detect_backend(clock: Callable[[], float]) -> CpuBackend | CudaBackend:

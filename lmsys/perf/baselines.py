@@ -1,4 +1,4 @@
-"""Where a baseline for this GPU lives, and reading, validating and writing baseline files.
+"""Where a baseline for this GPU lives; reading, validating, choosing and writing baseline files.
 
 Pure (no pytest, no torch). Layout, in pytest-benchmark's own storage format:
 
@@ -10,24 +10,46 @@ Pure (no pytest, no torch). Layout, in pytest-benchmark's own storage format:
 
 A run only looks into its own folder, so an H100 run never compares against an A100, an H200 or a CPU run; files
 also record their machine id (machine_info.lmsys.machine_id) so a file named explicitly is checked as well.
-Files are written once, atomically and under a fresh number; an existing file is never replaced.
+Files are written once, atomically and under a fresh number; an existing file is never replaced. Any other file in
+the folder (a temporary file of a save that was killed, a README) is not a baseline and is never read as one.
 """
 
+import contextlib
 import json
 import math
 import os
 import re
+import signal
 import tempfile
+import threading
+from collections.abc import Iterable
 from pathlib import Path
 
-BASELINE_GLOB = "[0-9][0-9][0-9][0-9]_*.json"
+try:
+    import fcntl
+except ImportError:  # not on Windows: saves there rely on the never-replacing link alone
+    fcntl = None
+
+# The one definition of a baseline file name: a four-digit number, '_', the name given to --benchmark-save.
+FILE_NAME = re.compile(r"(?P<number>[0-9]{4})_(?P<name>.+)\.json")
+MAX_NUMBER = 9999
+# What a save writes first; such a file left behind by a killed save is removed by the next save into the folder.
+TEMPORARY_PREFIX = ".tmp-"
 # The stats pytest-benchmark's comparison table reads from a loaded baseline.
 REQUIRED_STATS = ("min", "max", "mean", "stddev", "median", "iqr", "rounds", "iterations")
 MEMORY_KEY = "peak_allocated_above_start_bytes"
+# The eager rounds of a benchmark timed in a CUDA graph (its stats are the replays).
+EAGER_KEY = "eager_data"
+TIMINGS = ("eager", "graph")
+FORBIDDEN_NAME_CHARACTERS = '\\/:*?<>|'
 
 
 class BaselineError(ValueError):
     """A baseline file that cannot be read or is not a pytest-benchmark JSON file; the message names the file."""
+
+
+class NoSuchBaseline(LookupError):
+    """A baseline named with --benchmark-compare=VALUE that is not there; the message says what there is."""
 
 
 def slug(text: str) -> str:
@@ -42,8 +64,52 @@ def machine_id(device_name: str, is_gpu: bool) -> str:
     return slug(device_name) if is_gpu else f"cpu-{slug(device_name)}"
 
 
+def file_name(number: int, name: str) -> str:
+    """The file name of baseline `number` saved as `name`: 0003_name.json."""
+    return f"{number:04d}_{name}.json"
+
+
+def file_number(path: Path) -> int | None:
+    """The number of a baseline file (3 for 0003_x.json), or None for a file that is not named like a baseline."""
+    match = FILE_NAME.fullmatch(Path(path).name)
+    return int(match["number"]) if match else None
+
+
+def baseline_files(folder: Path) -> list[Path]:
+    """The baseline files in folder, oldest first (by number, then name); [] when the folder does not exist."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    files = [path for path in folder.iterdir() if file_number(path) is not None and path.is_file()]
+    return sorted(files, key=lambda path: (file_number(path), path.name))
+
+
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_count(value) -> bool:
+    return _is_number(value) and value >= 1 and value == int(value)
+
+
+def _stats_problem(stats: dict) -> str | None:
+    missing = [key for key in REQUIRED_STATS if not _is_number(stats.get(key))]
+    if missing:
+        return f"lacks numeric stats {missing}"
+    negative = [key for key in ("min", "max", "mean", "stddev", "median", "iqr") if stats[key] < 0]
+    if negative:
+        return f"has negative times {negative}"
+    if stats["median"] <= 0:
+        return "has a median time of 0 s (nothing to compare a time with)"
+    if not (_is_count(stats["rounds"]) and _is_count(stats["iterations"])):
+        return "has rounds or iterations that are not positive whole numbers"
+    data = stats.get("data")
+    if data is not None:
+        if not (isinstance(data, list) and data and all(_is_number(x) and x >= 0 for x in data)):
+            return "has malformed per-round data (not a non-empty list of finite, non-negative seconds)"
+        if sorted(data)[(len(data) - 1) // 2] <= 0:
+            return "has per-round data whose median is 0 s"
+    return None
 
 
 def _problem(doc) -> str | None:
@@ -61,12 +127,22 @@ def _problem(doc) -> str | None:
         stats = bench.get("stats")
         if not isinstance(stats, dict):
             return f"benchmark {bench['fullname']!r} has no 'stats'"
-        missing = [key for key in REQUIRED_STATS if not _is_number(stats.get(key))]
-        if missing:
-            return f"benchmark {bench['fullname']!r} lacks numeric stats {missing}"
-        data = stats.get("data")
-        if data is not None and not (isinstance(data, list) and data and all(_is_number(x) and x >= 0 for x in data)):
-            return f"benchmark {bench['fullname']!r} has malformed per-round data"
+        problem = _stats_problem(stats)
+        if problem:
+            return f"benchmark {bench['fullname']!r} {problem}"
+        extra = bench.get("extra_info", {})
+        if not isinstance(extra, dict):
+            return f"benchmark {bench['fullname']!r} has an 'extra_info' that is not an object"
+        if MEMORY_KEY in extra and not (_is_number(extra[MEMORY_KEY]) and extra[MEMORY_KEY] >= 0):
+            return f"benchmark {bench['fullname']!r} has a {MEMORY_KEY} that is not a non-negative number"
+        if extra.get("timing", "eager") not in TIMINGS:
+            return f"benchmark {bench['fullname']!r} has a timing that is not one of {TIMINGS}"
+        eager = extra.get(EAGER_KEY)
+        if eager is not None:
+            if not (isinstance(eager, list) and eager and all(_is_number(x) and x >= 0 for x in eager)):
+                return f"benchmark {bench['fullname']!r} has malformed eager rounds ({EAGER_KEY})"
+            if sorted(eager)[(len(eager) - 1) // 2] <= 0:
+                return f"benchmark {bench['fullname']!r} has eager rounds whose median is 0 s"
     return None
 
 
@@ -80,6 +156,8 @@ def read_baseline(path: Path) -> dict:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
         raise BaselineError(f"baseline file {path} is not valid JSON: {exc}") from None
+    except ValueError as exc:  # numbers Python cannot hold, such as 1e999999
+        raise BaselineError(f"baseline file {path} is not valid JSON: {exc}") from None
     problem = _problem(doc)
     if problem:
         raise BaselineError(f"baseline file {path} is not a pytest-benchmark result: {problem}")
@@ -92,10 +170,67 @@ def recorded_machine_id(doc: dict, path: Path) -> str:
     return recorded if isinstance(recorded, str) else Path(path).parent.name
 
 
-def samples(bench: dict) -> list[float]:
-    """A baseline benchmark's per-round times in seconds, or [median] when it was saved without them."""
-    stats = bench["stats"]
-    return list(stats.get("data") or [stats["median"]])
+def named(folder: Path, value: str) -> list[Path]:
+    """The baseline files of folder that --benchmark-compare=value names, oldest first.
+
+    value is a number (3 or 0003: that file), the start of a file name (0003_, 0003_h100), a name given to
+    --benchmark-save (h100-attn: every file saved under it), or the path of a file. Raises NoSuchBaseline, saying
+    what the folder holds, when nothing matches.
+    """
+    candidate = Path(value)
+    if candidate.is_file():
+        return [candidate]
+    files = baseline_files(folder)
+    if value.isdigit():
+        chosen = [path for path in files if file_number(path) == int(value)]
+    else:
+        chosen = [
+            path for path in files if path.name.startswith(value) or FILE_NAME.fullmatch(path.name)["name"] == value
+        ]
+    if chosen:
+        return chosen
+    there = ", ".join(path.name for path in files) if files else "no baseline files"
+    where = folder if Path(folder).is_dir() else f"{folder} (which does not exist)"
+    raise NoSuchBaseline(
+        f"--benchmark-compare={value}: no baseline in {where} is named by {value!r} (a number such as 3, the start "
+        f"of a file name such as 0003_, a saved name, or the path of a file); it holds: {there}"
+    )
+
+
+def newest_per_benchmark(docs: Iterable[tuple[Path, dict]]) -> dict[Path, dict[str, dict]]:
+    """For each benchmark, its entry in the newest of the given (path, document) pairs that has it.
+
+    docs go oldest to newest. Returns {path: {fullname: entry}} for the files that provide at least one benchmark,
+    in the order given: a partial run (-k) saves only its own benchmarks, so each benchmark takes the newest file
+    that has it and the others keep theirs.
+    """
+    newest = {}
+    order = []
+    for path, doc in docs:
+        order.append(path)
+        for bench in doc["benchmarks"]:
+            newest[bench["fullname"]] = (path, bench)
+    chosen = {path: {} for path in order}
+    for fullname, (path, bench) in newest.items():
+        chosen[path][fullname] = bench
+    return {path: benchmarks for path, benchmarks in chosen.items() if benchmarks}
+
+
+def timing(bench: dict) -> str:
+    """How a baseline benchmark's stats were timed: 'eager' calls, or 'graph' replays of a CUDA graph."""
+    return (bench.get("extra_info") or {}).get("timing", "eager")
+
+
+def samples(bench: dict, timed: str = "eager") -> list[float] | None:
+    """A baseline benchmark's per-round times in seconds as timed `timed` ('eager' or 'graph'): its stats when it was
+    timed that way ([median] when saved without rounds), the eager rounds a graph-timed benchmark keeps beside its
+    replays, or None when it has no such times."""
+    if timing(bench) == timed:
+        stats = bench["stats"]
+        return list(stats.get("data") or [stats["median"]])
+    if timed == "eager":
+        return (bench.get("extra_info") or {}).get(EAGER_KEY)
+    return None
 
 
 def peak_memory(bench: dict) -> int | None:
@@ -105,37 +240,169 @@ def peak_memory(bench: dict) -> int | None:
 
 
 def next_number(folder: Path) -> int:
-    """One more than the highest NNNN_ number among the baseline files in folder (1 in an empty folder)."""
-    numbers = [int(path.name[:4]) for path in Path(folder).glob(BASELINE_GLOB)]
-    return max(numbers, default=0) + 1
+    """One more than the highest number among the baseline files in folder (1 in an empty folder)."""
+    return max((file_number(path) for path in baseline_files(folder)), default=0) + 1
+
+
+def check_name(name: str) -> None:
+    """Raises ValueError unless name can be a baseline name (--benchmark-save=NAME)."""
+    if not name or any(c in name for c in FORBIDDEN_NAME_CHARACTERS):
+        raise ValueError(f"baseline name must be non-empty without any of {FORBIDDEN_NAME_CHARACTERS}, got {name!r}")
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def save_problem(folder: Path, name: str) -> str | None:
+    """Why a baseline named `name` could not be saved into folder, or None when it can (checked before a run).
+
+    Nothing is left behind: an existing folder is probed with a temporary file that is removed at once; a folder
+    that does not exist yet is not created here.
+    """
+    try:
+        check_name(name)
+    except ValueError as exc:
+        return str(exc)
+    folder = Path(folder)
+    ancestor = _existing_ancestor(folder)
+    if not ancestor.is_dir():
+        return f"{ancestor} is not a folder, so baselines cannot be saved into {folder}"
+    longest = file_name(MAX_NUMBER, name)
+    try:
+        limit = os.pathconf(ancestor, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):
+        limit = 255
+    if len(longest.encode()) > limit:
+        return f"the file name {longest!r} is longer than the {limit} bytes the file system allows: use a shorter name"
+    if folder.is_dir():
+        try:
+            handle, probe = tempfile.mkstemp(dir=folder, prefix=TEMPORARY_PREFIX, suffix=".json")
+        except OSError as exc:
+            return f"cannot write into {folder}: {exc.strerror or exc}"
+        os.close(handle)
+        with contextlib.suppress(OSError):  # a save running at the same time may have removed it already
+            os.unlink(probe)
+    elif not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"cannot create {folder}: {ancestor} is not writable"
+    return None
+
+
+def output_problem(path: Path, overwrite: bool, protected: Iterable[Path] = ()) -> str | None:
+    """Why a report or export may not be written to path, or None: a folder, a baseline (a protected path or a file
+    inside one, or an existing file named like a baseline), an existing file unless overwrite, or a place that
+    cannot be written."""
+    path = Path(path).resolve()
+    if path.is_dir():
+        return f"{path} is a folder"
+    for kept in protected:
+        if path.is_relative_to(Path(kept).resolve()):
+            where = "is" if path == Path(kept).resolve() else "is inside"
+            return f"{path} {where} {kept}, which holds baselines: a report never writes there"
+    if path.exists() and file_number(path) is not None:
+        return f"{path} is named like a baseline file: reports never replace one"
+    if path.exists() and not overwrite:
+        return f"{path} exists: choose another name, or ask to overwrite it"
+    ancestor = _existing_ancestor(path.parent)
+    if not ancestor.is_dir():
+        return f"{ancestor} is not a folder"
+    if not os.access(path if path.exists() else ancestor, os.W_OK):
+        return f"{path if path.exists() else ancestor} is not writable"
+    return None
+
+
+@contextlib.contextmanager
+def _locked(folder: Path):
+    """Holds an exclusive lock on the folder itself (flock on its descriptor): saves into it happen one at a time,
+    across processes, and nothing is left in the folder."""
+    if fcntl is None:
+        yield
+        return
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # releases the lock
+
+
+@contextlib.contextmanager
+def _terminate_as_exit():
+    """Inside the block, SIGTERM raises SystemExit (so `finally` clauses run) instead of killing the process."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _remove_stale_temporaries(folder: Path) -> None:
+    # Called under the folder's lock: no live save has a temporary file here, so any is left from a killed one.
+    for path in folder.glob(f"{TEMPORARY_PREFIX}*"):
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def replace_file(path: Path, text: str) -> Path:
+    """Writes text to path atomically (a temporary file renamed over it), under the folder's lock: for the files
+    that are meant to be updated (the calibration), never for a baseline."""
+    path = Path(path)
+    if file_number(path) is not None:
+        raise ValueError(f"{path} is named like a baseline: baselines are written once, with save_new")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _terminate_as_exit(), _locked(path.parent):
+        _remove_stale_temporaries(path.parent)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=TEMPORARY_PREFIX, suffix=".json")
+        try:
+            with os.fdopen(handle, "w", encoding="utf-8") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            os.unlink(temporary)
+            raise
+    return path
 
 
 def save_new(folder: Path, name: str, text: str) -> Path:
     """Write text as folder/NNNN_name.json under the next free number, atomically, never replacing a file.
 
+    Saves into one folder are serialized by a lock on the folder, so two runs saving at once get different numbers.
     The text goes to a hidden temporary file in the same folder first (flushed to disk), which is then hard-linked
-    to its final name: a link appears complete or not at all, and fails rather than replace an existing file, so a
-    concurrent save that took the same number makes this one move on to the next.
+    to its final name: a link appears complete or not at all, and fails rather than replace an existing file. A
+    SIGTERM during the save still removes the temporary file, and the next save removes any a harder kill left.
     """
-    if not name or any(c in name for c in '\\/:*?<>|'):
-        raise ValueError(f"baseline name must be non-empty without any of \\/:*?<>|, got {name!r}")
+    check_name(name)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        while True:
-            number = next_number(folder)
-            if number > 9999:
-                raise BaselineError(f"{folder} already holds baseline 9999; move old files away to save more")
-            target = folder / f"{number:04d}_{name}.json"
-            try:
-                os.link(temporary, target)
-            except FileExistsError:
-                continue
-            return target
-    finally:
-        os.unlink(temporary)
+    with _terminate_as_exit(), _locked(folder):
+        _remove_stale_temporaries(folder)
+        handle, temporary = tempfile.mkstemp(dir=folder, prefix=TEMPORARY_PREFIX, suffix=".json")
+        try:
+            with os.fdopen(handle, "w", encoding="utf-8") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+            while True:
+                number = next_number(folder)
+                if number > MAX_NUMBER:
+                    raise BaselineError(f"{folder} already holds baseline {MAX_NUMBER}; move old files away to save")
+                target = folder / file_name(number, name)
+                try:
+                    os.link(temporary, target)
+                except FileExistsError:
+                    continue
+                return target
+        finally:
+            os.unlink(temporary)

@@ -1,25 +1,16 @@
 """Verdicts: per-round samples and memory high-water marks of a run against its baseline -> PASS, SLOWER, ...
 
-Pure (numpy only, no pytest, no torch) so the rule can be tested with plain numbers.
-
-The rule, as the README states it:
-
-- Time. r = median(now) / median(baseline). A bootstrap over both runs' rounds (resample each run's rounds with
-  replacement, take the ratio of the two medians, repeat) gives a one-sided confidence bound on r at `CONFIDENCE`.
-  SLOWER when the *lower* bound exceeds 1 + tolerance: the run is slower by more than the tolerance even after
-  allowing for the round-to-round spread of both runs. IMPROVED when the *upper* bound is below 1 - tolerance.
-  Otherwise PASS. (The plugin re-measures once before a SLOWER fails a test; see fixture.py.)
-  A bootstrap rather than a rank test (Mann-Whitney) because it answers the question the tolerance asks, "by how
-  much is the median slower", not merely "are the two runs different".
-  The resampling seed is fixed, so the same numbers always give the same verdict.
-- Memory (the peak allocated above what was allocated before the call; near-deterministic). MORE-MEMORY when the
-  growth exceeds both tolerance * baseline and an absolute floor; less memory by as much counts as IMPROVED.
-- A benchmark without a baseline is NEW. Verdicts that fail a test: SLOWER and MORE-MEMORY.
+Pure (numpy only, no pytest, no torch) so the rule can be tested with plain numbers. The rule itself is written
+once, in the README ("How a regression is decided"); this module implements it: `compare_time` (a bootstrap bound on
+the ratio of the medians against a tolerance), `compare_memory` (growth against a floor and a fraction), `judge`
+(the label), `median_interval` (how precisely a run knows its own median, for the adaptive rounds). The bootstrap's
+seed is fixed, so the same numbers always give the same verdict.
 """
 
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 
@@ -29,10 +20,12 @@ SEED = 0
 # Bounds the bootstrap's working memory: resamples are drawn in chunks of at most this many values.
 _CHUNK_VALUES = 4_000_000
 
-TOLERANCE_KEYS = ("time", "memory")
+TOLERANCE_KEYS = ("time", "memory", "eager")
 
 PASS, IMPROVED, SLOWER, MORE_MEMORY, NEW = "PASS", "IMPROVED", "SLOWER", "MORE-MEMORY", "NEW"
-FAILING = (SLOWER, MORE_MEMORY)
+# The eager time (CPU launch cost included) of a benchmark timed in a CUDA graph, slower beyond its own tolerance.
+SLOWER_EAGER = "SLOWER-EAGER"
+FAILING = (SLOWER, SLOWER_EAGER, MORE_MEMORY)
 
 
 @dataclass(frozen=True)
@@ -46,6 +39,8 @@ class TimeComparison:
     ratio_high: float
     tolerance: float
     verdict: str
+    # where the tolerance came from: "default", "--perf-time-tolerance", "marker", "calibrated from 20 runs", ...
+    source: str = "default"
 
     @property
     def change(self) -> float:
@@ -62,6 +57,7 @@ class MemoryComparison:
     tolerance: float
     floor: int
     verdict: str
+    source: str = "default"
 
     @property
     def change(self) -> float | None:
@@ -71,37 +67,66 @@ class MemoryComparison:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The outcome for one benchmark: a label (TOLERANCE_KEYS = ("time", "memory")
-
-PASS, IMPROVED, SLOWER, MORE-MEMORY, NEW, or several joined by '+')."""
+    """The outcome for one benchmark: a label (PASS, IMPROVED, SLOWER, SLOWER-EAGER, MORE-MEMORY, NEW, or several
+    joined by '+'), the time comparison (the graph replays' time in graph mode), the memory comparison, and in graph
+    mode the comparison of the eager time."""
 
     label: str
     time: TimeComparison | None = None
     memory: MemoryComparison | None = None
+    eager: TimeComparison | None = None
 
     @property
     def failed(self) -> bool:
-        """True when the benchmark's test must fail (SLOWER and/or MORE-MEMORY)."""
+        """True when the benchmark's test must fail (SLOWER, SLOWER-EAGER and/or MORE-MEMORY)."""
         return any(part in FAILING for part in self.label.split("+"))
 
     def message(self, name: str) -> str:
         """The failure message naming the benchmark and each change, e.g. 'SLOWER: test_x median 1.23 ms vs ...'."""
         lines = []
-        if self.time is not None and self.time.verdict == SLOWER:
-            t = self.time
-            lines.append(
-                f"SLOWER: {name} median {format_seconds(t.median)} vs baseline {format_seconds(t.baseline_median)} "
-                f"({t.change:+.1%}, tolerance {t.tolerance:.0%}; {CONFIDENCE:.0%} lower bound of the ratio "
-                f"{t.ratio_low:.3f} > {1 + t.tolerance:.3f})"
-            )
+        for label, what, t in ((SLOWER, "median", self.time), (SLOWER_EAGER, "eager median", self.eager)):
+            if t is not None and t.verdict == SLOWER:
+                lines.append(
+                    f"{label}: {name} {what} {format_seconds(t.median)} vs baseline "
+                    f"{format_seconds(t.baseline_median)} ({t.change:+.1%}, tolerance {format_tolerance(t)}; "
+                    f"{CONFIDENCE:.0%} lower bound of the ratio {t.ratio_low:.3f} > {1 + t.tolerance:.3f})"
+                )
         if self.memory is not None and self.memory.verdict == MORE_MEMORY:
             m = self.memory
             change = "" if m.change is None else f"{m.change:+.1%}, "
             lines.append(
                 f"MORE-MEMORY: {name} peak allocated above start {format_bytes(m.peak)} vs baseline "
-                f"{format_bytes(m.baseline_peak)} ({change}tolerance {m.tolerance:.0%} and {format_bytes(m.floor)})"
+                f"{format_bytes(m.baseline_peak)} ({change}tolerance {m.tolerance:.0%} and {format_bytes(m.floor)}"
+                f"{'' if m.source == 'default' else ', ' + m.source})"
             )
         return "\n".join(lines) if lines else f"{self.label}: {name}"
+
+
+def format_tolerance(comparison: TimeComparison) -> str:
+    """'5% (default)', '2.1% (calibrated from 20 runs)': a time tolerance and where it came from."""
+    return f"{comparison.tolerance * 100:.3g}% ({comparison.source})"
+
+
+def median_interval(samples: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """A distribution-free two-sided confidence interval of the median of samples, from order statistics (the
+    normal approximation of the binomial); (-inf, inf) when there are too few samples for one."""
+    values = np.sort(_as_samples(samples, "samples"))
+    n = values.size
+    z = NormalDist().inv_cdf(0.5 + confidence / 2)
+    low = math.floor((n - z * math.sqrt(n)) / 2)  # 1-based rank of the lower bound
+    high = math.ceil((n + z * math.sqrt(n)) / 2) + 1
+    if low < 1 or high > n:
+        return -math.inf, math.inf
+    return float(values[low - 1]), float(values[high - 1])
+
+
+def relative_half_width(samples: Sequence[float], confidence: float = CONFIDENCE) -> float:
+    """Half the width of median_interval relative to the median: 0.01 means the median is known to +-1%."""
+    low, high = median_interval(samples, confidence)
+    median = float(np.median(np.asarray(samples, dtype=np.float64)))
+    if not math.isfinite(high - low) or median <= 0:
+        return math.inf
+    return (high - low) / 2 / median
 
 
 def _as_samples(values: Sequence[float], what: str) -> np.ndarray:
@@ -128,11 +153,12 @@ def compare_time(
     tolerance: float,
     confidence: float = CONFIDENCE,
     resamples: int = RESAMPLES,
+    source: str = "default",
 ) -> TimeComparison:
     """Compare per-round times (seconds) with the baseline's. A baseline without rounds can be passed as [median]:
-    then only the current run's spread is accounted for."""
-    if not tolerance >= 0:
-        raise ValueError(f"tolerance must be a non-negative fraction, got {tolerance!r}")
+    then only the current run's spread is accounted for. `source` says where the tolerance came from."""
+    if not (math.isfinite(tolerance) and tolerance >= 0):
+        raise ValueError(f"tolerance must be a finite, non-negative fraction, got {tolerance!r}")
     if not 0.5 < confidence < 1:
         raise ValueError(f"confidence must be in (0.5, 1), got {confidence!r}")
     now = _as_samples(samples, "samples")
@@ -150,15 +176,17 @@ def compare_time(
         verdict = IMPROVED
     else:
         verdict = PASS
-    return TimeComparison(median, base_median, median / base_median, low, high, tolerance, verdict)
+    return TimeComparison(median, base_median, median / base_median, low, high, tolerance, verdict, source)
 
 
-def compare_memory(peak: int, baseline_peak: int, tolerance: float, floor: int) -> MemoryComparison:
+def compare_memory(
+    peak: int, baseline_peak: int, tolerance: float, floor: int, source: str = "default"
+) -> MemoryComparison:
     """Compare peak bytes with the baseline's: MORE-MEMORY when the growth exceeds tolerance * baseline and floor."""
     if peak < 0 or baseline_peak < 0:
         raise ValueError(f"peaks must be non-negative byte counts, got {peak!r} and {baseline_peak!r}")
-    if not tolerance >= 0 or floor < 0:
-        raise ValueError(f"tolerance and floor must be non-negative, got {tolerance!r} and {floor!r}")
+    if not (math.isfinite(tolerance) and tolerance >= 0 and floor >= 0):
+        raise ValueError(f"tolerance and floor must be finite and non-negative, got {tolerance!r} and {floor!r}")
     allowed = max(tolerance * baseline_peak, floor)
     if peak - baseline_peak > allowed:
         verdict = MORE_MEMORY
@@ -166,14 +194,19 @@ def compare_memory(peak: int, baseline_peak: int, tolerance: float, floor: int) 
         verdict = IMPROVED
     else:
         verdict = PASS
-    return MemoryComparison(peak, baseline_peak, tolerance, floor, verdict)
+    return MemoryComparison(peak, baseline_peak, tolerance, floor, verdict, source)
 
 
-def judge(time: TimeComparison | None, memory: MemoryComparison | None) -> Verdict:
-    """Combine the time and memory comparisons (either may be absent) into one verdict; neither present is NEW."""
-    if time is None and memory is None:
+def judge(
+    time: TimeComparison | None, memory: MemoryComparison | None, eager: TimeComparison | None = None
+) -> Verdict:
+    """Combine the comparisons (any may be absent) into one verdict; none present is NEW. `eager` is the eager time
+    of a benchmark timed in a CUDA graph: its SLOWER is labelled SLOWER-EAGER."""
+    if time is None and memory is None and eager is None:
         return Verdict(NEW)
     parts = [c.verdict for c in (time, memory) if c is not None]
+    if eager is not None:
+        parts.append(SLOWER_EAGER if eager.verdict == SLOWER else eager.verdict)
     failing = [p for p in parts if p in FAILING]
     if failing:
         label = "+".join(failing)
@@ -181,15 +214,16 @@ def judge(time: TimeComparison | None, memory: MemoryComparison | None) -> Verdi
         label = IMPROVED
     else:
         label = PASS
-    return Verdict(label, time, memory)
+    return Verdict(label, time, memory, eager)
 
 
 def check_tolerances(args: tuple, kwargs: dict) -> dict[str, float]:
-    """Validates the arguments of a perf_tolerance marker: keywords time= and/or memory=, non-negative fractions."""
+    """Validates the arguments of a perf_tolerance marker: keywords time=, memory= and/or eager=, non-negative
+    finite fractions."""
     if args:
-        raise ValueError(f"takes keyword arguments only (time=..., memory=...), got positional {args!r}")
+        raise ValueError(f"takes keyword arguments only (time=..., memory=..., eager=...), got positional {args!r}")
     if not kwargs:
-        raise ValueError("needs time= and/or memory=")
+        raise ValueError("needs time=, memory= and/or eager=")
     unknown = sorted(set(kwargs) - set(TOLERANCE_KEYS))
     if unknown:
         raise ValueError(f"unknown key(s) {', '.join(unknown)}; allowed: {', '.join(TOLERANCE_KEYS)}")

@@ -112,7 +112,7 @@ def _has_grid(data: pd.DataFrame) -> bool:
 
 def page(folder: Path, out: Path | None) -> str:
     """The markdown page of one GPU's baseline folder; with `out`, the grid plots are drawn into out/<folder name>/."""
-    files = sorted(Path(folder).glob(baselines.BASELINE_GLOB))
+    files = baselines.baseline_files(folder)
     if not files:
         raise ValueError(f"no baseline files (NNNN_name.json) in {folder}")
     docs = [(path.name, baselines.read_baseline(path)) for path in files]

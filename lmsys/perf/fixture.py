@@ -2,26 +2,17 @@
 with a memory high-water mark, throughput against the device's peak, and a verdict against the baseline.
 
     result = gpu_benchmark(fn, *args, flops=None, bytes=None, cold_l2=False, warmup_rounds=None, precision=None,
-                           **kwargs)
+                           graph=False, **kwargs)
 
-What one call does, in order:
-1. an untimed call of fn (compilation and autotuning land here), one calibration round, then warmup rounds
-   (timing.py says how many);
-2. timed rounds, one call each; on CUDA every sample is the device time between two CUDA events around the call,
-   on the CPU it is pytest-benchmark's clock (--benchmark-timer); with cold_l2=True the L2 cache is flushed before
-   every round, outside the timed span;
-3. when comparing and the time is SLOWER, the rounds are timed once more and that second measurement decides
-   (and is the one stored);
-4. one more call under reset peak-memory statistics: its result is returned and its high-water marks are stored;
-5. the samples go into pytest-benchmark's stats (its table, JSON and --benchmark-save see them); extra_info gets
-   the wall-clock seconds per timed round (what the loop costs, synchronization and flush included), the memory
-   readings, TFLOP/s and GB/s from `flops`/`bytes` (the work of ONE call) and their fraction of the device's peak
-   in `precision` ('bf16', 'fp16', 'tf32', 'fp32'; by default the dtype of the first floating-point tensor
-   argument, or bf16 when there is none);
-6. the verdict is kept for the plugin, which fails the test after its body has run when it is SLOWER or MORE-MEMORY.
-
-Tolerances come from --perf-time-tolerance/--perf-mem-tolerance, or per test from
-@pytest.mark.perf_tolerance(time=..., memory=...).
+What one call measures and how it is judged is written once, in the README ("How a regression is decided");
+timing.py holds the loop (warmup, adaptive rounds, CUDA-graph replays, the re-measurement of a SLOWER), this module
+the tolerances it is judged with and the record it leaves: the samples go into pytest-benchmark's stats (its
+table, JSON and --benchmark-save see them); extra_info gets the timing ('eager' or 'graph', with the eager rounds
+of a graph-timed call), the wall-clock seconds per round, the memory readings, the machine's state, the tolerance
+and its source, TFLOP/s and GB/s from `flops`/`bytes` (the work of ONE call) and their fraction of the device's
+peak in `precision` ('bf16', 'fp16', 'tf32', 'fp32'; by default the dtype of the first floating-point tensor
+argument, or bf16 when there is none). The plugin fails the test after its body has run when the verdict is
+SLOWER, SLOWER-EAGER or MORE-MEMORY.
 """
 
 import functools
@@ -34,16 +25,16 @@ import torch
 from pytest_benchmark.fixture import FixtureAlreadyUsed
 
 from lmsys import flops as flops_formulas
-from lmsys.perf import baselines, compare, multirank, timing
+from lmsys.perf import baselines, compare, machine, multirank, timing
 from lmsys.perf.backend import CudaBackend
-from lmsys.perf.session import RECORD_KEY, SESSION_KEY, Record
+from lmsys.perf.session import RECORD_KEY, SESSION_KEY, Record, Tolerance
 
 
 def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _check_arguments(flops, nbytes, warmup_rounds, precision) -> None:
+def _check_arguments(flops, nbytes, warmup_rounds, precision, graph) -> None:
     for name, value in (("flops", flops), ("bytes", nbytes)):
         if value is not None and not _is_count(value):
             raise ValueError(f"gpu_benchmark: {name} must be a non-negative int (the work of one call), got {value!r}")
@@ -51,6 +42,8 @@ def _check_arguments(flops, nbytes, warmup_rounds, precision) -> None:
         raise ValueError(f"gpu_benchmark: warmup_rounds must be a non-negative int or None, got {warmup_rounds!r}")
     if precision is not None and precision not in flops_formulas.PRECISIONS:
         raise ValueError(f"gpu_benchmark: precision must be one of {flops_formulas.PRECISIONS}, got {precision!r}")
+    if not isinstance(graph, bool):
+        raise ValueError(f"gpu_benchmark: graph must be True or False, got {graph!r}")
 
 
 def _dtype_precision(dtype: torch.dtype) -> str | None:
@@ -91,10 +84,12 @@ class GpuBenchmark:
         """pytest-benchmark's extra_info of this benchmark (saved in the JSON); tests may add entries."""
         return self._benchmark.extra_info
 
-    def _tolerances(self) -> tuple[float, float]:
+    def _marker(self) -> dict:
         marker = self._node.get_closest_marker("perf_tolerance")
-        given = marker.kwargs if marker else {}
-        return given.get("time", self._session.time_tolerance), given.get("memory", self._session.memory_tolerance)
+        return marker.kwargs if marker else {}
+
+    def _tolerance(self, timed: str, eager: bool = False) -> Tolerance:
+        return self._session.time_tolerance_for(self._benchmark.fullname, timed, self._marker(), eager)
 
     def _claim(self) -> None:
         # pytest-benchmark's fixture is single-use; taking its (private) mode makes a second call of either fail loudly.
@@ -103,32 +98,44 @@ class GpuBenchmark:
             raise FixtureAlreadyUsed(f"Fixture can only be used once. Previously it was used in {bench._mode} mode.")
         bench._mode = "gpu_benchmark(...)"
 
-    def _judge(self):
-        """samples -> the time comparison with this benchmark's baseline (None without one)."""
+    def _judge(self, timed: str, tolerance: Tolerance) -> timing.Judge:
+        """samples timed `timed` -> their comparison with the baseline's samples timed alike (None without)."""
         baseline = self._session.baseline(self._benchmark.fullname)
-        if baseline is None:
+        reference = None if baseline is None else baselines.samples(baseline, timed)
+        if reference is None:
             return lambda samples: None
-        reference = baselines.samples(baseline)
-        tolerance = self._tolerances()[0]
-        return lambda samples: compare.compare_time(samples, reference, tolerance)
+        return lambda samples: compare.compare_time(samples, reference, tolerance.value, source=tolerance.source)
 
-    def __call__(self, fn, *args, flops=None, bytes=None, cold_l2=False, warmup_rounds=None, precision=None, **kwargs):
+    def __call__(
+        self, fn, *args, flops=None, bytes=None, cold_l2=False, warmup_rounds=None, precision=None, graph=False,
+        **kwargs,
+    ):
         """Benchmarks fn(*args, **kwargs) and returns the result of its last call."""
-        _check_arguments(flops, bytes, warmup_rounds, precision)
+        _check_arguments(flops, bytes, warmup_rounds, precision, graph)
         self._claim()
         call = functools.partial(fn, *args, **kwargs)
         if self._benchmark.disabled:
             return call()
         session, backend = self._session, self._session.backend
+        primary = timing.GRAPH if graph else timing.EAGER
+        time_tolerance = self._tolerance(primary)
+        eager_tolerance = self._tolerance(timing.EAGER, eager=True) if graph else time_tolerance
         flush = backend.make_l2_flush() if cold_l2 else None
         with timing.gc_paused(session.disable_gc):
             measurement = timing.run(
                 backend, call, flush=flush, max_time=session.max_time, min_rounds=session.min_rounds,
-                warmup_rounds=warmup_rounds, judge=self._judge(),
+                warmup_rounds=warmup_rounds, judge=self._judge(primary, time_tolerance),
+                precision=session.precision(time_tolerance), graph=graph,
+                eager_judge=self._judge(timing.EAGER, eager_tolerance),
+                eager_precision=session.precision(eager_tolerance), delay=session.injected_delay,
+                extra_memory=session.injected_memory,
             )
         del flush
         measurement.extra_info["cold_l2"] = bool(cold_l2)
-        self._record(measurement, flops, bytes, precision or infer_precision(args, kwargs))
+        if graph and measurement.timing == timing.EAGER:
+            # The capture failed: the eager rounds are the benchmark's time, judged as eager rounds.
+            time_tolerance = eager_tolerance
+        self._record(measurement, flops, bytes, precision or infer_precision(args, kwargs), time_tolerance)
         return measurement.result
 
     def distributed(
@@ -149,12 +156,13 @@ class GpuBenchmark:
         `setup(ctx, **setup_kwargs)` runs on every rank and returns the step, a function of no arguments;
         `setup` must be importable (a module-level function) and its arguments and results picklable. On a GPU the
         ranks talk NCCL, one GPU each, and the test is skipped on a machine with fewer GPUs; on the CPU, gloo.
-        `flops` is the work of one rank's step (so TFLOP/s and the fraction of peak are per device); `bytes` the bytes each rank moves over the interconnect
-        in one step (for an all-reduce of S bytes, the bus bytes 2(n-1)/n * S), reported as GB/s with no fraction of
-        a peak (the device table has memory bandwidths, not link bandwidths). A rank that fails fails the test with that
-        rank's traceback; ranks still running after `timeout` seconds are killed and the test fails.
+        `flops` is the work of one rank's step (so TFLOP/s and the fraction of peak are per device); `bytes` the bytes
+        each rank moves over the interconnect in one step (for an all-reduce of S bytes, the bus bytes
+        2(n-1)/n * S), reported as GB/s with no fraction of a peak (the device table has memory bandwidths, not
+        link bandwidths). A rank that fails fails the test with that rank's traceback; ranks still running after
+        `timeout` seconds are killed and the test fails.
         """
-        _check_arguments(flops, bytes, warmup_rounds, precision)
+        _check_arguments(flops, bytes, warmup_rounds, precision, False)
         if not _is_count(world_size) or world_size < 1:
             raise ValueError(f"gpu_benchmark.distributed: world_size must be a positive int, got {world_size!r}")
         if not timeout > 0:
@@ -174,6 +182,7 @@ class GpuBenchmark:
                     f"this run uses {(world_size, transport)}: name them in the test id so each has its own baseline",
                     pytrace=False,
                 )
+        tolerance = self._tolerance(timing.EAGER)
         settings = multirank.Settings(
             setup=setup,
             setup_kwargs=setup_kwargs,
@@ -183,8 +192,9 @@ class GpuBenchmark:
             min_rounds=session.min_rounds,
             warmup_rounds=warmup_rounds,
             disable_gc=session.disable_gc,
-            baseline_samples=None if baseline is None else baselines.samples(baseline),
-            tolerance=self._tolerances()[0],
+            baseline_samples=None if baseline is None else baselines.samples(baseline, timing.EAGER),
+            tolerance=tolerance.value,
+            precision=session.precision(tolerance),
         )
         try:
             if self._benchmark.disabled:
@@ -194,22 +204,36 @@ class GpuBenchmark:
             if "CUDA out of memory" in str(exc):
                 pytest.skip(oom_reason(str(exc), backend.name) + f" on one of {world_size} ranks")
             raise
-        self._record(measurement, flops, bytes, precision or infer_precision((), {}), memory_bandwidth=False)
+        self._record(
+            measurement, flops, bytes, precision or infer_precision((), {}), tolerance, memory_bandwidth=False
+        )
         return measurement.result
 
-    def _record(self, measurement: timing.Measurement, flops, nbytes, precision, memory_bandwidth=True) -> None:
+    def _record(
+        self,
+        measurement: timing.Measurement,
+        flops,
+        nbytes,
+        precision,
+        tolerance: Tolerance | None = None,
+        memory_bandwidth: bool = True,
+    ):
         """Judges the memory, combines the verdict and stores the record (summary, plugin) and the stats (JSON).
         `memory_bandwidth=False`: the bytes did not go through device memory, so GB/s has no fraction of its peak."""
         session, bench = self._session, self._benchmark
+        tolerance = tolerance or self._tolerance(measurement.timing)
         baseline = session.baseline(bench.fullname)
         memory = measurement.memory
         baseline_peak = baselines.peak_memory(baseline) if baseline is not None else None
         memory_comparison = None
         if memory is not None and baseline_peak is not None:
+            memory_tolerance, floor, source = session.memory_allowance(bench.fullname, self._marker())
             memory_comparison = compare.compare_memory(
-                memory.peak_allocated_above_start, baseline_peak, self._tolerances()[1], session.memory_floor
+                memory.peak_allocated_above_start, baseline_peak, memory_tolerance, floor, source
             )
-        verdict = compare.judge(measurement.time_comparison, memory_comparison) if session.comparing else None
+        verdict = None
+        if session.comparing:
+            verdict = compare.judge(measurement.time_comparison, memory_comparison, measurement.eager_comparison)
 
         # Private pytest-benchmark API, the same in 5.2 and 5.3: the stats object its own timing loop would fill.
         stats = bench._make_stats(1)
@@ -220,6 +244,8 @@ class GpuBenchmark:
         if not memory_bandwidth:
             rates.pop("peak_gbps", None)
             rates.pop("fraction_of_peak_gbps", None)
+        eager = measurement.eager_samples
+        baseline_info = {} if baseline is None else baseline.get("extra_info") or {}
         record = Record(
             name=bench.name,
             fullname=bench.fullname,
@@ -231,24 +257,56 @@ class GpuBenchmark:
             baseline_peak=baseline_peak,
             verdict=verdict,
             remeasured=measurement.remeasured,
+            timing=measurement.timing,
+            tolerance=tolerance,
+            eager_median=None if eager is None else median(eager),
+            baseline_eager_median=_eager_median(baseline),
+            notes=list(measurement.notes),
         )
+        if baseline is not None and measurement.time_comparison is None:
+            record.notes.append(
+                f"time not compared: the baseline was timed {baselines.timing(baseline)}, this run {measurement.timing}"
+            )
+        readings = measurement.machine or {}
+        record.notes += machine.problems(
+            readings.get("before"), readings.get("after"), (baseline_info.get("machine") or {}).get("after")
+        )
+        if measurement.machine is None and session.backend.machine_note:
+            session.note(f"no machine readings (clocks, throttling, other processes): {session.backend.machine_note}")
         bench.extra_info.update(
             device=session.backend.name, timer=session.backend.timer_name, warmup_rounds=measurement.warmup_rounds,
             wall_seconds_per_round=measurement.wall_seconds_per_round, remeasured=measurement.remeasured,
+            timing=measurement.timing, time_tolerance=tolerance.value, time_tolerance_source=tolerance.source,
             **measurement.extra_info, **record.rates,
         )
+        if eager is not None:
+            bench.extra_info.update({baselines.EAGER_KEY: eager, "eager_median": record.eager_median})
+        if measurement.machine is not None:
+            bench.extra_info["machine"] = measurement.machine
+        if record.notes:
+            bench.extra_info["notes"] = record.notes
         if memory is not None:
             bench.extra_info.update(memory.as_extra_info())
         if verdict is not None:
             bench.extra_info["verdict"] = verdict.label
+            if verdict.time is not None:
+                bench.extra_info["time_change"] = verdict.time.change
         session.records.append(record)
         self._node.stash[RECORD_KEY] = record
+
+
+def _eager_median(baseline: dict | None) -> float | None:
+    if baseline is None:
+        return None
+    eager = baselines.samples(baseline, timing.EAGER)
+    return None if eager is None else median(eager)
 
 
 @pytest.fixture
 def gpu_benchmark(request, benchmark) -> GpuBenchmark:
     """Benchmark a function with device-synchronized timing, memory high-water marks and a baseline verdict.
 
-    Usage: ``out = gpu_benchmark(fn, *args, flops=..., bytes=..., cold_l2=False, warmup_rounds=None, **kwargs)``.
+    Usage: ``out = gpu_benchmark(fn, *args, flops=..., bytes=..., cold_l2=False, warmup_rounds=None, graph=False,
+    **kwargs)``.
     """
     return GpuBenchmark(benchmark, request.node)

@@ -96,6 +96,7 @@ class Settings:
     disable_gc: bool
     baseline_samples: list[float] | None
     tolerance: float
+    precision: timing.Precision = timing.Precision()
     once: bool = False
 
 
@@ -158,10 +159,29 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
         plan = timing.plan(max(_gather(calibration)), settings.max_time, settings.min_rounds, settings.warmup_rounds)
         _time_rounds(ctx, step, plan.warmup_rounds - 1)
 
-        def measure_all():
-            samples, spans, wall = _time_rounds(ctx, step, plan.rounds)
+        def gathered_rounds(rounds):
+            samples, spans, wall = _time_rounds(ctx, step, rounds)
             gathered = _gather((samples, spans, wall))
             return _slowest([g[0] for g in gathered]), [g[1] for g in gathered], max(g[2] for g in gathered)
+
+        def measure_all():
+            # Adaptive rounds as in timing.sample; every rank holds the same gathered samples and walls, so every
+            # rank takes the same decision and the ranks stay in step.
+            samples, spans, wall = gathered_rounds(plan.rounds)
+            target, spent = settings.precision.target, wall * len(samples)
+            while target is not None and len(samples) < timing.MAX_ADAPTIVE_ROUNDS:
+                if compare.relative_half_width(samples) <= target:
+                    break
+                more = min(len(samples), timing.MAX_ADAPTIVE_ROUNDS - len(samples))
+                more = min(more, int((settings.precision.time_cap - spent) / wall)) if wall > 0 else more
+                if more < 1:
+                    break
+                extra, extra_spans, extra_wall = gathered_rounds(more)
+                samples += extra
+                spans = [a + b for a, b in zip(spans, extra_spans, strict=True)]
+                spent += extra_wall * more
+                wall = spent / len(samples)
+            return samples, spans, wall
 
         def judge(samples):
             if settings.baseline_samples is None:

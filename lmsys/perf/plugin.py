@@ -2,34 +2,52 @@
 
 State lives in one PerfSession in config.stash (session.py); the fixture is in fixture.py, verdicts in compare.py,
 files in baselines.py, tables in report.py.
+
+The plugin is installed for every pytest run in the environment, so it keeps out of the way of projects that do not
+use `gpu_benchmark`: the gate switches on after collection, when a selected test uses the fixture; until then it
+changes no option of pytest-benchmark's and writes nothing (pytest-benchmark's own loading of --benchmark-compare is
+only held back until collection says whose it is).
 """
 
 import argparse
+import math
+import os
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
+from pytest_benchmark.storage.file import FileStorage
 from pytest_benchmark.utils import load_timer
 
-from lmsys.perf import compare, hookspecs
+from lmsys.perf import baselines, calibration, compare, hookspecs, reruns
 from lmsys.perf.backend import detect_backend
 from lmsys.perf.fixture import gpu_benchmark, oom_reason
 from lmsys.perf.report import (
     MEMORY_REPORT_SUFFIXES,
     memory_frame,
     memory_report_lines,
+    summary_lines,
     parse_report_option,
     session_markdown,
-    summary_lines,
     write_memory_report,
     write_new_file,
 )
-from lmsys.perf.session import PYTEST_BENCHMARK_DEFAULT_STORAGE, RECORD_KEY, SESSION_KEY, PerfSession
+from lmsys.perf.session import (
+    DEFAULT_EAGER_TOLERANCE,
+    DEFAULT_TIME_TOLERANCE,
+    RECORD_KEY,
+    SESSION_KEY,
+    PerfSession,
+)
+from lmsys.perf.timing import INJECT_DELAY, INJECT_MEMORY
 
 __all__ = ["gpu_benchmark"]
 
-MIB = 2**20
+KIB = 2**10
+# pytest-benchmark's default --benchmark-storage; when it is unchanged the gate stores in rootdir/baselines.
+PYTEST_BENCHMARK_DEFAULT_STORAGE = "file://./.benchmarks"
+_REPORT_PATH_KEY = pytest.StashKey[Path]()
 _WRITTEN_KEY = pytest.StashKey[Path]()
 _MARKDOWN_KEY = pytest.StashKey[Path]()
 
@@ -58,26 +76,73 @@ def pytest_addhooks(pluginmanager):
     pluginmanager.add_hookspecs(hookspecs)
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite, non-negative number of seconds")
+    return value
+
+
+def _runs(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of runs") from None
+    if value < calibration.MIN_RUNS:
+        raise argparse.ArgumentTypeError(f"{text!r}: a calibration needs at least {calibration.MIN_RUNS} runs")
+    return value
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("lmsys perf", "lmsys perf regression gate (on top of pytest-benchmark)")
     group.addoption(
-        "--perf-time-tolerance", type=_fraction, default=0.05, metavar="FRACTION",
+        "--perf-time-tolerance", type=_fraction, default=None, metavar="FRACTION",
         help="SLOWER only when the median is slower than the baseline by more than this fraction, with confidence "
-        "(see README, 'How a regression is decided'). Default: %(default)s",
+        f"(see README, 'How a regression is decided'). Default: the benchmark's noise calibration, else "
+        f"{DEFAULT_TIME_TOLERANCE}",
     )
     group.addoption(
-        "--perf-mem-tolerance", type=_fraction, default=0.01, metavar="FRACTION",
-        help="MORE-MEMORY when the peak grows by more than this fraction and by more than --perf-mem-floor. "
+        "--perf-eager-tolerance", type=_fraction, default=None, metavar="FRACTION",
+        help="The same for the eager time (CPU launch cost included) of a benchmark timed in a CUDA graph "
+        f"(graph=True). Default: its calibration, else {DEFAULT_EAGER_TOLERANCE}",
+    )
+    group.addoption(
+        "--perf-max-time", type=_seconds, default=10.0, metavar="SECONDS",
+        help="While a benchmark's median is known less precisely than a quarter of its tolerance, its rounds are "
+        "doubled, up to this many seconds of timed rounds; 0 keeps the rounds --benchmark-max-time plans. "
         "Default: %(default)s",
     )
     group.addoption(
-        "--perf-mem-floor", type=_byte_count, default=MIB, metavar="BYTES",
-        help="Memory growth below this many bytes never fails. Default: %(default)s (1 MiB)",
+        "--perf-mem-tolerance", type=_fraction, default=0.0, metavar="FRACTION",
+        help="MORE-MEMORY when the peak grows by more than this fraction of the baseline's and by more than "
+        "--perf-mem-floor. Default: %(default)s",
+    )
+    group.addoption(
+        "--perf-mem-floor", type=_byte_count, default=256 * KIB, metavar="BYTES",
+        help="Memory growth up to this many bytes never fails. Default: %(default)s (256 KiB)",
+    )
+    group.addoption(
+        "--benchmark-calibrate", type=_runs, default=None, metavar="N",
+        help="Instead of running the selected benchmarks, rerun them N times in fresh processes and store each "
+        "one's run-to-run spread of the median in calibration.json in this GPU's baselines folder: their time "
+        "tolerances then follow from their own noise (README, 'How a regression is decided').",
+    )
+    group.addoption(
+        "--benchmark-save-failing", action="store_true", default=False,
+        help="With --benchmark-save/--benchmark-autosave, also save the results of tests that failed (a SLOWER "
+        "verdict, an error after measuring). Without it they are left out of the saved baseline.",
     )
     group.addoption(
         "--gpu-mem-report", nargs="?", const=True, default=None, metavar="FILE",
         help="At the end, print every benchmark's memory high-water marks, largest first; with =FILE (.csv or "
-        ".json) also write them there.",
+        ".json) also write them there (a new file: see --gpu-mem-report-overwrite).",
+    )
+    group.addoption(
+        "--gpu-mem-report-overwrite", action="store_true", default=False,
+        help="Let --gpu-mem-report=FILE replace an existing FILE (never a baseline).",
     )
     group.addoption(
         "--perf-report", default=None, metavar="md:FILE",
@@ -90,8 +155,72 @@ def pytest_addoption(parser):
     )
 
 
-def _saving(config) -> bool:
-    return bool(config.getoption("benchmark_save") or config.getoption("benchmark_autosave"))
+def _xdist_distributes(config) -> bool:
+    """Whether pytest-xdist distributes this run: the test pytest-benchmark applies before it disables itself."""
+    return (
+        config.getoption("dist", "no") != "no"
+        or bool(os.environ.get("PYTEST_XDIST_WORKER"))
+        or hasattr(config, "workerinput")
+    )
+
+
+def _refuse_under_xdist(config, asked: list[str]) -> None:
+    if asked and _xdist_distributes(config):
+        raise pytest.UsageError(
+            f"{', '.join(asked)} under pytest-xdist (-n/--dist): pytest-benchmark times nothing in a distributed "
+            "run, so nothing would be compared or saved and every test would pass. Run the benchmarks without -n "
+            "(or with -n 0)."
+        )
+
+
+def _test_path_problem(config, value) -> str | None:
+    """Why a --benchmark-compare value is a test path that the option swallowed, or None."""
+    if not isinstance(value, str):
+        return None
+    path = config.invocation_params.dir / value.split("::")[0]
+    if not (path.is_dir() or (path.is_file() and (path.suffix == ".py" or "::" in value))):
+        return None
+    args = list(config.invocation_params.args)
+    hint = "pytest PATHS ... --benchmark-compare"
+    if "--benchmark-compare" in args and args.index("--benchmark-compare") + 1 < len(args):
+        args.remove("--benchmark-compare")
+        hint = "pytest " + " ".join([*args, "--benchmark-compare"])
+    return (
+        f"--benchmark-compare took {value!r} as the baseline to compare with, but it is a path of the project: "
+        "--benchmark-compare takes an optional value, so it swallowed the test path. Put --benchmark-compare after "
+        f"the test paths ({hint}), or write --benchmark-compare=NUM to name a baseline."
+    )
+
+
+def _asked(config) -> list[str]:
+    """The options given that write or compare baselines or reports."""
+    names = {
+        "--benchmark-compare": config.getoption("benchmark_compare"),
+        "--benchmark-save": config.getoption("benchmark_save"),
+        "--benchmark-autosave": config.getoption("benchmark_autosave"),
+        "--gpu-mem-report": config.getoption("gpu_mem_report"),
+        "--benchmark-calibrate": config.getoption("benchmark_calibrate"),
+    }
+    return [name for name, value in names.items() if value]
+
+
+def _injected_delay() -> float:
+    text = os.environ.get(INJECT_DELAY, "0")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 <= value <= 10):
+        raise pytest.UsageError(f"{INJECT_DELAY}={text}: must be a fraction of a call's time between 0 and 10")
+    return value
+
+
+def _injected_memory() -> int:
+    text = os.environ.get(INJECT_MEMORY, "0")
+    try:
+        return _byte_count(text)
+    except argparse.ArgumentTypeError as exc:
+        raise pytest.UsageError(f"{INJECT_MEMORY}={text}: {exc} (a number of bytes held during every call)") from None
 
 
 @pytest.hookimpl(trylast=True)
@@ -101,11 +230,9 @@ def pytest_perf_backend(config):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
-    # Runs before pytest-benchmark's pytest_configure (trylast), which builds its session from these options.
-    if config.getoption("benchmark_storage") == PYTEST_BENCHMARK_DEFAULT_STORAGE:
-        config.option.benchmark_storage = str(config.rootpath / "baselines")
-    if _saving(config):
-        config.option.benchmark_save_data = True
+    # Runs before pytest-benchmark's pytest_configure (trylast), which loads --benchmark-compare at once.
+    config.addinivalue_line("markers", "perf_tolerance(time=None, memory=None): per-test regression tolerances")
+    config.addinivalue_line("markers", "full_grid: a point of a full perf grid; runs only with --full-grid")
     report = config.getoption("gpu_mem_report")
     if isinstance(report, str) and Path(report).suffix not in MEMORY_REPORT_SUFFIXES:
         raise pytest.UsageError(
@@ -113,23 +240,40 @@ def pytest_configure(config):
             "(write --gpu-mem-report=FILE, or put --gpu-mem-report after the test paths)"
         )
     _check_markdown_report(config)
-    config.addinivalue_line("markers", "perf_tolerance(time=None, memory=None): per-test regression tolerances")
-    config.addinivalue_line("markers", "full_grid: a point of a full perf grid; runs only with --full-grid")
+    if not config.pluginmanager.has_plugin("benchmark"):
+        return  # pytest-benchmark is disabled (-p no:benchmark): so is the gate
+    _refuse_under_xdist(config, _asked(config))
+    compare_value = config.getoption("benchmark_compare") or None
+    problem = _test_path_problem(config, compare_value)
+    if problem:
+        raise pytest.UsageError(problem)
+    calibrate = config.getoption("benchmark_calibrate")
+    others = [name for name in _asked(config) if name not in ("--benchmark-calibrate", "--gpu-mem-report")]
+    if calibrate and others:
+        raise pytest.UsageError(
+            f"--benchmark-calibrate runs the benchmarks in other processes and only writes the calibration: "
+            f"leave out {', '.join(others)}"
+        )
     config.stash[SESSION_KEY] = PerfSession(
         backend=config.hook.pytest_perf_backend(config=config),
         rootpath=config.rootpath,
         time_tolerance=config.getoption("perf_time_tolerance"),
+        eager_tolerance=config.getoption("perf_eager_tolerance"),
+        time_cap=config.getoption("perf_max_time"),
+        injected_delay=_injected_delay(),
+        injected_memory=_injected_memory(),
+        calibrate=calibrate,
         memory_tolerance=config.getoption("perf_mem_tolerance"),
         memory_floor=config.getoption("perf_mem_floor"),
         full_grid=config.getoption("full_grid"),
         memory_report=report,
-        compare=config.getoption("benchmark_compare") or None,
+        compare=compare_value,
+        save=config.getoption("benchmark_save") or config.getoption("benchmark_autosave"),
+        save_failing=config.getoption("benchmark_save_failing"),
         disable_gc=config.getoption("benchmark_disable_gc"),
-        max_time=float(config.getoption("benchmark_max_time")),
         min_rounds=config.getoption("benchmark_min_rounds"),
     )
-    # pytest-benchmark would load the baseline now, from a folder named after the OS and Python; the session
-    # loads it at session start instead, from this device's folder.
+    # Held back from pytest-benchmark's configure: collection decides who loads it (pytest_collection_finish).
     config.option.benchmark_compare = []
 
 
@@ -148,40 +292,119 @@ def _check_markdown_report(config) -> None:
     config.stash[_MARKDOWN_KEY] = path
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_sessionstart(session):
-    perf = session.config.stash[SESSION_KEY]
-    session.config.option.benchmark_compare = perf.compare or []
-    perf.attach(session.config._benchmarksession, _saving(session.config))
+def _max_time(config) -> float:
+    text = config.getoption("benchmark_max_time")
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise pytest.UsageError(f"--benchmark-max-time={text}: must be a finite, non-negative number of seconds")
+    return value
 
 
-def pytest_report_header(config):
-    session = config.stash[SESSION_KEY]
-    tolerances = (
-        f"time {session.time_tolerance:.0%}, memory {session.memory_tolerance:.0%} "
-        f"and {compare.format_bytes(session.memory_floor)}"
+def _storage_path(config, bench_session) -> Path:
+    if config.getoption("benchmark_storage") == PYTEST_BENCHMARK_DEFAULT_STORAGE:
+        return config.rootpath / "baselines"
+    if not isinstance(bench_session.storage, FileStorage):
+        raise pytest.UsageError(
+            f"--benchmark-storage={config.getoption('benchmark_storage')}: the lmsys gate keeps baselines in a "
+            "folder (a path or file://path)"
+        )
+    return bench_session.storage.path
+
+
+def _check_memory_report(config, perf: PerfSession) -> None:
+    if not isinstance(perf.memory_report, str):
+        return
+    path = config.invocation_params.dir / perf.memory_report
+    problem = baselines.output_problem(
+        path, overwrite=config.getoption("gpu_mem_report_overwrite"), protected=[perf.storage_path]
     )
-    lines = [f"lmsys perf: baselines in {session.folder or session.storage_path}; tolerances: {tolerances}"]
-    lines += [f"lmsys perf: comparing with {path}" for path in session.compared_files]
-    return lines
+    if problem:
+        raise pytest.UsageError(
+            f"--gpu-mem-report={perf.memory_report}: {problem} (--gpu-mem-report-overwrite replaces a file that is "
+            "not a baseline; checked before running any test)"
+        )
+    config.stash[_REPORT_PATH_KEY] = path
 
 
+def pytest_collection_finish(session):
+    config = session.config
+    perf = config.stash.get(SESSION_KEY, None)
+    gated = [item for item in session.items if "gpu_benchmark" in getattr(item, "fixturenames", ())]
+    if perf is None:
+        if gated:
+            raise pytest.UsageError(
+                f"{len(gated)} selected test(s) use gpu_benchmark, which needs pytest-benchmark; this run disabled "
+                "it (-p no:benchmark)"
+            )
+        return
+    bench_session = config._benchmarksession
+    config.option.benchmark_compare = perf.compare or []
+    if not gated and perf.calibrate:
+        raise pytest.UsageError("--benchmark-calibrate: no selected test uses gpu_benchmark: nothing to calibrate")
+    if not gated:
+        # Not a run of the gate: --benchmark-compare is pytest-benchmark's own business, as if the gate were absent.
+        bench_session.compare = config.option.benchmark_compare
+        bench_session.handle_loading()
+        return
+    perf.max_time = _max_time(config)
+    perf.storage_path = _storage_path(config, bench_session)
+    _check_memory_report(config, perf)
+    perf.activate(bench_session)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        for line in perf.header_lines():
+            reporter.write_line(line)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    # --benchmark-calibrate replaces the run: the selected benchmarks run in fresh processes, not in this one.
+    perf = session.config.stash.get(SESSION_KEY, None)
+    if perf is None or not perf.active or not perf.calibrate or session.config.option.collectonly:
+        return None
+    config = session.config
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+
+    def progress(index, done):
+        if reporter is not None:
+            reporter.write_line(
+                f"lmsys perf: calibration run {index + 1} of {perf.calibrate} done (exit {done.returncode})"
+            )
+
+    args = reruns.child_args(config.invocation_params.args, config.invocation_params.dir)
+    try:
+        docs = reruns.rerun(args, perf.calibrate, config.invocation_params.dir, progress=progress)
+    except reruns.RerunError as exc:
+        raise pytest.UsageError(f"--benchmark-calibrate={perf.calibrate}: {exc}") from None
+    perf.record_calibration(calibration.noise(docs))
+    return True
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-benchmark hook: absent under -p no:benchmark
 def pytest_benchmark_update_machine_info(config, machine_info):
-    machine_info["lmsys"] = config.stash[SESSION_KEY].environment
+    perf = config.stash.get(SESSION_KEY, None)
+    if perf is None or not perf.active:
+        return
+    machine_info["lmsys"] = perf.environment
     # The CPU's momentary clock says nothing about the machine, but made every comparison warn that it differs.
     for volatile in ("hz_actual", "hz_actual_friendly"):
         (machine_info.get("cpu") or {}).pop(volatile, None)
 
 
+@pytest.hookimpl(optionalhook=True)  # a pytest-benchmark hook: absent under -p no:benchmark
 def pytest_benchmark_update_commit_info(config, commit_info):
     # pytest-benchmark reads the commit from .git; a tree copied without it names the commit in $LMSYS_GIT_COMMIT.
-    commit = config.stash[SESSION_KEY].environment["git_commit"]
+    perf = config.stash.get(SESSION_KEY, None)
+    if perf is None or not perf.active:
+        return
+    commit = perf.environment["git_commit"]
     if commit and commit_info.get("id") in (None, "unversioned", "unknown"):
         commit_info["id"] = commit
 
 
 def pytest_collection_modifyitems(config, items):
-    session = config.stash[SESSION_KEY]
+    perf = config.stash.get(SESSION_KEY, None)
+    full_grid = perf.full_grid if perf is not None else config.getoption("full_grid")
     skip_grid = pytest.mark.skip(reason="a point of the full grid: run with --full-grid to include it")
     for item in items:
         for marker in item.iter_markers("perf_tolerance"):
@@ -189,7 +412,7 @@ def pytest_collection_modifyitems(config, items):
                 compare.check_tolerances(marker.args, marker.kwargs)
             except ValueError as exc:
                 raise pytest.UsageError(f"{item.nodeid}: bad @pytest.mark.perf_tolerance: {exc}") from None
-        if not session.full_grid and item.get_closest_marker("full_grid"):
+        if not full_grid and item.get_closest_marker("full_grid"):
             item.add_marker(skip_grid)
 
 
@@ -213,33 +436,63 @@ def pytest_runtest_call(item):
     pytest.skip(reason)
 
 
-def pytest_sessionfinish(session):
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    perf = item.config.stash.get(SESSION_KEY, None)
+    if perf is not None and (report.failed or (report.skipped and hasattr(report, "wasxfail"))):
+        perf.failed.add(item.nodeid)
+    return report
+
+
+@pytest.hookimpl(specname="pytest_sessionfinish", wrapper=True, tryfirst=True)
+def pytest_sessionfinish_before_saving(session, exitstatus):
+    # Wraps pytest-benchmark's own sessionfinish, which saves before its yield.
     perf = session.config.stash.get(SESSION_KEY, None)
-    if perf is not None and isinstance(perf.memory_report, str):
-        path = session.config.invocation_params.dir / perf.memory_report
-        write_memory_report(memory_frame(perf), path)
-        session.config.stash[_WRITTEN_KEY] = path
-    markdown = session.config.stash.get(_MARKDOWN_KEY, None)
-    if perf is not None and markdown is not None:
+    if perf is not None and perf.active and exitstatus in (pytest.ExitCode.INTERRUPTED, pytest.ExitCode.USAGE_ERROR):
+        # A partial run is never saved as a baseline; after a usage error nothing ran.
+        perf.interrupted = exitstatus == pytest.ExitCode.INTERRUPTED
+        session.config._benchmarksession.save = session.config._benchmarksession.autosave = None
+    return (yield)
+
+
+def pytest_sessionfinish(session):
+    # Runs after pytest-benchmark saved and before the terminal summary (printed after every sessionfinish).
+    config = session.config
+    perf = config.stash.get(SESSION_KEY, None)
+    if perf is None or not perf.active:
+        return
+    path = config.stash.get(_REPORT_PATH_KEY, None)
+    if path is not None:
+        try:
+            write_memory_report(memory_frame(perf), path, overwrite=config.getoption("gpu_mem_report_overwrite"))
+        except OSError as exc:
+            perf.report_error = f"NOT WRITTEN: the memory report {path}: {exc}"
+        else:
+            config.stash[_WRITTEN_KEY] = path
+    markdown = config.stash.get(_MARKDOWN_KEY, None)
+    if markdown is not None:
         try:
             write_new_file(markdown, session_markdown(perf))
         except FileExistsError:
             perf.notes.append(f"markdown report NOT written: {markdown} appeared during the run")
         else:
             perf.notes.append(f"markdown report written to {markdown}")
+    if perf.unwritten() and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_terminal_summary(terminalreporter, config):
-    session = config.stash.get(SESSION_KEY, None)
-    if session is None:
+    perf = config.stash.get(SESSION_KEY, None)
+    if perf is None or not perf.active:
         return
-    lines = summary_lines(session)
+    lines = summary_lines(perf)
     if lines:
         terminalreporter.write_sep("-", "lmsys perf")
         for line in lines:
-            terminalreporter.write_line(line)
-    if session.memory_report:
+            terminalreporter.write_line(line, red=line.startswith("NOT "))
+    if perf.memory_report:
         terminalreporter.write_sep("-", "GPU memory high-water marks (largest first)")
-        for line in memory_report_lines(session, config.stash.get(_WRITTEN_KEY, None)):
+        for line in memory_report_lines(perf, config.stash.get(_WRITTEN_KEY, None)):
             terminalreporter.write_line(line)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from lmsys.perf import baselines
+
 VALUES = {"ms": "median ms", "tflops": "TFLOP/s", "mem": "peak MiB above start"}
 
 
@@ -116,9 +118,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lmsys.perf.providers", description=__doc__.split("\n")[0])
     parser.add_argument("results", type=Path, help="pytest-benchmark JSON (a baseline or --benchmark-json output)")
     parser.add_argument("--value", choices=VALUES, default="ms", help="what the table shows (default: ms)")
-    parser.add_argument("--markdown", type=Path, help="also write the table as markdown to this file")
-    parser.add_argument("--plot", type=Path, help="also draw TFLOP/s per provider into this image (.png, .svg)")
+    parser.add_argument("--markdown", type=Path, help="also write the table as markdown to this (new) file")
+    parser.add_argument("--plot", type=Path, help="also draw TFLOP/s per provider into this (new) image (.png, .svg)")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="let --markdown and --plot replace existing files (never a baseline)"
+    )
     args = parser.parse_args(argv)
+    # The results file is often a baseline: neither it nor a folder of baselines is ever written into.
+    protected = [args.results, *([args.results.parent] if baselines.baseline_files(args.results.parent) else [])]
+    for option, path in (("--markdown", args.markdown), ("--plot", args.plot)):
+        if path is None:
+            continue
+        problem = baselines.output_problem(path, args.overwrite, protected)
+        if problem:
+            parser.error(f"{option} {path}: {problem}")
     try:
         doc = json.loads(args.results.read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -130,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     with pd.option_context("display.width", 200, "display.max_columns", None, "display.float_format", "{:.4g}".format):
         print(f"{VALUES[args.value]} ({args.results})\n{table}")
     if args.markdown:
-        args.markdown.write_text(markdown(table, args.value))
+        with open(args.markdown, "w" if args.overwrite else "x", encoding="utf-8") as fh:
+            fh.write(markdown(table, args.value))
     if args.plot:
         plot(data, args.plot)
     return 0

@@ -31,33 +31,42 @@ def _rate(record: Record) -> dict[str, str]:
     }
 
 
+def _change(now: float | None, then: float | None) -> str:
+    return "" if now is None or not then else _percent(now / then - 1)
+
+
 def results_frame(records: list[Record], comparing: bool) -> pd.DataFrame:
-    """One row per benchmark: time and memory, with baseline, change and verdict columns when comparing."""
+    """One row per benchmark: time and memory, with baseline, change, tolerance and verdict columns when comparing;
+    benchmarks timed in a CUDA graph also show their eager time (CPU launch cost included)."""
+    graphs = any(record.eager_median is not None for record in records)
     rows = []
     for record in records:
         peak = None if record.memory is None else record.memory.peak_allocated_above_start
         row = {"benchmark": record.name}
+        now = format_seconds(record.median) + (" (graph)" if record.timing == "graph" else "")
+        eager = "" if record.eager_median is None else format_seconds(record.eager_median)
         if comparing:
-            time_change = None if record.baseline_median is None else record.median / record.baseline_median - 1
-            memory_change = None
-            if peak is not None and record.baseline_peak:
-                memory_change = peak / record.baseline_peak - 1
             label = record.verdict.label if record.verdict else ""
+            tolerance = record.tolerance
             row.update({
                 "baseline": "" if record.baseline_median is None else format_seconds(record.baseline_median),
-                "now": format_seconds(record.median),
-                "time": _percent(time_change),
+                "now": now,
+                "time": _change(record.median, record.baseline_median),
+                "tolerance": "" if tolerance is None else f"{tolerance.value * 100:.3g}% {tolerance.source}",
+            })
+            if graphs:
+                row.update({"eager": eager, "eager change": _change(record.eager_median, record.baseline_eager_median)})
+            row.update({
                 "baseline mem": "" if record.baseline_peak is None else format_bytes(record.baseline_peak),
                 "now mem": "" if peak is None else format_bytes(peak),
-                "memory": _percent(memory_change),
+                "memory": _change(peak, record.baseline_peak),
                 "verdict": label + (" (re-measured)" if record.remeasured else ""),
             })
         else:
-            row.update({
-                "median": format_seconds(record.median),
-                "rounds": record.rounds,
-                "peak mem": "n/a (no GPU)" if peak is None else format_bytes(peak),
-            })
+            row.update({"median": now, "rounds": record.rounds})
+            if graphs:
+                row["eager"] = eager
+            row["peak mem"] = "n/a (no GPU)" if peak is None else format_bytes(peak)
         row.update(_rate(record))
         rows.append(row)
     frame = pd.DataFrame(rows)
@@ -91,15 +100,18 @@ def memory_frame(session: PerfSession) -> pd.DataFrame:
     return frame.sort_values("peak_allocated_bytes", ascending=False, na_position="last", kind="stable")
 
 
-def write_memory_report(frame: pd.DataFrame, path: Path) -> None:
-    """Writes the memory table as CSV or JSON (a list of records), chosen by the file's extension."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+def write_memory_report(frame: pd.DataFrame, path: Path, overwrite: bool = False) -> None:
+    """Writes the memory table as CSV or JSON (a list of records), chosen by the file's extension; a file that
+    appeared since the run began is only replaced with overwrite."""
     if path.suffix == ".csv":
-        frame.to_csv(path, index=False)
+        text = frame.to_csv(index=False)
     elif path.suffix == ".json":
-        frame.to_json(path, orient="records", indent=2)
+        text = frame.to_json(orient="records", indent=2)
     else:
         raise ValueError(f"--gpu-mem-report file must end in {' or '.join(MEMORY_REPORT_SUFFIXES)}, got {path}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w" if overwrite else "x", encoding="utf-8") as fh:
+        fh.write(text)
 
 
 def _memory_lines(frame: pd.DataFrame) -> list[str]:
@@ -124,7 +136,11 @@ def summary_lines(session: PerfSession) -> list[str]:
         lines += [f"compared with {path}" for path in session.compared_files]
     if session.records:
         lines += results_frame(session.records, session.comparing).to_string(index=False).splitlines()
+        lines += [f"{record.name}: {'; '.join(record.notes)}" for record in session.records if record.notes]
     lines += session.notes
+    lines += session.saving_notes()
+    if session.report_error:
+        lines.append(session.report_error)
     return lines
 
 

@@ -1,8 +1,11 @@
 """The plugin's state for one pytest run, kept in config.stash: the backend, the options, the baselines it compares
 against, every benchmark's record and the notes for the summary.
 
-It also wires pytest-benchmark's session to this GPU: the machine id (the storage sub-folder) becomes the device's
-slug, saves go through BaselineStorage, and --benchmark-compare loads only files recorded on the same device model.
+The gate switches on after collection, and only when a selected test uses `gpu_benchmark` (`activate`): a project
+that does not use it keeps pytest-benchmark exactly as it is. Once on, pytest-benchmark's session is pointed at
+this GPU: the machine id (the storage sub-folder) becomes the device's slug, saves go through BaselineStorage, and
+--benchmark-compare loads only files recorded on the same device model, chosen by baselines.named and
+baselines.newest_per_benchmark.
 """
 
 from dataclasses import dataclass, field
@@ -11,16 +14,27 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pytest_benchmark.storage.file import FileStorage
 
-from lmsys.perf import baselines, environment
+from lmsys.perf import baselines, calibration, environment
 from lmsys.perf.backend import MemoryReading
-from lmsys.perf.compare import SLOWER, Verdict
+from lmsys.perf.compare import SLOWER, Verdict, format_bytes
 from lmsys.perf.storage import BaselineStorage
+from lmsys.perf.timing import Precision
 
-# pytest-benchmark's default --benchmark-storage; when it is unchanged the plugin stores in rootdir/baselines.
-PYTEST_BENCHMARK_DEFAULT_STORAGE = "file://./.benchmarks"
-NEWEST_GLOB = "[0-9][0-9][0-9][0-9]_"
+# Time tolerances when neither a marker, an option nor a calibration gives one: the device (or eager) time, and
+# the eager time of a benchmark timed in a CUDA graph (CPU launch cost included, so noisier).
+DEFAULT_TIME_TOLERANCE = 0.05
+DEFAULT_EAGER_TOLERANCE = 0.15
+# The adaptive rounds aim at a median known to within this share of the tolerance (95% interval, half-width).
+PRECISION_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """A tolerance and where it came from ('default', 'marker', 'calibrated from 20 runs', an option's name)."""
+
+    value: float
+    source: str
 
 
 class PerfWarning(pytest.PytestWarning):
@@ -41,38 +55,71 @@ class Record:
     baseline_peak: int | None = None
     verdict: Verdict | None = None
     remeasured: bool = False
+    timing: str = "eager"
+    tolerance: Tolerance | None = None
+    eager_median: float | None = None
+    baseline_eager_median: float | None = None
+    # what the summary says beside the verdict: the machine's state, a timing the baseline lacks, a failed capture
+    notes: list[str] = field(default_factory=list)
 
     def failure_message(self) -> str:
-        """What the failing test reports: the verdict's message and whether a re-measurement confirmed it."""
+        """What the failing test reports: the verdict's message, whether a re-measurement confirmed it, and the
+        machine's state when it was not clean (a SLOWER taken under throttling says so)."""
         message = self.verdict.message(self.name)
-        if self.remeasured and self.verdict.time is not None and self.verdict.time.verdict == SLOWER:
+        slower = [t for t in (self.verdict.time, self.verdict.eager) if t is not None and t.verdict == SLOWER]
+        if self.remeasured and slower:
             message += "\n(confirmed: the time was re-measured once and was SLOWER again)"
+        if self.notes:
+            message += f"\n(measured with: {'; '.join(self.notes)})"
         return message
 
 
 @dataclass
 class PerfSession:
-    """State of one pytest run. `compare` is the --benchmark-compare value (True: each benchmark's newest baseline)."""
+    """State of one pytest run. `compare` is the --benchmark-compare value (True: each benchmark's newest baseline),
+    `save` the name a save will use (--benchmark-save or --benchmark-autosave), `storage_path` the storage root."""
 
     backend: Any
     rootpath: Path
-    time_tolerance: float
+    time_tolerance: float | None
     memory_tolerance: float
     memory_floor: int
     full_grid: bool
     memory_report: bool | str | None
     compare: bool | str | None
+    save: str | None = None
+    save_failing: bool = False
     disable_gc: bool = False
     max_time: float = 1.0
     min_rounds: int = 5
+    # None: DEFAULT_EAGER_TOLERANCE unless calibrated
+    eager_tolerance: float | None = None
+    # seconds of timed rounds a benchmark may spend on adaptive rounds (0: the planned rounds only)
+    time_cap: float = 0.0
+    # LMSYS_INJECT_DELAY: a device-side delay after every benchmarked call, as a fraction of its time
+    injected_delay: float = 0.0
+    # LMSYS_INJECT_MEMORY: bytes held on the device during every benchmarked call
+    injected_memory: int = 0
+    # --benchmark-calibrate=N: rerun the selected benchmarks N times in fresh processes instead of running them
+    calibrate: int | None = None
+    # fullname -> calibration entry (calibration.py), from the GPU's folder
+    calibration: dict[str, dict] = field(default_factory=dict)
+    storage_path: Path | None = None
+    # Set by activate(): a selected test uses gpu_benchmark.
+    active: bool = False
+    interrupted: bool = False
+    # nodeids of tests that failed (or xfailed): their benchmarks are not saved unless save_failing
+    failed: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
     records: list[Record] = field(default_factory=list)
     compared_files: list[Path] = field(default_factory=list)
     # fullname -> the benchmark's entry in the newest compared file that has it
     baseline_benchmarks: dict[str, dict] = field(default_factory=dict)
-    storage_path: Path | None = None
-    # storage_path / machine_id, once attach() has resolved the machine id (only when saving or comparing)
+    # storage_path / machine_id, once activate() has resolved the machine id (only when saving or comparing)
     folder: Path | None = None
+    storage: BaselineStorage | None = None
+    # why --gpu-mem-report=FILE could not be written at the end, if it could not
+    report_error: str | None = None
 
     @property
     def comparing(self) -> bool:
@@ -93,36 +140,92 @@ class PerfSession:
         """The baseline entry of a benchmark, or None when it has none (NEW) or nothing is compared."""
         return self.baseline_benchmarks.get(fullname)
 
-    def attach(self, bench_session, saving: bool) -> None:
-        """Points pytest-benchmark's session at this device's folder and loads what --benchmark-compare asks for.
+    def note(self, text: str) -> None:
+        """Adds a line to the summary's notes, once."""
+        if text not in self.notes:
+            self.notes.append(text)
 
-        Raises pytest.UsageError for a baseline file that cannot be used, naming it; nothing is written then.
+    def time_tolerance_for(self, fullname: str, timed: str, marker: dict, eager: bool = False) -> Tolerance:
+        """The time tolerance of a benchmark's samples timed `timed` ('eager' or 'graph'; eager=True: the eager rounds
+        of a graph-timed benchmark): the marker's, else the option's when given, else its calibration's, else the
+        default."""
+        key, option, name, default = (
+            ("eager", self.eager_tolerance, "--perf-eager-tolerance", DEFAULT_EAGER_TOLERANCE) if eager
+            else ("time", self.time_tolerance, "--perf-time-tolerance", DEFAULT_TIME_TOLERANCE)
+        )
+        if key in marker:
+            return Tolerance(float(marker[key]), "marker")
+        if option is not None:
+            return Tolerance(option, name)
+        entry = self.calibration.get(fullname)
+        value = None if entry is None else calibration.time_tolerance(entry, timed, eager)
+        if value is not None:
+            return Tolerance(value, f"calibrated from {entry['runs']} runs")
+        return Tolerance(default, "default")
+
+    def memory_allowance(self, fullname: str, marker: dict) -> tuple[float, int, str]:
+        """The memory tolerance (a fraction), floor (bytes) and their source; a calibration whose runs saw the peak
+        move raises the floor by that range."""
+        tolerance = float(marker.get("memory", self.memory_tolerance))
+        entry = self.calibration.get(fullname)
+        moved = 0 if entry is None else calibration.memory_range(entry)
+        source = "marker" if "memory" in marker else "default"
+        if moved:
+            source = f"{source}, floor raised by the {format_bytes(moved)} the calibration saw"
+        return tolerance, self.memory_floor + moved, source
+
+    def precision(self, tolerance: Tolerance) -> Precision:
+        """How precisely the adaptive rounds should pin a median judged with this tolerance."""
+        if self.time_cap <= 0:
+            return Precision()
+        return Precision(target=PRECISION_SHARE * tolerance.value, time_cap=self.time_cap)
+
+    def leaves_out(self, fullname: str) -> bool:
+        """Whether a save leaves this benchmark out: its test failed and --benchmark-save-failing was not given."""
+        return fullname in self.failed and not self.save_failing
+
+    def activate(self, bench_session) -> None:
+        """Points pytest-benchmark's session at this device's folder and loads what --benchmark-compare asks for;
+        checks that a save can be written. Runs before the first test.
+
+        Raises pytest.UsageError for a baseline that is not there or cannot be used, naming it; nothing is written.
         """
-        if isinstance(bench_session.storage, FileStorage):
-            self.storage_path = bench_session.storage.path
-        if not (saving or self.comparing):
+        self.active = True
+        if not (self.save or self.comparing or self.calibrate):
             return
+        self.folder = self.storage_path / self.machine_id
         bench_session.machine_id = self.machine_id
-        if self.storage_path is not None:
-            self.folder = self.storage_path / self.machine_id
-        if isinstance(bench_session.storage, FileStorage):
-            bench_session.storage = BaselineStorage(
-                bench_session.storage.path, logger=bench_session.logger, default_machine_id=self.machine_id
-            )
-            if self.comparing:
-                self._load(bench_session)
-        else:
-            bench_session.storage.default_machine_id = self.machine_id
-            bench_session.compare = self.compare
-            bench_session.handle_loading()
+        bench_session.save_data = True
+        bench_session.storage = self.storage = BaselineStorage(
+            self.storage_path, bench_session.logger, self.machine_id, self.leaves_out
+        )
+        if self.save:
+            problem = baselines.save_problem(self.folder, self.save)
+            if problem:
+                raise pytest.UsageError(f"--benchmark-save={self.save}: {problem} (checked before running any test)")
+        if self.calibrate:
+            problem = baselines.save_problem(self.folder, "calibration")
+            if problem:
+                raise pytest.UsageError(f"--benchmark-calibrate={self.calibrate}: {problem}")
+        try:
+            self.calibration = calibration.read(self.folder)
+        except calibration.CalibrationError as exc:
+            message = f"{exc}\nRepair or remove it, or calibrate again (--benchmark-calibrate=N)."
+            raise pytest.UsageError(message) from None
+        if self.comparing:
+            self._load(bench_session)
+        if bench_session.disabled and self.comparing:
+            self.notes.append("benchmarks are disabled (--benchmark-disable): nothing was timed or compared")
 
     def _load(self, bench_session) -> None:
-        storage = bench_session.storage
         try:
-            files = storage.query(NEWEST_GLOB if self.compare is True else self.compare)
-        except ValueError as exc:
-            raise pytest.UsageError(f"--benchmark-compare={self.compare}: {exc}") from None
-        docs = {}
+            if self.compare is True:
+                files = baselines.baseline_files(self.folder)
+            else:
+                files = baselines.named(self.folder, self.compare)
+        except baselines.NoSuchBaseline as exc:
+            raise pytest.UsageError(str(exc)) from None
+        docs = []
         for path in files:
             try:
                 doc = baselines.read_baseline(path)
@@ -133,9 +236,14 @@ class PerfSession:
                 ) from None
             recorded = baselines.recorded_machine_id(doc, path)
             if recorded != self.machine_id:
+                if self.compare is not True:
+                    raise pytest.UsageError(
+                        f"--benchmark-compare={self.compare}: {path} was recorded on {recorded}, this run is on "
+                        f"{self.machine_id}; a baseline of another GPU model is never compared"
+                    )
                 self.notes.append(f"not compared: {path} was recorded on {recorded}, this run is on {self.machine_id}")
                 continue
-            docs[path] = doc
+            docs.append((path, doc))
         if not docs:
             self.notes.append(
                 f"no baseline for {self.machine_id} in {self.folder}: nothing compared, every benchmark is NEW "
@@ -143,35 +251,92 @@ class PerfSession:
             )
             bench_session.compared_mapping = {}
             return
-        if self.compare is True:
-            # A partial run (-k) saves only its own benchmarks, so each benchmark takes the newest file that has it
-            # (docs go oldest to newest, so a later file's entry replaces an earlier one).
-            newest = {bench["fullname"]: (path, bench) for path, doc in docs.items() for bench in doc["benchmarks"]}
-            mapping = {path: {} for path in docs}
-            for fullname, (path, bench) in newest.items():
-                mapping[path][fullname] = bench
-            self.compared_files = [path for path, benchmarks in mapping.items() if benchmarks]
-            bench_session.compared_mapping = {
-                _storage_key(path, storage.path): mapping[path] for path in self.compared_files
-            }
-        else:
-            bench_session.compare = self.compare
-            bench_session.handle_loading()
-            keys = {_storage_key(path, storage.path): path for path in docs}
-            bench_session.compared_mapping = {k: v for k, v in bench_session.compared_mapping.items() if k in keys}
-            self.compared_files = [keys[key] for key in bench_session.compared_mapping]
-        for benchmarks in bench_session.compared_mapping.values():
+        chosen = baselines.newest_per_benchmark(docs)
+        self.compared_files = list(chosen)
+        bench_session.compared_mapping = {_storage_key(path, self.storage_path): chosen[path] for path in chosen}
+        for benchmarks in chosen.values():
             self.baseline_benchmarks.update(benchmarks)
+        recorded = dict(docs)
         for path in self.compared_files:
-            differences = environment.version_differences(docs[path]["machine_info"], self.environment)
+            differences = environment.version_differences(recorded[path]["machine_info"], self.environment)
             if differences:
                 text = f"{path} was recorded with other software ({'; '.join(differences)}); compared anyway"
                 self.notes.append(text)
                 bench_session.config.issue_config_time_warning(PerfWarning(text), stacklevel=2)
 
+    def record_calibration(self, entries: dict[str, dict]) -> None:
+        """Merges a calibration's entries into the GPU's calibration file and notes what was written and replaced."""
+        everything, replaced = calibration.merged(self.calibration, entries)
+        path = calibration.write(self.folder, self.machine_id, everything)
+        self.calibration = everything
+        self.notes.append(f"calibration of {len(entries)} benchmark(s) written to {path}")
+        if replaced:
+            self.notes.append(f"it replaced the earlier calibration of: {', '.join(replaced)}")
+        for fullname, entry in entries.items():
+            tolerance = calibration.time_tolerance(entry, entry["timing"])
+            line = (
+                f"  {fullname}: {entry['timing']} median spread {entry['spread']:.2%} over {entry['runs']} runs -> "
+                f"time tolerance {tolerance:.2%}"
+            )
+            if "eager_spread" in entry and entry["timing"] == "graph":
+                line += f"; eager spread {entry['eager_spread']:.2%}"
+            if calibration.memory_range(entry):
+                line += f"; peak memory moved by {format_bytes(calibration.memory_range(entry))}"
+            self.notes.append(line)
+
+    def header_lines(self) -> list[str]:
+        """Printed after collection: where baselines are, the tolerances, and the files compared with."""
+        if self.time_tolerance is None:
+            time = f"calibrated, else {DEFAULT_TIME_TOLERANCE:.0%}"
+        else:
+            time = f"{self.time_tolerance * 100:.3g}%"
+        tolerances = f"time {time}, memory {self.memory_tolerance:.0%} and {format_bytes(self.memory_floor)}"
+        lines = [f"lmsys perf: baselines in {self.folder or self.storage_path}; tolerances: {tolerances}"]
+        if self.calibration:
+            lines.append(
+                f"lmsys perf: noise calibration of {len(self.calibration)} benchmark(s) in "
+                f"{self.folder / calibration.FILE_NAME}"
+            )
+        if self.injected_delay:
+            lines.append(
+                f"lmsys perf: LMSYS_INJECT_DELAY={self.injected_delay}: every benchmarked call gets a device-side "
+                f"delay of {self.injected_delay:.1%} of its time (measuring the gate)"
+            )
+        if self.injected_memory:
+            lines.append(
+                f"lmsys perf: LMSYS_INJECT_MEMORY={self.injected_memory}: every benchmarked call holds "
+                f"{format_bytes(self.injected_memory)} more on the device (measuring the gate)"
+            )
+        return lines + [f"lmsys perf: comparing with {path}" for path in self.compared_files]
+
+    def unwritten(self) -> bool:
+        """Whether something that was asked for could not be written (a save, the memory report)."""
+        return bool(self.storage is not None and self.storage.error) or self.report_error is not None
+
+    def saving_notes(self) -> list[str]:
+        """What happened to the save that was asked for: the file, what was left out, or why nothing was written."""
+        if not (self.save and self.active):
+            return []
+        if self.interrupted:
+            return ["NOT SAVED: the run was interrupted, so no baseline was written (a partial run is never saved)"]
+        storage = self.storage
+        lines = []
+        if storage.error:
+            lines.append(f"NOT SAVED: {storage.error}")
+        if storage.left_out:
+            where = f"left out of {storage.saved}" if storage.saved else "nothing saved"
+            lines.append(
+                f"{where}: {len(storage.left_out)} benchmark(s) whose test failed ({', '.join(storage.left_out)}); "
+                "--benchmark-save-failing saves them anyway"
+            )
+        failing = sorted(record.fullname for record in self.records if record.fullname in self.failed)
+        if storage.saved and self.save_failing and failing:
+            lines.append(f"saved with failing results (--benchmark-save-failing): {', '.join(failing)}")
+        return lines
+
 
 def _storage_key(path: Path, root: Path) -> Path:
-    """The key pytest-benchmark's FileStorage.load gives a file in compared_mapping."""
+    """The key pytest-benchmark's FileStorage.load gives a file in compared_mapping (its table's source column)."""
     try:
         return path.relative_to(root)
     except ValueError:

@@ -1,9 +1,16 @@
-"""The timing loop: warm up, decide how many rounds fit the time budget, time each round through the backend.
+"""The timing loop: warm up, decide how many rounds to time, time each round through the backend.
 
-One round is one call of the benchmarked function; with cold L2 the flush runs before the round, outside the timed
-span. The budget follows pytest-benchmark's options: rounds = --benchmark-max-time / (wall time of one round,
-flush and synchronization included), at least --benchmark-min-rounds and at most MAX_ROUNDS (unless min-rounds asks
-for more); warmup covers WARMUP_SHARE of the budget, 1 to MAX_WARMUP_ROUNDS rounds, unless the test fixes it.
+One round is one call of the benchmarked function (or one replay of its CUDA graph); with cold L2 the flush runs
+before the round, outside the timed span. The budget follows pytest-benchmark's options: rounds =
+--benchmark-max-time / (wall time of one round, flush and synchronization included), at least
+--benchmark-min-rounds and at most MAX_ROUNDS (unless min-rounds asks for more); warmup covers WARMUP_SHARE of the
+budget, 1 to MAX_WARMUP_ROUNDS rounds, unless the test fixes it. Then the rounds adapt (`sample`): while the
+median's confidence interval is wider than the target (a share of the tolerance), the rounds are doubled, within
+a wall-time cap and MAX_ADAPTIVE_ROUNDS.
+
+In graph mode the call is also captured in a CUDA graph and the replays are timed: the replays' samples are the
+benchmark's time (device time, no CPU launch cost), the eager rounds its eager time. A capture that fails leaves
+the benchmark timed eagerly, with a note.
 """
 
 import gc
@@ -12,13 +19,23 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from math import ceil
+from statistics import median
 from typing import Any
 
-from lmsys.perf.compare import SLOWER, TimeComparison
+from lmsys.perf.compare import SLOWER, TimeComparison, relative_half_width
 
 MAX_ROUNDS = 1000
+MAX_ADAPTIVE_ROUNDS = 10_000
 MAX_WARMUP_ROUNDS = 100
 WARMUP_SHARE = 0.1
+EAGER, GRAPH = "eager", "graph"
+# The environment variable that adds a device-side delay to every benchmarked call, a fraction of the call's time:
+# a regression of known size, to measure the gate (lmsys.perf.detection).
+INJECT_DELAY = "LMSYS_INJECT_DELAY"
+# The same for memory: this many more bytes held on the device during every benchmarked call.
+INJECT_MEMORY = "LMSYS_INJECT_MEMORY"
+
+Judge = Callable[[list[float]], TimeComparison | None]
 
 
 @dataclass
@@ -26,7 +43,12 @@ class Measurement:
     """What one benchmark measured: per-round seconds, the wall-clock seconds a round took, the warmup, the memory
     reading of the last call and its result; the time comparison with the baseline (None without one) and whether
     the rounds were timed a second time because the first comparison said SLOWER. `extra_info` holds what a
-    measurement adds to the saved JSON beyond that (the world size of a multi-rank run, ...)."""
+    measurement adds to the saved JSON beyond that (the world size of a multi-rank run, ...).
+
+    `timing` says what the samples are: EAGER calls or GRAPH replays; in graph mode `eager_samples` are the eager
+    rounds (CPU launch cost included) and `eager_comparison` their comparison. `machine` holds the readings of the
+    GPU's state before and after (None without them); `notes` what the summary should say about the measurement.
+    """
 
     samples: list[float]
     wall_seconds_per_round: float
@@ -36,6 +58,11 @@ class Measurement:
     time_comparison: TimeComparison | None = None
     remeasured: bool = False
     extra_info: dict[str, Any] = field(default_factory=dict)
+    timing: str = EAGER
+    eager_samples: list[float] | None = None
+    eager_comparison: TimeComparison | None = None
+    machine: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -44,6 +71,15 @@ class Plan:
 
     warmup_rounds: int
     rounds: int
+
+
+@dataclass(frozen=True)
+class Precision:
+    """When to stop adding rounds: the median known to +-target (relative half-width of its 95% interval), or
+    time_cap seconds of timed rounds spent. target None: the planned rounds only."""
+
+    target: float | None = None
+    time_cap: float = 0.0
 
 
 def plan(round_seconds: float, max_time: float, min_rounds: int, warmup_rounds: int | None) -> Plan:
@@ -78,11 +114,31 @@ def time_rounds(backend, call: Callable[[], Any], rounds: int, flush: Callable[[
     return samples
 
 
-def measure(backend, call: Callable[[], Any], rounds: int, flush: Callable[[], None] | None):
-    """time_rounds, and the wall-clock seconds per round that it took."""
-    start = time.perf_counter()
+def sample(
+    backend,
+    call: Callable[[], Any],
+    rounds: int,
+    flush: Callable[[], None] | None,
+    precision: Precision = Precision(),
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[list[float], float]:
+    """Times `rounds` rounds, then doubles them while the median is known less precisely than precision.target and
+    the next batch fits in precision.time_cap (estimated from the rounds so far); returns the samples and the
+    wall-clock seconds per round."""
+    start = clock()
     samples = time_rounds(backend, call, rounds, flush)
-    return samples, (time.perf_counter() - start) / rounds
+    while precision.target is not None and len(samples) < MAX_ADAPTIVE_ROUNDS:
+        if relative_half_width(samples) <= precision.target:
+            break
+        spent = clock() - start
+        per_round = spent / len(samples)
+        more = min(len(samples), MAX_ADAPTIVE_ROUNDS - len(samples))
+        if per_round > 0:
+            more = min(more, int((precision.time_cap - spent) / per_round))
+        if more < 1:
+            break
+        samples += time_rounds(backend, call, more, flush)
+    return samples, (clock() - start) / len(samples)
 
 
 def warm_up(backend, call: Callable[[], Any], flush, max_time: float, min_rounds: int, warmup_rounds: int | None):
@@ -99,6 +155,67 @@ def warm_up(backend, call: Callable[[], Any], flush, max_time: float, min_rounds
     return chosen
 
 
+def with_delay(backend, call: Callable[[], Any], flush, fraction: float, graph: bool) -> Callable[[], Any]:
+    """call followed by a device-side delay of `fraction` of its time: a regression of known size, injected to
+    measure the gate. The time is the median of three rounds of what the benchmark will judge: the call, or with
+    graph=True the replays of a trial capture (a launch-bound call's eager time is mostly CPU)."""
+    typical = median(time_rounds(backend, call, 3, flush))
+    if graph:
+        try:
+            replay, release = backend.capture_graph(call)
+        except Exception:  # run() notes the failed capture when it captures for real
+            pass
+        else:
+            typical = median(time_rounds(backend, replay, 3, flush))
+            release()
+    delay = backend.make_delay(fraction * typical)
+
+    def delayed():
+        result = call()
+        delay()
+        return result
+
+    return delayed
+
+
+def with_allocation(backend, call: Callable[[], Any], nbytes: int) -> Callable[[], Any]:
+    """call with `nbytes` more held on the device while it runs: a memory regression of known size."""
+
+    def holding():
+        with backend.holding(nbytes):
+            return call()
+
+    return holding
+
+
+def _series(backend, call, rounds, flush, precision: Precision, judge: Judge):
+    """Samples, wall seconds per round, comparison and whether a SLOWER first comparison was re-measured."""
+    samples, wall = sample(backend, call, rounds, flush, precision)
+    comparison = judge(samples)
+    remeasured = comparison is not None and comparison.verdict == SLOWER
+    if remeasured:
+        samples, wall = sample(backend, call, rounds, flush, precision)
+        comparison = judge(samples)
+    return samples, wall, comparison, remeasured
+
+
+def _capture(backend, call, flush, max_time, min_rounds, notes: list[str]):
+    """(replay, release, plan of the replays), or None when the capture fails (then noted)."""
+    try:
+        replay, release = backend.capture_graph(call)
+    except Exception as exc:  # a capture can fail in many ways (sync, CPU readback, unsupported op): time eagerly
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        notes.append(f"timed eagerly: the CUDA graph capture failed ({type(exc).__name__}: {reason})")
+        return None
+    replay()
+    backend.synchronize()
+    start = time.perf_counter()
+    time_rounds(backend, replay, 1, flush)
+    chosen = plan(time.perf_counter() - start, max_time, min_rounds, None)
+    time_rounds(backend, replay, chosen.warmup_rounds - 1, flush)
+    return replay, release, chosen
+
+
 def run(
     backend,
     call: Callable[[], Any],
@@ -107,16 +224,58 @@ def run(
     max_time: float,
     min_rounds: int,
     warmup_rounds: int | None,
-    judge: Callable[[list[float]], TimeComparison | None],
+    judge: Judge,
+    precision: Precision = Precision(),
+    graph: bool = False,
+    eager_judge: Judge | None = None,
+    eager_precision: Precision = Precision(),
+    delay: float = 0.0,
+    extra_memory: int = 0,
 ) -> Measurement:
     """Warm up, time the rounds, judge them (`judge` compares with the baseline, None without one); when the verdict
-    is SLOWER time the rounds once more and let that decide; then one call under the memory reading."""
+    is SLOWER time the rounds once more and let that decide; then one call under the memory reading.
+
+    With graph=True the eager rounds are judged by `eager_judge` (with `eager_precision`) and the replays of the
+    captured call by `judge`; when the capture fails the eager rounds are the benchmark's time, judged by
+    `eager_judge`. `delay` > 0 adds a device-side delay of that fraction of the call's time to every call,
+    `extra_memory` > 0 that many bytes held on the device during every call.
+    """
+    if extra_memory:
+        call = with_allocation(backend, call, extra_memory)
+    before = backend.machine_state()
     chosen = warm_up(backend, call, flush, max_time, min_rounds, warmup_rounds)
-    samples, wall = measure(backend, call, chosen.rounds, flush)
-    comparison = judge(samples)
-    remeasured = comparison is not None and comparison.verdict == SLOWER
-    if remeasured:
-        samples, wall = measure(backend, call, chosen.rounds, flush)
-        comparison = judge(samples)
+    timed = with_delay(backend, call, flush, delay, graph) if delay else call
+    notes = []
+    eager_judge = eager_judge or judge
+    captured = _capture(backend, timed, flush, max_time, min_rounds, notes) if graph else None
+    if captured is None:
+        series = _series(backend, timed, chosen.rounds, flush, eager_precision if graph else precision,
+                         eager_judge if graph else judge)
+        samples, wall, comparison, remeasured = series
+        eager = None
+    else:
+        replay, release, replay_plan = captured
+        try:
+            replays = _series(backend, replay, replay_plan.rounds, flush, precision, judge)
+        finally:
+            release()
+        samples, wall, comparison, remeasured = replays
+        eager = _series(backend, timed, chosen.rounds, flush, eager_precision, eager_judge)
     result, memory = backend.measure_memory(call)
-    return Measurement(samples, wall, chosen.warmup_rounds, memory, result, comparison, remeasured)
+    after = backend.machine_state()
+    measurement = Measurement(
+        samples, wall, chosen.warmup_rounds, memory, result, comparison, remeasured,
+        timing=EAGER if captured is None else GRAPH,
+        machine=None if before is None and after is None else {"before": before, "after": after},
+        notes=notes,
+    )
+    if eager is not None:
+        eager_samples, eager_wall, measurement.eager_comparison, eager_remeasured = eager
+        measurement.eager_samples = eager_samples
+        measurement.remeasured = remeasured or eager_remeasured
+        measurement.extra_info["eager_wall_seconds_per_round"] = eager_wall
+    if delay:
+        measurement.extra_info["injected_delay"] = delay
+    if extra_memory:
+        measurement.extra_info["injected_memory"] = extra_memory
+    return measurement

@@ -1,0 +1,129 @@
+"""Per-benchmark noise: how far a benchmark's median moves between fresh processes, and the tolerance that gives.
+
+Pure (no pytest, no torch). `pytest perf_tests --benchmark-calibrate=N` reruns the selected benchmarks N times in
+fresh processes (reruns.py); `noise` turns those runs' pytest-benchmark JSON into one entry per benchmark, and
+`merged`/`write` keep them in the GPU's baselines folder, next to its baselines:
+
+    baselines/NVIDIA_H100_80GB_HBM3/calibration.json
+        {"machine_id": ..., "benchmarks": {fullname: {"runs": 20, "timing": "graph", "medians": [...],
+         "spread": 0.004, "eager_medians": [...], "eager_spread": 0.02, "peaks": [...]}}}
+
+`spread` is the relative standard deviation of the N medians (what one run's median is uncertain by, from one
+process to the next). The time tolerance it gives is max(FLOOR, SIGMAS * sqrt(2) * spread): the difference of two
+runs' medians (the baseline's and now) has sqrt(2) times one run's spread, and SIGMAS of those standard deviations
+leave a false alarm in about 700 verdicts when the spread is normal. The memory floor grows by the range of the
+peaks seen (zero for a deterministic peak).
+"""
+
+import json
+import math
+from pathlib import Path
+from statistics import mean, stdev
+
+from lmsys.perf import baselines
+
+FILE_NAME = "calibration.json"
+SIGMAS = 3.0
+FLOOR = 0.01
+MIN_RUNS = 2
+TIMINGS = ("eager", "graph")
+
+
+class CalibrationError(ValueError):
+    """A calibration file that cannot be read or holds impossible values; the message names the file."""
+
+
+def _spread(medians: list[float]) -> float:
+    return stdev(medians) / mean(medians)
+
+
+def noise(docs: list[dict]) -> dict[str, dict]:
+    """One entry per benchmark that every run measured, with the same timing (eager or graph) in each: the medians,
+    their relative spread, the eager medians of graph-timed benchmarks, and the peak memory above start."""
+    if len(docs) < MIN_RUNS:
+        raise ValueError(f"a calibration needs at least {MIN_RUNS} runs, got {len(docs)}")
+    per_run = [{bench["fullname"]: bench for bench in doc.get("benchmarks", [])} for doc in docs]
+    entries = {}
+    for fullname in per_run[0]:
+        runs = [run.get(fullname) for run in per_run]
+        if any(bench is None for bench in runs):
+            continue
+        infos = [bench.get("extra_info") or {} for bench in runs]
+        timings = {info.get("timing", "eager") for info in infos}
+        if len(timings) != 1:
+            continue
+        medians = [float(bench["stats"]["median"]) for bench in runs]
+        entry = {"runs": len(runs), "timing": timings.pop(), "medians": medians, "spread": _spread(medians)}
+        eager = [info.get("eager_median") for info in infos]
+        if all(isinstance(value, (int, float)) for value in eager):
+            entry.update(eager_medians=eager, eager_spread=_spread(eager))
+        peaks = [info.get(baselines.MEMORY_KEY) for info in infos]
+        if all(isinstance(value, int) for value in peaks):
+            entry["peaks"] = peaks
+        entries[fullname] = entry
+    return entries
+
+
+def time_tolerance(entry: dict, timing: str, eager: bool = False) -> float | None:
+    """The time tolerance a calibration entry gives for samples of `timing` (the eager rounds of a graph-timed
+    benchmark when eager=True), or None when the entry did not measure those."""
+    if eager:
+        spread = entry.get("eager_spread")
+    elif entry["timing"] == timing:
+        spread = entry["spread"]
+    else:
+        spread = entry.get("eager_spread") if timing == "eager" else None
+    return None if spread is None else max(FLOOR, SIGMAS * math.sqrt(2) * spread)
+
+
+def memory_range(entry: dict) -> int:
+    """How far the peak memory above start moved between the calibration runs, in bytes (0 without readings)."""
+    peaks = entry.get("peaks") or [0]
+    return max(peaks) - min(peaks)
+
+
+def _problem(doc) -> str | None:
+    if not isinstance(doc, dict) or not isinstance(doc.get("benchmarks"), dict):
+        return "it is not an object with a 'benchmarks' object"
+    for fullname, entry in doc["benchmarks"].items():
+        if not isinstance(entry, dict) or entry.get("timing") not in TIMINGS:
+            return f"{fullname!r} has no timing ({' or '.join(TIMINGS)})"
+        runs, medians = entry.get("runs"), entry.get("medians")
+        if not (isinstance(runs, int) and runs >= MIN_RUNS and isinstance(medians, list) and len(medians) == runs):
+            return f"{fullname!r} does not have its {MIN_RUNS} or more runs' medians"
+        for key in ("spread", "eager_spread"):
+            value = entry.get(key, 0.0)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                return f"{fullname!r} has a {key} that is not a finite non-negative number"
+        if not all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in medians):
+            return f"{fullname!r} has medians that are not positive numbers"
+        peaks = entry.get("peaks", [])
+        if not (isinstance(peaks, list) and all(isinstance(x, int) and x >= 0 for x in peaks)):
+            return f"{fullname!r} has peaks that are not non-negative byte counts"
+    return None
+
+
+def read(folder: Path) -> dict:
+    """The calibration of a GPU's folder ({} when there is none); raises CalibrationError naming a bad file."""
+    path = Path(folder) / FILE_NAME
+    if not path.exists():
+        return {}
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CalibrationError(f"calibration file {path} cannot be read: {exc}") from None
+    problem = _problem(doc)
+    if problem:
+        raise CalibrationError(f"calibration file {path} is not usable: {problem}")
+    return doc["benchmarks"]
+
+
+def merged(old: dict[str, dict], new: dict[str, dict]) -> tuple[dict[str, dict], list[str]]:
+    """old with new's entries added or replacing theirs; also the names whose earlier calibration was replaced."""
+    return {**old, **new}, sorted(set(old) & set(new))
+
+
+def write(folder: Path, machine_id: str, entries: dict[str, dict]) -> Path:
+    """Writes the calibration file of a GPU's folder atomically (under the folder's lock, like a save)."""
+    text = json.dumps({"machine_id": machine_id, "benchmarks": entries}, indent=2, sort_keys=True)
+    return baselines.replace_file(Path(folder) / FILE_NAME, text)

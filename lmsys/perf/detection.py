@@ -1,0 +1,117 @@
+"""How good the gate is on this GPU, measured: the false-alarm rate of unchanged reruns (A/A) and the rate at which
+it catches a device-side delay (or an allocation) of a chosen size injected into every benchmarked call.
+
+    python -m lmsys.perf.detection --runs 20 --inject 0.03 0.05 --inject-memory 1048576 -- perf_tests -k anchors
+
+Each rerun is a fresh pytest process (reruns.py) comparing with a reference: --baseline NUM names one of this
+GPU's baselines, otherwise a first run saves a fresh reference into a temporary storage (with a copy of the GPU's
+calibration.json, so calibrated tolerances apply). LMSYS_INJECT_DELAY=f makes every benchmarked call queue a
+device-side delay of f times its own time (torch.cuda._sleep, calibrated to the GPU's clock), LMSYS_INJECT_MEMORY=B
+hold B more bytes on the device while it runs. The table counts, per benchmark and over all, the failing verdicts
+of the A/A runs, the caught delays of each size (any failing verdict) and the caught allocations (MORE-MEMORY).
+"""
+
+import argparse
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pandas as pd
+
+from lmsys.perf import calibration, reruns
+from lmsys.perf.compare import format_bytes
+from lmsys.perf.timing import INJECT_DELAY, INJECT_MEMORY
+FAILING = ("SLOWER", "SLOWER-EAGER", "MORE-MEMORY")
+UNCHANGED = {INJECT_DELAY: "0", INJECT_MEMORY: "0"}
+
+
+def failed(label: str | None) -> bool:
+    """Whether a verdict label fails its test (the A/A false alarms, the caught delays)."""
+    return label is not None and any(part in FAILING for part in label.split("+"))
+
+
+def more_memory(label: str | None) -> bool:
+    """Whether a verdict label says MORE-MEMORY (the caught allocations)."""
+    return label is not None and "MORE-MEMORY" in label.split("+")
+
+
+def tally(cases: list[tuple[str, list[dict], Callable[[str | None], bool]]]) -> pd.DataFrame:
+    """Rows per benchmark (and 'all'), a column per case: 'k/n', k the runs whose verdict the case's predicate
+    counts out of n that compared the benchmark. A case is (column, its runs' pytest-benchmark JSON, predicate)."""
+    counts: dict[str, dict[str, list[int]]] = {}
+    for column, docs, counted in cases:
+        for doc in docs:
+            for bench in doc.get("benchmarks", []):
+                label = (bench.get("extra_info") or {}).get("verdict")
+                if label is None or label == "NEW":
+                    continue
+                for name in (bench["name"], "all"):
+                    cell = counts.setdefault(name, {}).setdefault(column, [0, 0])
+                    cell[0] += counted(label)
+                    cell[1] += 1
+    columns = [column for column, _, _ in cases]
+    names = sorted(name for name in counts if name != "all") + (["all"] if "all" in counts else [])
+    rows = [
+        {"benchmark": name, **{c: "{}/{}".format(*counts[name][c]) if c in counts[name] else "" for c in columns}}
+        for name in names
+    ]
+    return pd.DataFrame(rows, columns=["benchmark", *columns])
+
+
+def _reference(args: list[str], storage: Path, baselines: Path, timeout: float) -> list[str]:
+    """Saves a fresh reference into `storage` (with a copy of the GPU's calibration); returns the arguments that
+    compare with it."""
+    reruns.rerun([*args, f"--benchmark-storage={storage}", "--benchmark-save=reference"], 1, Path.cwd(),
+                 env=UNCHANGED, timeout=timeout)
+    for folder in storage.iterdir():
+        calibrated = baselines / folder.name / calibration.FILE_NAME
+        if calibrated.exists():
+            shutil.copy(calibrated, folder / calibration.FILE_NAME)
+    return [f"--benchmark-storage={storage}", "--benchmark-compare"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lmsys.perf.detection", description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=20, help="fresh processes per case (default: 20)")
+    parser.add_argument("--inject", type=float, nargs="*", default=[0.03, 0.05],
+                        help="device-side delays to inject, fractions of each call's time (default: 0.03 0.05)")
+    parser.add_argument("--inject-memory", type=int, nargs="*", default=[], metavar="BYTES",
+                        help="allocations to hold during every call, in bytes (e.g. 1048576), counted when MORE-MEMORY")
+    parser.add_argument("--baseline", help="compare with this baseline of the GPU (--benchmark-compare=VALUE) "
+                        "instead of a fresh reference")
+    parser.add_argument("--storage", type=Path, default=Path("baselines"),
+                        help="the baselines folder, for --baseline and the calibration (default: baselines)")
+    parser.add_argument("--timeout", type=float, default=reruns.RUN_TIMEOUT, help="seconds per run")
+    parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    parser.add_argument("pytest_args", nargs="+", help="what to run, after --: test paths, -k, options")
+    args = parser.parse_args(argv)
+    if args.runs < 1 or any(not 0 < delay <= 10 for delay in args.inject) or any(n < 1 for n in args.inject_memory):
+        parser.error("--runs must be at least 1, --inject fractions in (0, 10] and --inject-memory positive")
+    with tempfile.TemporaryDirectory(prefix="lmsys-detection-") as folder:
+        if args.baseline:
+            compare = [f"--benchmark-storage={args.storage}", f"--benchmark-compare={args.baseline}"]
+        else:
+            compare = _reference(args.pytest_args, Path(folder), args.storage, args.timeout)
+        cases = [("A/A false alarms", UNCHANGED, failed)]
+        cases += [(f"+{delay:.0%} caught", {**UNCHANGED, INJECT_DELAY: str(delay)}, failed) for delay in args.inject]
+        cases += [(f"+{format_bytes(n)} caught", {**UNCHANGED, INJECT_MEMORY: str(n)}, more_memory)
+                  for n in args.inject_memory]
+        results = []
+        for column, env, counted in cases:
+            print(f"{args.runs} runs: {column} ...", file=sys.stderr, flush=True)
+            docs = reruns.rerun([*args.pytest_args, *compare], args.runs, Path.cwd(), env=env, timeout=args.timeout)
+            results.append((column, docs, counted))
+    table = tally(results)
+    if args.markdown:
+        print("| " + " | ".join(table.columns) + " |\n|" + "---|" * len(table.columns))
+        for row in table.itertuples(index=False):
+            print("| " + " | ".join(map(str, row)) + " |")
+    else:
+        print(table.to_string(index=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Noise calibration (lmsys.perf.calibration, --benchmark-calibrate): the spread of a benchmark's median between
+fresh processes, the tolerance it gives, the file next to the GPU's baselines, and a run that uses it."""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+from perf_fakes import INNER_CONFTEST, GPU, MACHINE, run, save_baseline
+
+from lmsys.perf import calibration, reruns
+
+pytest_plugins = ["pytester"]
+
+
+def run_doc(medians: dict[str, float], timing: str = "eager", eager: float | None = None, peak: int | None = None):
+    benches = []
+    for fullname, median in medians.items():
+        info = {"timing": timing}
+        if eager is not None:
+            info["eager_median"] = eager
+        if peak is not None:
+            info["peak_allocated_above_start_bytes"] = peak
+        benches.append({"fullname": fullname, "name": fullname, "stats": {"median": median}, "extra_info": info})
+    return {"benchmarks": benches}
+
+
+def test_noise_is_the_relative_spread_of_the_medians_of_benchmarks_every_run_measured():
+    docs = [run_doc({"t::a": 1.00e-3, "t::b": 2e-3}, peak=10), run_doc({"t::a": 1.02e-3}, peak=12),
+            run_doc({"t::a": 0.98e-3, "t::b": 2e-3}, peak=10)]
+    entries = calibration.noise(docs)
+    assert list(entries) == ["t::a"]  # t::b is missing from one run
+    entry = entries["t::a"]
+    assert entry["runs"] == 3 and entry["timing"] == "eager"
+    assert entry["spread"] == pytest.approx(0.02)
+    assert calibration.memory_range(entry) == 2
+    assert calibration.time_tolerance(entry, "eager") == pytest.approx(3 * math.sqrt(2) * 0.02)
+    assert calibration.time_tolerance(entry, "graph") is None
+    with pytest.raises(ValueError, match="at least 2 runs"):
+        calibration.noise(docs[:1])
+
+
+def test_a_tiny_spread_gives_the_floor_and_graph_entries_keep_their_eager_spread():
+    docs = [run_doc({"t::a": 1e-3}, timing="graph", eager=e) for e in (3.0e-3, 3.3e-3, 2.7e-3)]
+    entry = calibration.noise(docs)["t::a"]
+    assert entry["spread"] == 0
+    assert calibration.time_tolerance(entry, "graph") == calibration.FLOOR
+    assert calibration.time_tolerance(entry, "graph", eager=True) == pytest.approx(3 * math.sqrt(2) * 0.1)
+    # A graph capture that failed in the run being judged: its eager rounds take the eager spread.
+    assert calibration.time_tolerance(entry, "eager") == pytest.approx(3 * math.sqrt(2) * 0.1)
+
+
+def test_mixed_timings_are_not_calibrated():
+    docs = [run_doc({"t::a": 1e-3}, timing="graph"), run_doc({"t::a": 1e-3}, timing="eager")]
+    assert calibration.noise(docs) == {}
+
+
+def test_the_file_is_merged_written_atomically_and_validated(tmp_path):
+    first = calibration.noise([run_doc({"t::a": x, "t::b": x}) for x in (1e-3, 1.1e-3)])
+    calibration.write(tmp_path, "GPU", first)
+    second = calibration.noise([run_doc({"t::b": x}) for x in (2e-3, 2.2e-3)])
+    merged, replaced = calibration.merged(calibration.read(tmp_path), second)
+    assert replaced == ["t::b"]
+    calibration.write(tmp_path, "GPU", merged)
+    assert calibration.read(tmp_path)["t::b"]["medians"] == [2e-3, 2.2e-3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calibration.json"]
+    assert calibration.read(tmp_path / "nowhere") == {}
+    (tmp_path / "calibration.json").write_text(json.dumps({"benchmarks": {"t::a": {"timing": "eager", "runs": 2,
+                                                                                   "medians": [1e-3, -1.0]}}}))
+    with pytest.raises(calibration.CalibrationError, match="medians that are not positive"):
+        calibration.read(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("args", "kept"),
+    [
+        (["perf_tests", "--benchmark-calibrate=5", "-k", "x"], ["perf_tests", "-k", "x"]),
+        (["--benchmark-calibrate", "5", "perf_tests"], ["perf_tests"]),
+        (["--benchmark-compare", "perf_tests", "--benchmark-save", "x"], ["perf_tests"]),
+        (["--benchmark-compare", "3", "--gpu-mem-report", "-q"], ["-q"]),
+        (["--benchmark-json=a.json", "--benchmark-autosave", "--full-grid"], ["--full-grid"]),
+    ],
+)
+def test_reruns_leave_out_the_parents_own_options(tmp_path, args, kept):
+    (tmp_path / "perf_tests").mkdir()
+    assert reruns.child_args(args, tmp_path) == kept
+
+
+# Each process draws its own noise (seeded by its pid), so the calibration sees a spread.
+NOISY_SUITE = """
+import os
+
+def test_a(gpu_benchmark, fake):
+    gpu_benchmark(fake.work(1.0, noise=0.01, seed=os.getpid(), memory=64 * 2**20))
+"""
+
+
+def test_calibrate_reruns_in_fresh_processes_and_the_next_compare_uses_it(pytester, monkeypatch):
+    tests = Path(__file__).parent
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")]))
+    save_baseline(pytester, {"test_a": {"ms": 1.0}})
+    pytester.makepyfile(test_suite=NOISY_SUITE)
+    result = run(pytester, "--benchmark-calibrate=2", "-p", "no:xdist")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    path = pytester.path / "baselines" / MACHINE / "calibration.json"
+    result.stdout.fnmatch_lines([
+        "lmsys perf: calibration run 1 of 2 done (exit 0)",
+        "lmsys perf: calibration run 2 of 2 done (exit 0)",
+        f"calibration of 1 benchmark(s) written to {path}",
+        "  test_suite.py::test_a: eager median spread *% over 2 runs -> time tolerance *%",
+    ])
+    entry = calibration.read(path.parent)["test_suite.py::test_a"]
+    assert entry["runs"] == 2 and len(set(entry["medians"])) == 2
+    tolerance = calibration.time_tolerance(entry, "eager")
+    assert tolerance < 0.05
+    # 4% slower: the default 5% would pass it; the calibrated tolerance does not.
+    pytester.makeconftest(INNER_CONFTEST.format(name=GPU))
+    pytester.makepyfile(test_suite="def test_a(gpu_benchmark, fake):\n"
+                                   "    gpu_benchmark(fake.work(1.04, noise=0.001, memory=64 * 2**20))\n")
+    result = run(pytester, "--benchmark-compare")
+    result.stdout.fnmatch_lines([
+        "lmsys perf: noise calibration of 1 benchmark(s) in *calibration.json",
+        f"*SLOWER: test_a median * (+*%, tolerance {tolerance * 100:.3g}% (calibrated from 2 runs)*",
+    ])
+    result.assert_outcomes(failed=1)
+
+
+def test_calibrate_refuses_to_also_compare_or_save(pytester):
+    save_baseline(pytester, {"test_a": {"ms": 1.0}})
+    result = run(pytester, "--benchmark-calibrate=3", "--benchmark-compare")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--benchmark-calibrate runs the benchmarks in other processes*--benchmark-compare"])

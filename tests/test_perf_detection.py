@@ -1,0 +1,67 @@
+"""lmsys.perf.detection: the A/A false-alarm and injected-delay detection table, from the reruns' JSON."""
+
+from pathlib import Path
+
+from lmsys.perf import detection
+
+
+def doc(verdicts: dict[str, str]) -> dict:
+    return {"benchmarks": [{"name": name, "fullname": f"t.py::{name}", "extra_info": {"verdict": verdict}}
+                           for name, verdict in verdicts.items()]}
+
+
+def test_tally_counts_the_verdicts_each_case_looks_for_per_benchmark_and_over_all():
+    same = [doc({"a": "PASS", "b": "PASS"}), doc({"a": "SLOWER", "b": "IMPROVED"})]
+    delayed = [doc({"a": "SLOWER", "b": "SLOWER-EAGER"}), doc({"a": "SLOWER+MORE-MEMORY", "b": "PASS", "c": "NEW"})]
+    allocated = [doc({"a": "MORE-MEMORY", "b": "SLOWER"})]
+    cases = [
+        ("A/A false alarms", same, detection.failed),
+        ("+5% caught", delayed, detection.failed),
+        ("+1 MiB caught", allocated, detection.more_memory),
+    ]
+    table = detection.tally(cases)
+    assert list(table.columns) == ["benchmark", "A/A false alarms", "+5% caught", "+1 MiB caught"]
+    assert table.values.tolist() == [
+        ["a", "1/2", "2/2", "1/1"], ["b", "0/2", "1/2", "0/1"], ["all", "1/4", "3/4", "1/2"]
+    ]
+
+
+def test_main_saves_a_reference_then_reruns_each_case_with_the_delay(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)
+    calls = []
+
+    def fake_rerun(args, runs, cwd, env=None, timeout=None, progress=None):
+        calls.append((list(args), runs, env))
+        if any(arg.startswith("--benchmark-save=") for arg in args):
+            storage = Path(next(a for a in args if a.startswith("--benchmark-storage=")).split("=", 1)[1])
+            (storage / "GPU").mkdir(parents=True)
+            return [doc({})]
+        storage = Path(next(a for a in args if a.startswith("--benchmark-storage=")).split("=", 1)[1])
+        assert (storage / "GPU" / "calibration.json").exists()  # the GPU's calibration applies to the reruns too
+        caught = "SLOWER" if float(env[detection.INJECT_DELAY]) > 0 else "PASS"
+        caught = "PASS+SLOWER" if int(env[detection.INJECT_MEMORY]) else caught  # a slow run: not a caught allocation
+        return [doc({"test_x": caught})] * runs
+
+    (tmp_path / "baselines" / "GPU").mkdir(parents=True)
+    (tmp_path / "baselines" / "GPU" / "calibration.json").write_text("{}")
+    monkeypatch.setattr(detection.reruns, "rerun", fake_rerun)
+    argv = ["--runs", "3", "--inject", "0.05", "--inject-memory", "1048576", "--", "perf_tests", "-k", "x"]
+    assert detection.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "benchmark A/A false alarms +5% caught +1 MiB caught" in out
+    assert "   test_x              0/3        3/3           0/3" in out
+    reference, aa, injected, allocated = calls
+    assert reference[0][:3] == ["perf_tests", "-k", "x"] and reference[1] == 1
+    assert aa[0][-1] == "--benchmark-compare" and aa[1] == 3
+    assert aa[2] == {detection.INJECT_DELAY: "0", detection.INJECT_MEMORY: "0"}
+    assert injected[2] == {detection.INJECT_DELAY: "0.05", detection.INJECT_MEMORY: "0"}
+    assert allocated[2] == {detection.INJECT_DELAY: "0", detection.INJECT_MEMORY: "1048576"}
+
+
+def test_main_compares_with_a_named_baseline_when_asked(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(detection.reruns, "rerun", lambda args, runs, cwd, env=None, timeout=None: calls.append(args)
+                        or [doc({"test_x": "PASS"})] * runs)
+    assert detection.main(["--runs", "2", "--inject", "0.1", "--baseline", "7", "--markdown", "--", "perf_tests"]) == 0
+    assert calls[0][-2:] == ["--benchmark-storage=baselines", "--benchmark-compare=7"]
+    assert "| test_x | 0/2 | 0/2 |" in capsys.readouterr().out

@@ -1,0 +1,224 @@
+"""How finely the gate sees (issue 12), on the fake GPU of perf_fakes.py: CUDA-graph timing with the eager time
+kept beside it, adaptive rounds, tolerances and where they come from, an injected device-side delay, the machine's
+state beside the verdict, and a memory floor that catches 1 MiB."""
+
+import json
+
+import pytest
+from perf_fakes import MIB, FakeGpu, run, save_baseline, write_suite
+
+from lmsys.perf import compare, timing
+
+pytest_plugins = ["pytester"]
+
+
+def bench_json(pytester, name: str = "out.json") -> dict:
+    return {bench["name"]: bench for bench in json.loads((pytester.path / name).read_text())["benchmarks"]}
+
+
+def test_graph_mode_times_replays_and_keeps_the_eager_time(pytester):
+    # 1 ms of device work behind 2 ms of CPU launch cost: the graph replay times the device, eager times both.
+    write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": 2.0, "noise": 0.0, "call": ", graph=True"}}, seed=1)
+    result = run(pytester, "--benchmark-json=out.json")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*benchmark*median*rounds*eager*", "*test_a*1 ms (graph)*21*3 ms*"])
+    info = bench_json(pytester)["test_a"]
+    assert info["stats"]["median"] == pytest.approx(1e-3)
+    assert info["extra_info"]["timing"] == "graph"
+    assert info["extra_info"]["eager_median"] == pytest.approx(3e-3)
+    assert len(info["extra_info"]["eager_data"]) == 21
+
+
+@pytest.mark.parametrize(
+    ("now", "outcome", "line"),
+    [
+        ({"ms": 1.0, "launch_ms": 2.0, "noise": 0.01}, "passed", "*test_a*PASS*"),
+        ({"ms": 1.2, "launch_ms": 2.0, "noise": 0.01}, "failed", "*SLOWER: test_a median 1.2* ms vs baseline 1* ms*"),
+        ({"ms": 1.0, "launch_ms": 3.0, "noise": 0.01}, "failed",
+         "*SLOWER-EAGER: test_a eager median 4* ms vs baseline * ms (+33*%, tolerance 15% (default)*"),
+    ],
+    ids=["unchanged", "device-slower", "launch-slower"],
+)
+def test_graph_mode_judges_device_time_and_eager_time_separately(pytester, now, outcome, line):
+    save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": 2.0, "noise": 0.01, "call": ", graph=True"}})
+    write_suite(pytester, {"test_a": {**now, "call": ", graph=True"}}, seed=2)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(**{outcome: 1})
+    result.stdout.fnmatch_lines([line])
+
+
+@pytest.mark.parametrize(("device_ms", "outcome"), [(1.0, "passed"), (1.1, "failed")], ids=["unchanged", "device+10%"])
+def test_launch_noise_hides_nothing_from_the_graph_verdict(pytester, device_ms, outcome):
+    # 1 ms of device work behind 2 ms of launch cost that varies by 50% from call to call: a +10% device regression
+    # moves the eager time by 3% (lost in that noise), the replays by 10%.
+    noisy = {"noise": 0.005, "launch_ms": 2.0, "launch_noise": 0.5, "call": ", graph=True"}
+    save_baseline(pytester, {"test_a": {"ms": 1.0, **noisy}})
+    write_suite(pytester, {"test_a": {"ms": device_ms, **noisy}}, seed=2)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(**{outcome: 1})
+    verdict = "PASS" if outcome == "passed" else "SLOWER "
+    result.stdout.fnmatch_lines([f"*test_a*(graph)*{verdict}*"])
+
+
+def test_a_call_that_cannot_be_captured_is_timed_eagerly_with_a_note(pytester):
+    write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": 1.0, "noise": 0.0, "capturable": False,
+                                      "call": ", graph=True"}}, seed=1)
+    result = run(pytester, "--benchmark-json=out.json")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([
+        "test_a: timed eagerly: the CUDA graph capture failed (RuntimeError: CUDA error: operation not permitted "
+        "when stream is capturing)"
+    ])
+    info = bench_json(pytester)["test_a"]["extra_info"]
+    assert info["timing"] == "eager"
+    assert "eager_data" not in info
+
+
+def test_a_graph_run_against_an_eager_baseline_compares_the_eager_time_only(pytester):
+    save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": 1.0}})
+    write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": 1.0, "call": ", graph=True"}}, seed=2)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["test_a: time not compared: the baseline was timed eager, this run graph"])
+
+
+def test_graph_argument_must_be_a_bool(pytester):
+    write_suite(pytester, {"test_a": {"ms": 1.0, "call": ", graph='yes'"}}, seed=1)
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*gpu_benchmark: graph must be True or False, got 'yes'*"])
+
+
+class Clock:
+    """A wall clock for timing.sample that a fake backend advances."""
+
+    def __init__(self, gpu: FakeGpu):
+        self.gpu = gpu
+
+    def __call__(self) -> float:
+        return self.gpu.now
+
+
+def test_adaptive_rounds_stop_when_the_median_is_known_well_enough():
+    gpu = FakeGpu("g")
+    quiet = gpu.work(1.0, noise=0.001, seed=1)
+    samples, _ = timing.sample(gpu, quiet, 21, None, timing.Precision(target=0.01, time_cap=100.0), Clock(gpu))
+    assert len(samples) == 21
+    noisy = gpu.work(1.0, noise=0.3, seed=2)
+    samples, _ = timing.sample(gpu, noisy, 21, None, timing.Precision(target=0.01, time_cap=100.0), Clock(gpu))
+    assert len(samples) > 21 * 8
+    assert compare.relative_half_width(samples) <= 0.01 or len(samples) == timing.MAX_ADAPTIVE_ROUNDS
+
+
+def test_adaptive_rounds_stay_within_the_time_cap():
+    gpu = FakeGpu("g")
+    # 100 ms calls, 30% noise, a 5 s cap: 21 planned rounds (2.1 s), then batches that fit in what is left (each
+    # estimated from the mean round so far, so the total may pass the cap by the noise of that estimate).
+    slow = gpu.work(100.0, noise=0.3, seed=3)
+    samples, wall = timing.sample(gpu, slow, 21, None, timing.Precision(target=0.01, time_cap=5.0), Clock(gpu))
+    assert 42 <= len(samples) <= 60
+    assert 4.5 <= sum(samples) <= 5.0 * 1.15
+    assert wall == pytest.approx(0.1, rel=0.5)
+    capped, _ = timing.sample(gpu, slow, 21, None, timing.Precision(), Clock(gpu))
+    assert len(capped) == 21
+
+
+def test_a_noisy_benchmark_gets_more_rounds_unless_the_cap_is_zero(pytester):
+    write_suite(pytester, {"test_a": {"ms": 1.0, "noise": 0.2}}, seed=1)
+    run(pytester, "--benchmark-json=out.json").assert_outcomes(passed=1)
+    assert bench_json(pytester)["test_a"]["stats"]["rounds"] > 21
+    run(pytester, "--benchmark-json=out.json", "--perf-max-time=0").assert_outcomes(passed=1)
+    assert bench_json(pytester)["test_a"]["stats"]["rounds"] == 21
+
+
+def test_an_injected_device_side_delay_is_caught(pytester, monkeypatch):
+    # In graph mode the delay is a fraction of the replays' time, not of the eager time (4 ms of it launch cost).
+    tests = {"test_a": {"ms": 1.0}, "test_b": {"ms": 2.0, "launch_ms": 4.0, "call": ", graph=True"}}
+    save_baseline(pytester, tests)
+    write_suite(pytester, tests, seed=2)
+    monkeypatch.setenv("LMSYS_INJECT_DELAY", "0.1")
+    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines([
+        "lmsys perf: LMSYS_INJECT_DELAY=0.1: every benchmarked call gets a device-side delay of 10.0% of its time*",
+    ])
+    for name in ("test_a", "test_b"):
+        info = bench_json(pytester)[name]["extra_info"]
+        assert info["injected_delay"] == 0.1
+        assert info["time_change"] == pytest.approx(0.1, abs=0.02)
+
+
+def test_an_injected_allocation_of_one_mib_is_caught(pytester, monkeypatch):
+    save_baseline(pytester, {"test_a": {"ms": 1.0, "memory": 130 * MIB}})
+    write_suite(pytester, {"test_a": {"ms": 1.0, "memory": 130 * MIB}}, seed=2)
+    monkeypatch.setenv("LMSYS_INJECT_MEMORY", str(MIB))
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "lmsys perf: LMSYS_INJECT_MEMORY=1048576: every benchmarked call holds 1 MiB more on the device*",
+        "*MORE-MEMORY: test_a peak allocated above start 131 MiB vs baseline 130 MiB*",
+    ])
+    monkeypatch.setenv("LMSYS_INJECT_MEMORY", "-1")
+    assert run(pytester).ret == pytest.ExitCode.USAGE_ERROR
+
+
+@pytest.mark.parametrize("value", ["fast", "nan", "-0.1"])
+def test_a_bad_injected_delay_is_a_usage_error(pytester, monkeypatch, value):
+    write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=1)
+    monkeypatch.setenv("LMSYS_INJECT_DELAY", value)
+    result = run(pytester)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*LMSYS_INJECT_DELAY={value}: must be a fraction of a call's time*"])
+
+
+def test_the_verdict_says_which_tolerance_applied_and_where_it_came_from(pytester):
+    save_baseline(pytester, {"test_default": {"ms": 1.0}, "test_marked": {"ms": 1.0}})
+    write_suite(pytester, {"test_default": {"ms": 1.0},
+                           "test_marked": {"ms": 1.0, "marker": "perf_tolerance(time=0.2)"}}, seed=2)
+    result = run(pytester, "--benchmark-compare")
+    result.stdout.fnmatch_lines(["*test_default*5% default*PASS*", "*test_marked*20% marker*PASS*"])
+    result = run(pytester, "--benchmark-compare", "--perf-time-tolerance=0.03")
+    result.stdout.fnmatch_lines(["*test_default*3% --perf-time-tolerance*PASS*", "*test_marked*20% marker*PASS*"])
+
+
+def test_a_slower_verdict_under_throttling_says_so(pytester):
+    save_baseline(pytester, {"test_a": {"ms": 1.0}})
+    write_suite(pytester, {}, seed=2)
+    pytester.makepyfile(test_suite="""
+        def test_a(gpu_benchmark, fake):
+            fake.machine.update(throttle=["sw_power_cap"], other_processes=1, sm_clock_mhz=1410)
+            gpu_benchmark(fake.work(1.3, noise=0.01, seed=2))
+    """)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*SLOWER: test_a median*",
+        "*(measured with: throttled (sw_power_cap); 1 other process(es) on the GPU; SM clock 1410 MHz, the baseline's "
+        "1980 MHz)*",
+    ])
+
+
+def test_machine_readings_are_stored_and_their_absence_is_said_once(pytester):
+    write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=1)
+    run(pytester, "--benchmark-json=out.json").assert_outcomes(passed=1)
+    machine = bench_json(pytester)["test_a"]["extra_info"]["machine"]
+    assert machine["before"]["sm_clock_mhz"] == 1980 and machine["after"]["throttle"] == []
+    write_suite(pytester, {"test_a": {"ms": 1.0}, "test_b": {"ms": 1.0}}, seed=1)
+    pytester.makeconftest(pytester.path.joinpath("conftest.py").read_text() + (
+        "\nFAKE.machine = None\nFAKE.machine_note = 'pynvml (the nvidia-ml-py package) is not installed'\n"
+    ))
+    result = run(pytester)
+    result.assert_outcomes(passed=2)
+    lines = [line for line in result.outlines if line.startswith("no machine readings")]
+    assert lines == [
+        "no machine readings (clocks, throttling, other processes): pynvml (the nvidia-ml-py package) is not installed"
+    ]
+
+
+@pytest.mark.parametrize(("now", "verdict"), [(130 * MIB, "PASS"), (131 * MIB, "MORE-MEMORY"), (129 * MIB, "IMPROVED")])
+def test_one_mib_more_is_always_caught_and_an_unchanged_peak_never(pytester, now, verdict):
+    save_baseline(pytester, {"test_a": {"ms": 1.0, "memory": 130 * MIB}})
+    write_suite(pytester, {"test_a": {"ms": 1.0, "memory": now}}, seed=2)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(**{"failed" if verdict == "MORE-MEMORY" else "passed": 1})
+    result.stdout.fnmatch_lines([f"*test_a*{verdict}*"])
