@@ -17,16 +17,19 @@ MIB = 2**20
 # Rank r's step takes ms * (1 + r * skew) on its fake clock, a quarter of it inside the span "comm_wait", and
 # allocates (r + 1) * memory bytes at its peak.
 SUITE = '''
+import random
+
 import pytest
 
 
-def setup(ctx, ms, skew, memory, fail_rank=None):
+def setup(ctx, ms, skew, memory, fail_rank=None, noise=0.0):
     if ctx.rank == fail_rank:
         raise ValueError(f"rank {{ctx.rank}} cannot build its model")
     seconds = ms * 1e-3 * (1 + ctx.rank * skew)
+    rng = random.Random(ctx.rank)
 
     def step():
-        ctx.backend.now += 0.75 * seconds
+        ctx.backend.now += 0.75 * seconds * (1 + noise * rng.gauss(0.0, 1.0))
         with ctx.span("comm_wait"):
             ctx.backend.now += 0.25 * seconds
         ctx.backend.allocated = max(ctx.backend.allocated, (ctx.rank + 1) * memory)
@@ -39,15 +42,15 @@ def setup(ctx, ms, skew, memory, fail_rank=None):
 @pytest.mark.parametrize("world_size", [2], ids=["ws2-gloo"])
 def test_step(gpu_benchmark, world_size):
     out = gpu_benchmark.distributed(setup, world_size=world_size, timeout=60, ms={ms}, skew={skew},
-                                    memory={memory}, fail_rank={fail_rank}, flops=10**9)
+                                    memory={memory}, fail_rank={fail_rank}, noise={noise}, flops=10**9)
     assert out == [0, 1]
 '''
 
 
-def write(pytester, ms=1.0, skew=0.0, memory=8 * MIB, fail_rank=None):
+def write(pytester, ms=1.0, skew=0.0, memory=8 * MIB, fail_rank=None, noise=0.0):
     pytester.makeini("[pytest]\n")
     pytester.makeconftest(INNER_CONFTEST.format(name="Fake GPU 80GB"))
-    pytester.makepyfile(test_suite=SUITE.format(ms=ms, skew=skew, memory=memory, fail_rank=fail_rank))
+    pytester.makepyfile(test_suite=SUITE.format(ms=ms, skew=skew, memory=memory, fail_rank=fail_rank, noise=noise))
 
 
 def run(pytester, *args):
@@ -100,3 +103,13 @@ def test_a_baseline_of_another_world_size_is_refused(pytester):
     result = run(pytester, "--benchmark-compare")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*the baseline was measured with world size and transport (4, 'gloo')*"])
+
+
+def test_noisy_rounds_are_added_on_every_rank_until_the_median_is_known(pytester):
+    write(pytester, noise=0.2)
+    result = run(pytester, "--benchmark-json=out.json", "--perf-max-time=30")
+    result.assert_outcomes(passed=1)
+    (bench,) = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    # 9 planned rounds cannot pin the median of a 20% noise to a quarter of the 5% tolerance: the rounds doubled.
+    assert bench["stats"]["rounds"] > 9
+    assert bench["stats"]["rounds"] % 9 == 0
