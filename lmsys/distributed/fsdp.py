@@ -67,7 +67,7 @@ class _Unit:
         for name, param, uses in owned:
             self.slots.append(_Slot(name, param.shape, offset, uses))
             offset += param.numel()
-        self.shard_numel = -(-offset // world_size)
+        self.rank, self.shard_numel = rank, -(-offset // world_size)
         self.padded_numel = self.shard_numel * world_size
         dtype, device = owned[0][1].dtype, owned[0][1].device
         flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
@@ -95,7 +95,11 @@ class _Unit:
         if self.gathered or self.gather_work is not None:
             return
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
-        source = self.shard.detach().to(self.full.dtype)
+        source = self.shard.detach()
+        if source.dtype != self.full.dtype:
+            # Cast into this rank's own slice of the output and gather in place: no separate input buffer.
+            own = self.full[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]
+            source = own.copy_(source)
         self.gather_work = all_gather_single(self.full, source, group=group, async_op=True)
 
     def wait_gather(self, group) -> None:
