@@ -270,6 +270,6 @@ def test_peak_memory_is_a_shard_of_the_model_plus_a_few_layers_on_two_gpus():
     for shard_bytes, base, peak, after in launch(_peak_memory, world_size, layers, dim, backend="nccl", timeout=300):
         assert shard_bytes == model_bytes // world_size
         # Above the shards: their fp32 gradients (1/N of the model) and a few units in flight: two gathered (bf16),
-        # one unit's gradients (bf16), up to three reduce-scatter inputs (fp32). Unsharded weights: 1 GiB more.
+        # one unit's gradients (bf16), two reduce-scatter inputs (fp32). Unsharded weights and gradients: 1 GiB.
         assert peak - base <= model_bytes / world_size + 6 * layer_bytes, (base, peak)
         assert after - base <= model_bytes / world_size + 2**20, (base, after)  # nothing gathered is left

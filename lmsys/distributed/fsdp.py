@@ -17,8 +17,9 @@ One step, as seen from a unit:
                (the root keeps them: backward starts with it)
     backward   a hook on the unit's outputs fires before its backward: all-gather again, prefetch the previous
                unit's; when every weight's gradient is accumulated, the gradients (compute dtype) are copied into
-               one flat fp32 buffer, the weights freed, and a reduce-scatter launched asynchronously (at most two
-               in flight, so their buffers do not pile up): each rank gets the fp32 average of its own slice
+               one flat fp32 buffer, the weights freed, and a reduce-scatter launched asynchronously: each rank
+               gets the fp32 average of its own slice. The previous unit's reduce-scatter is waited for before the
+               next buffer is allocated (one in flight, as in FSDP2), so these buffers do not pile up
     finish_gradient_synchronization()   waits for the reduce-scatters, puts each result in `flat_shards[i].grad`
                (shape (shard numel,), fp32), and all-reduces the replicated parameters' gradients
 
@@ -41,7 +42,7 @@ from torch.utils._pytree import tree_flatten
 
 from lmsys.distributed.collectives import all_gather_single, broadcast_coalesced, reduce_scatter_single
 
-_MAX_REDUCES_IN_FLIGHT = 2
+_MAX_REDUCES_IN_FLIGHT = 1
 _reduce_groups: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
 
 
@@ -279,6 +280,7 @@ class FSDP(nn.Module):
                 )
             unit.ready.add(slot_index)
             if len(unit.ready) == len(unit.slots):
+                self._wait_for_reduce_slot()  # before collect_gradients allocates the next input, as FSDP2 does
                 unit.collect_gradients()
                 self._launch_reduces()
 
@@ -289,8 +291,7 @@ class FSDP(nn.Module):
         order = self._backward_order()
         while self._next_reduce < len(order) and self._units[order[self._next_reduce]].reduce_input is not None:
             unit = self._units[order[self._next_reduce]]
-            while len(self._reduces) >= _MAX_REDUCES_IN_FLIGHT:
-                self._finish_oldest_reduce()
+            self._wait_for_reduce_slot()
             output = torch.empty_like(unit.shard)
             work = reduce_scatter_single(
                 output, unit.reduce_input, op=self._average_op, group=self._reduce_group, async_op=True
@@ -298,6 +299,11 @@ class FSDP(nn.Module):
             self._reduces.append((unit, work, output))
             unit.reduce_input = None  # the work keeps it alive until it is waited for
             self._next_reduce += 1
+
+    def _wait_for_reduce_slot(self) -> None:
+        """Finish the oldest reduce-scatters until fewer than the limit are in flight (their inputs are freed)."""
+        while len(self._reduces) >= _MAX_REDUCES_IN_FLIGHT:
+            self._finish_oldest_reduce()
 
     def _finish_oldest_reduce(self) -> None:
         unit, work, output = self._reduces.pop(0)
