@@ -17,7 +17,7 @@ TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"
 
 def _report(offset: int, *, scale: int) -> dict:
     device = init_process_group()  # already initialized by launch: returns the device only
-    total = torch.tensor([dist.get_rank() + offset], dtype=torch.float64)
+    total = torch.tensor([dist.get_rank() + offset], dtype=torch.float64, device=device)
     dist.all_reduce(total)
     return {
         "rank": dist.get_rank(),
@@ -30,7 +30,7 @@ def _report(offset: int, *, scale: int) -> dict:
 
 
 def test_returns_each_rank_result_in_rank_order_with_torchrun_environment():
-    results = launch(_report, 3, 10, scale=2, timeout=60)
+    results = launch(_report, 3, 10, scale=2, backend="gloo", timeout=60)
     assert [r["rank"] for r in results] == [0, 1, 2]
     for rank, result in enumerate(results):
         assert (result["world_size"], result["backend"], result["device"]) == (3, "gloo", "cpu")

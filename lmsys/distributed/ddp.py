@@ -155,7 +155,7 @@ class _DataParallel(nn.Module):
             self._launch_ready()
 
     def _launch_ready(self) -> None:
-        """Launch the complete buckets at the head of the launch order (async on overlapping variants)."""
+        """Launch, asynchronously, the complete buckets at the head of the launch order."""
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].complete:
             bucket = self._buckets[self._next_launch]
             bucket.work = dist.all_reduce(bucket.tensor(), op=self._average_op, async_op=True)

@@ -17,8 +17,9 @@ One step, as seen from a unit:
                (the root keeps them: backward starts with it)
     backward   a hook on the unit's outputs fires before its backward: all-gather again, prefetch the previous
                unit's; when every weight's gradient is accumulated, the gradients (compute dtype) are copied into
-               one flat fp32 buffer, the weights freed, and a reduce-scatter launched asynchronously (at most two
-               in flight, so their buffers do not pile up): each rank gets the fp32 average of its own slice
+               one flat fp32 buffer, the weights freed, and a reduce-scatter launched asynchronously: each rank
+               gets the fp32 average of its own slice. The previous unit's reduce-scatter is waited for before the
+               next buffer is allocated (one in flight, as in FSDP2), so these buffers do not pile up
     finish_gradient_synchronization()   waits for the reduce-scatters, puts each result in `flat_shards[i].grad`
                (shape (shard numel,), fp32), and all-reduces the replicated parameters' gradients
 
@@ -41,7 +42,7 @@ from torch.utils._pytree import tree_flatten
 
 from lmsys.distributed.collectives import all_gather_single, broadcast_coalesced, reduce_scatter_single
 
-_MAX_REDUCES_IN_FLIGHT = 2
+_MAX_REDUCES_IN_FLIGHT = 1
 _reduce_groups: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
 
 
@@ -67,7 +68,7 @@ class _Unit:
         for name, param, uses in owned:
             self.slots.append(_Slot(name, param.shape, offset, uses))
             offset += param.numel()
-        self.shard_numel = -(-offset // world_size)
+        self.rank, self.shard_numel = rank, -(-offset // world_size)
         self.padded_numel = self.shard_numel * world_size
         dtype, device = owned[0][1].dtype, owned[0][1].device
         flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
@@ -95,7 +96,11 @@ class _Unit:
         if self.gathered or self.gather_work is not None:
             return
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
-        source = self.shard.detach().to(self.full.dtype)
+        source = self.shard.detach()
+        if source.dtype != self.full.dtype:
+            # Cast into this rank's own slice of the output and gather in place: no separate input buffer.
+            own = self.full[self.rank * self.shard_numel : (self.rank + 1) * self.shard_numel]
+            source = own.copy_(source)
         self.gather_work = all_gather_single(self.full, source, group=group, async_op=True)
 
     def wait_gather(self, group) -> None:
@@ -275,6 +280,7 @@ class FSDP(nn.Module):
                 )
             unit.ready.add(slot_index)
             if len(unit.ready) == len(unit.slots):
+                self._wait_for_reduce_slot()  # before collect_gradients allocates the next input, as FSDP2 does
                 unit.collect_gradients()
                 self._launch_reduces()
 
@@ -285,8 +291,7 @@ class FSDP(nn.Module):
         order = self._backward_order()
         while self._next_reduce < len(order) and self._units[order[self._next_reduce]].reduce_input is not None:
             unit = self._units[order[self._next_reduce]]
-            while len(self._reduces) >= _MAX_REDUCES_IN_FLIGHT:
-                self._finish_oldest_reduce()
+            self._wait_for_reduce_slot()
             output = torch.empty_like(unit.shard)
             work = reduce_scatter_single(
                 output, unit.reduce_input, op=self._average_op, group=self._reduce_group, async_op=True
@@ -294,6 +299,11 @@ class FSDP(nn.Module):
             self._reduces.append((unit, work, output))
             unit.reduce_input = None  # the work keeps it alive until it is waited for
             self._next_reduce += 1
+
+    def _wait_for_reduce_slot(self) -> None:
+        """Finish the oldest reduce-scatters until fewer than the limit are in flight (their inputs are freed)."""
+        while len(self._reduces) >= _MAX_REDUCES_IN_FLIGHT:
+            self._finish_oldest_reduce()
 
     def _finish_oldest_reduce(self) -> None:
         unit, work, output = self._reduces.pop(0)

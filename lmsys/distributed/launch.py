@@ -117,7 +117,7 @@ def launch(
         raise ValueError(f"backend 'nccl' needs a GPU per rank: {world_size} ranks, {torch.cuda.device_count()} GPUs")
     context = _context(fn)
     deadline = time.monotonic() + timeout
-    for attempt in range(_PORT_ATTEMPTS):
+    for _ in range(_PORT_ATTEMPTS):
         results = _run(context, fn, args, kwargs, world_size, backend, deadline, timeout)
         if results is not None:
             return results
@@ -150,7 +150,7 @@ def _run(context, fn, args, kwargs, world_size, backend, deadline, timeout) -> l
                 target=_rank_main,
                 args=(fn, args, kwargs, rank, world_size, port, backend, environment, sender),
                 name=f"rank{rank}",
-                daemon=True,
+                daemon=False,  # rank code may start processes of its own (DataLoader workers); _stop joins ranks
             )
             process.start()
             sender.close()
