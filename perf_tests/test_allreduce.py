@@ -11,31 +11,15 @@ CPU: gloo, 1 MiB and 10 MiB, 2 ranks.
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from lmsys.distributed.collectives import ALL_REDUCE_SIZES
+from lmsys.distributed.collectives import ALL_REDUCE_SIZES, bus_bytes
+from lmsys.distributed.steps import setup_all_reduce
 
 HAS_CUDA = torch.cuda.is_available()
 TRANSPORT = "nccl" if HAS_CUDA else "gloo"
 MIB = 2**20
 SIZES = ALL_REDUCE_SIZES if HAS_CUDA else ALL_REDUCE_SIZES[:2]
 WORLD_SIZES = range(2, max(torch.cuda.device_count(), 2) + 1) if HAS_CUDA else (2,)
-
-
-def setup_all_reduce(ctx, nbytes):
-    """One in-place all-reduce (sum) of an fp32 tensor of `nbytes` on this rank. It starts random (never time
-    zeros); the sums grow each round and may reach inf, which changes nothing in what the collective moves."""
-    tensor = torch.randn(nbytes // 4, device=ctx.device)
-
-    def step():
-        dist.all_reduce(tensor)
-
-    return step
-
-
-def bus_bytes(nbytes: int, world_size: int) -> int:
-    """The bytes each rank moves in a ring all-reduce of `nbytes`: bus bandwidth = bus_bytes / time."""
-    return 2 * (world_size - 1) * nbytes // world_size
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=lambda n: f"ws{n}-{TRANSPORT}")

@@ -13,7 +13,7 @@ so, on a machine with fewer); on the CPU: the tiny model with gloo on 2 ranks.
 import pytest
 import torch
 
-from perf_tests.distributed_step import WRAPPERS, setup_train_step, step_flops
+from lmsys.distributed.steps import WRAPPERS, setup_train_step, step_flops
 
 HAS_CUDA = torch.cuda.is_available()
 SIZE, CONTEXT, BATCH = ("xl", 512, 4) if HAS_CUDA else ("tiny", 64, 2)

@@ -12,7 +12,7 @@ reduced in fp32; DDP: bf16 autocast), NCCL on 2 GPUs; on the CPU: the tiny model
 import pytest
 import torch
 
-from perf_tests.distributed_step import setup_train_step, step_flops
+from lmsys.distributed.steps import setup_train_step, step_flops
 
 HAS_CUDA = torch.cuda.is_available()
 SIZES = ("xl", "2.7B") if HAS_CUDA else ("tiny",)

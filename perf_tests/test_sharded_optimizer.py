@@ -11,7 +11,7 @@ On GPUs: the `xl` model, context 512, batch 4 per rank, fp32 and bf16 autocast, 
 
 import pytest
 
-from perf_tests.distributed_step import setup_train_step, step_flops
+from lmsys.distributed.steps import setup_train_step, step_flops
 from perf_tests.test_ddp import BATCH, CONTEXT, PRECISIONS, SIZE, TRANSPORT, WORLD_SIZE
 
 OPTIMIZERS = ("torch-adamw", "adamw")

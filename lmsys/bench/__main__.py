@@ -3,11 +3,10 @@
 import argparse
 import sys
 
-from lmsys.bench import attention, model, ncu, sweep
+from lmsys.bench import allreduce, attention, ddp, model, ncu, sweep
 
-# Each command is a module with add_arguments(parser) and run(args) -> exit status. The distributed commands
-# (allreduce, ddp, run under torchrun) join here as modules of the same shape once lmsys.distributed has them.
-COMMANDS = {"model": model, "attention": attention, "ncu": ncu}
+# Each command is a module with add_arguments(parser) and run(args) -> exit status.
+COMMANDS = {"model": model, "attention": attention, "ncu": ncu, "allreduce": allreduce, "ddp": ddp}
 
 
 def parser() -> argparse.ArgumentParser:

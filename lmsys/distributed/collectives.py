@@ -24,6 +24,11 @@ def bus_bandwidth(nbytes: int, seconds: float, world_size: int) -> float:
     return 2 * (world_size - 1) / world_size * nbytes / seconds / 1e9
 
 
+def bus_bytes(nbytes: int, world_size: int) -> int:
+    """The bytes each rank moves in a ring all-reduce of `nbytes`: bus bandwidth = bus_bytes / time."""
+    return 2 * (world_size - 1) * nbytes // world_size
+
+
 def all_reduce_tensor(nbytes: int, device: torch.device | str) -> torch.Tensor:
     """An fp32 tensor of `nbytes` bytes (rounded down to whole floats), zeros: repeated all-reduces stay finite."""
     if nbytes < 4:

@@ -1,19 +1,26 @@
-"""The subject of the distributed perf tests: one training step of the LM on a rank, under a data-parallel wrapper.
+"""The subjects of the distributed benchmarks (perf_tests and `lmsys-bench allreduce` / `ddp`): what one rank does in
+one timed round, built by a `setup(ctx, **kwargs)` that lmsys/perf/multirank.py runs on every rank.
 
-`setup_train_step(ctx, ...)` runs on every rank of a `gpu_benchmark.distributed` benchmark (lmsys/perf/multirank.py)
-and returns the step: forward in the `compute` precision ("fp32", or "bf16": autocast under DDP, weights gathered in
-bf16 under the fully sharded wrappers), cross-entropy, backward, the wait for gradient
-communication (the span "comm_wait"), the optimizer step, gradients cleared. Each rank draws its own batch; the
-model starts from the same seed everywhere (the wrappers broadcast rank 0's parameters anyway).
+Unlike the wrappers beside it, this module reaches into the rest of lmsys (the model, the training step, the
+optimizer) and into torch's DistributedDataParallel and fully_shard: it is where they meet for a benchmark, and
+nothing in the library imports it but the benchmark tools.
 
-Memory marks per rank: "after_init" (model, wrapper and optimizer built), "before_optimizer_step" and
-"after_optimizer_step" (allocated bytes at that point and the peak since the measured call began).
+`setup_all_reduce(ctx, nbytes)`: one in-place all-reduce (sum) of an fp32 tensor of `nbytes` on the rank.
+
+`setup_train_step(ctx, ...)` returns one training step of the LM under a data-parallel wrapper: forward in the
+`compute` precision ("fp32", or "bf16": autocast under DDP, weights gathered in bf16 under the fully sharded
+wrappers), cross-entropy, backward, the wait for gradient communication (the span "comm_wait"), the optimizer step,
+gradients cleared. Each rank draws its own batch; the model starts from the same seed everywhere (the wrappers
+broadcast rank 0's parameters anyway). Memory marks per rank: "after_init" (model, wrapper and optimizer built),
+"before_optimizer_step" and "after_optimizer_step" (allocated bytes at that point and the peak since the measured
+call began).
 """
 
 import dataclasses
 import functools
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -104,5 +111,16 @@ def setup_train_step(ctx, size, context, batch, compute, wrapper, optimizer="tor
         opt.step()
         ctx.mark("after_optimizer_step")
         opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def setup_all_reduce(ctx, nbytes):
+    """One in-place all-reduce (sum) of an fp32 tensor of `nbytes` on this rank. It starts random (never time
+    zeros); the sums grow each round and may reach inf, which changes nothing in what the collective moves."""
+    tensor = torch.randn(nbytes // 4, device=ctx.device)
+
+    def step():
+        dist.all_reduce(tensor)
 
     return step
