@@ -1,7 +1,9 @@
 """The measured commit: from git, or from $LMSYS_GIT_COMMIT on a copy of the tree without .git (a GPU machine)."""
 
 import json
+import subprocess
 
+import pytest
 from perf_fakes import INNER_CONFTEST
 
 from lmsys.perf import environment
@@ -16,8 +18,13 @@ def test_git_commit_prefers_the_variable(monkeypatch, tmp_path):
     assert environment.git_commit(tmp_path) == "abc123"
 
 
-def test_a_baseline_saved_outside_git_names_the_commit_handed_in(pytester, monkeypatch):
+@pytest.mark.parametrize("stale_git", [False, True], ids=["no-git", "stale-git"])
+def test_a_baseline_saved_from_a_copied_tree_names_the_commit_handed_in(pytester, monkeypatch, stale_git):
     monkeypatch.setenv(environment.COMMIT_VARIABLE, "0123456789abcdef")
+    if stale_git:  # a copy whose .git points at another commit than the one measured
+        for command in (["init", "-q"], ["-c", "user.name=x", "-c", "user.email=x@x", "commit", "-q", "--allow-empty",
+                                         "-m", "stale"]):
+            subprocess.run(["git", *command], cwd=pytester.path, check=True)
     pytester.makeini("[pytest]\n")
     pytester.makeconftest(INNER_CONFTEST.format(name="Fake GPU 80GB"))
     pytester.makepyfile(test_a="def test_a(gpu_benchmark, fake):\n    gpu_benchmark(fake.work(1.0))\n")

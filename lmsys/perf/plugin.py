@@ -22,6 +22,7 @@ from pytest_benchmark.utils import load_timer
 
 from lmsys.perf import baselines, calibration, compare, hookspecs, reruns
 from lmsys.perf.backend import detect_backend
+from lmsys.perf.environment import COMMIT_VARIABLE
 from lmsys.perf.fixture import gpu_benchmark, oom_reason
 from lmsys.perf.report import (
     MEMORY_REPORT_SUFFIXES,
@@ -393,12 +394,13 @@ def pytest_benchmark_update_machine_info(config, machine_info):
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-benchmark hook: absent under -p no:benchmark
 def pytest_benchmark_update_commit_info(config, commit_info):
-    # pytest-benchmark reads the commit from .git; a tree copied without it names the commit in $LMSYS_GIT_COMMIT.
+    # pytest-benchmark reads the commit from .git; a copied tree names it in $LMSYS_GIT_COMMIT, which wins: a copy may
+    # carry a .git that is not the measured commit's.
     perf = config.stash.get(SESSION_KEY, None)
     if perf is None or not perf.active:
         return
     commit = perf.environment["git_commit"]
-    if commit and commit_info.get("id") in (None, "unversioned", "unknown"):
+    if commit and (os.environ.get(COMMIT_VARIABLE) or commit_info.get("id") in (None, "unversioned", "unknown")):
         commit_info["id"] = commit
 
 
