@@ -89,21 +89,27 @@ def provider_table(data: pd.DataFrame) -> pd.DataFrame:
 
 
 def plain_table(benchmarks: list[dict]) -> pd.DataFrame:
-    """Benchmarks without providers: a row each with time, TFLOP/s and its fraction of peak, and memory."""
+    """Benchmarks without providers: a row each with time, TFLOP/s and its fraction of peak, GB/s, and memory (for
+    a benchmark on several ranks, the largest rank's); multi-rank benchmarks add the share of the step spent waiting
+    for communication (the span comm_wait). Columns that no benchmark fills are left out."""
     rows = []
     for bench in benchmarks:
         info = bench.get("extra_info") or {}
         fraction = info.get("fraction_of_peak_tflops")
         above = info.get("peak_allocated_above_start_bytes")
         peak = info.get("peak_allocated_bytes")
+        wait = (info.get("spans") or {}).get("comm_wait")
         rows.append({
             "benchmark": f"`{bench['name']}`",
             "median": format_seconds(bench["stats"]["median"]),
             "TFLOP/s": "" if info.get("tflops") is None else f"{info['tflops']:.4g}",
             "of peak": "" if fraction is None else f"{fraction:.1%} of {info.get('precision', '')}",
+            "GB/s": "" if info.get("gbps") is None else f"{info['gbps']:.4g}",
+            "comm wait": "" if wait is None else f"{wait['share']:.1%}",
             "peak memory (above start)": "" if peak is None else f"{format_bytes(peak)} ({format_bytes(above)})",
         })
-    return pd.DataFrame(rows)
+    frame = pd.DataFrame(rows)
+    return frame.drop(columns=[c for c in frame.columns[2:] if (frame[c] == "").all()])
 
 
 def _has_grid(data: pd.DataFrame) -> bool:
