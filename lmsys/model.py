@@ -167,6 +167,20 @@ SIZES = {
 }
 
 
+@torch.no_grad()
+def init_weights(model: nn.Module, num_layers: int) -> None:
+    """GPT-2 style initialisation, by parameter name: norm gains 1, residual output projections (attn.out, ffn.w2)
+    N(0, 0.02 / sqrt(2 num_layers)), every other weight N(0, 0.02)."""
+    residual_std = 0.02 / math.sqrt(2 * num_layers)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(("attn.out.weight", "ffn.w2.weight")):
+            param.normal_(0.0, residual_std)
+        else:
+            param.normal_(0.0, 0.02)
+
+
 class TransformerLM(nn.Module):
     """Tokens (B, T) -> next-token logits (B, T, vocab_size).
 
@@ -184,17 +198,9 @@ class TransformerLM(nn.Module):
         self._layer_names = [f"layer_{i}" for i in range(config.num_layers)]
         self.reset_parameters()
 
-    @torch.no_grad()
     def reset_parameters(self) -> None:
-        """GPT-2 style initialisation: N(0, 0.02), residual output projections scaled by 1/sqrt(2 num_layers)."""
-        residual_std = 0.02 / math.sqrt(2 * self.config.num_layers)
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith(("attn.out.weight", "ffn.w2.weight")):
-                param.normal_(0.0, residual_std)
-            else:
-                param.normal_(0.0, 0.02)
+        """GPT-2 style initialisation (init_weights)."""
+        init_weights(self, self.config.num_layers)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[-1] > self.config.context_length:

@@ -8,13 +8,11 @@ ignored). The perf tests time it beside ours, with `torch.optim.AdamW(fused=True
 our step is from what a page of PyTorch gets.
 """
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmsys.model import ModelConfig
+from lmsys.model import ModelConfig, init_weights
 
 
 class RMSNorm(nn.Module):
@@ -105,17 +103,9 @@ class ReferenceLM(nn.Module):
         )
         self.reset_parameters()
 
-    @torch.no_grad()
     def reset_parameters(self) -> None:
-        """GPT-2 style, as TransformerLM: N(0, 0.02), residual output projections N(0, 0.02 / sqrt(2 layers))."""
-        residual_std = 0.02 / math.sqrt(2 * self.config.num_layers)
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith(("attn.out.weight", "ffn.w2.weight")):
-                param.normal_(0.0, residual_std)
-            else:
-                param.normal_(0.0, 0.02)
+        """The same initialisation as TransformerLM (lmsys.model.init_weights), so a seed gives the same weights."""
+        init_weights(self, self.config.num_layers)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding(tokens)
