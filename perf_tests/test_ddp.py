@@ -6,7 +6,7 @@ communication after backward (extra_info spans.comm_wait; torch DDP waits inside
 rank's memory (extra_info per_rank_memory: after initialization, before and after the optimizer step); the gate
 judges the time and the largest rank's peak. Weak-scaling efficiency = single-device step / N-rank step.
 
-On GPUs: the `xl` model, context 512, batch 4 per rank, fp32 and bf16 autocast, NCCL on 2 GPUs (skipped, saying
+On GPUs: the `xl` model, context 512, batch 4 per rank, fp32 and bf16 autocast, NCCL on every GPU of the machine, at least 2 (skipped, saying
 so, on a machine with fewer); on the CPU: the tiny model with gloo on 2 ranks.
 """
 
@@ -19,7 +19,8 @@ HAS_CUDA = torch.cuda.is_available()
 SIZE, CONTEXT, BATCH = ("xl", 512, 4) if HAS_CUDA else ("tiny", 64, 2)
 TRANSPORT = "nccl" if HAS_CUDA else "gloo"
 PRECISIONS = ("fp32", "bf16") if HAS_CUDA else ("fp32",)
-WORLD_SIZE = 2
+# Every GPU of the machine (2 at least: on one GPU the multi-rank cases skip, saying so); 2 gloo ranks on the CPU.
+WORLD_SIZE = max(2, torch.cuda.device_count())
 
 
 def cases():

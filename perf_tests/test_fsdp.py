@@ -6,7 +6,7 @@ backward (extra_info spans.comm_wait: our wrappers' finish_gradient_synchronizat
 and each rank's memory (extra_info per_rank_memory); the gate judges the time and the largest rank's peak.
 
 On GPUs: `xl` and `2.7B`, context 512, batch 4 per rank, bf16 compute (FSDP: weights gathered in bf16, gradients
-reduced in fp32; DDP: bf16 autocast), NCCL on 2 GPUs; on the CPU: the tiny model in fp32 with gloo.
+reduced in fp32; DDP: bf16 autocast), NCCL on every GPU of the machine (at least 2); on the CPU: the tiny model in fp32 with gloo.
 """
 
 import pytest
@@ -19,7 +19,8 @@ SIZES = ("xl", "2.7B") if HAS_CUDA else ("tiny",)
 CONTEXT, BATCH = (512, 4) if HAS_CUDA else (64, 2)
 COMPUTE = "bf16" if HAS_CUDA else "fp32"
 TRANSPORT = "nccl" if HAS_CUDA else "gloo"
-WORLD_SIZE = 2
+# Every GPU of the machine (2 at least: on one GPU the multi-rank cases skip, saying so); 2 gloo ranks on the CPU.
+WORLD_SIZE = max(2, torch.cuda.device_count())
 # torch DDP too: the memory target of FSDP is stated against it (our bucketed DDP already holds less).
 WRAPPERS = ("fsdp", "torch-fsdp2", "bucketed-100mb", "torch-ddp")
 

@@ -6,7 +6,7 @@ optimizer step (extra_info per_rank_memory: after_optimizer_step_allocated_bytes
 (N-1)/N of AdamW's state (8 bytes per parameter in fp32) per rank.
 
 On GPUs: the `xl` model, context 512, batch 4 per rank, fp32 and bf16 autocast, torch's fused AdamW and ours, NCCL on
-2 GPUs; on the CPU: the tiny model with gloo.
+every GPU of the machine (at least 2); on the CPU: the tiny model with gloo.
 """
 
 import pytest
