@@ -113,3 +113,12 @@ def test_noisy_rounds_are_added_on_every_rank_until_the_median_is_known(pytester
     # 9 planned rounds cannot pin the median of a 20% noise to a quarter of the 5% tolerance: the rounds doubled.
     assert bench["stats"]["rounds"] > 9
     assert bench["stats"]["rounds"] % 9 == 0
+
+
+def test_the_verdict_names_the_tolerance_that_applied(pytester):
+    write(pytester, ms=1.0, skew=0.0)
+    run(pytester, "--benchmark-save=base").assert_outcomes(passed=1)
+    write(pytester, ms=1.0, skew=0.2)
+    result = run(pytester, "--benchmark-compare", "--perf-time-tolerance=0.1")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*SLOWER: test_step*tolerance 10% (--perf-time-tolerance)*"])

@@ -194,6 +194,7 @@ class GpuBenchmark:
             disable_gc=session.disable_gc,
             baseline_samples=None if baseline is None else baselines.samples(baseline, timing.EAGER),
             tolerance=tolerance.value,
+            tolerance_source=tolerance.source,
             precision=session.precision(tolerance),
         )
         try:

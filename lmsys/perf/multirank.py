@@ -96,6 +96,7 @@ class Settings:
     disable_gc: bool
     baseline_samples: list[float] | None
     tolerance: float
+    tolerance_source: str = "default"
     precision: timing.Precision = timing.Precision()
     once: bool = False
 
@@ -159,41 +160,29 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
         plan = timing.plan(max(_gather(calibration)), settings.max_time, settings.min_rounds, settings.warmup_rounds)
         _time_rounds(ctx, step, plan.warmup_rounds - 1)
 
-        def gathered_rounds(rounds):
-            samples, spans, wall = _time_rounds(ctx, step, rounds)
-            gathered = _gather((samples, spans, wall))
-            return _slowest([g[0] for g in gathered]), [g[1] for g in gathered], max(g[2] for g in gathered)
-
         def measure_all():
-            # Adaptive rounds as in timing.sample; every rank holds the same gathered samples and walls, so every
-            # rank takes the same decision and the ranks stay in step.
-            samples, spans, wall = gathered_rounds(plan.rounds)
-            target, spent = settings.precision.target, wall * len(samples)
-            while target is not None and len(samples) < timing.MAX_ADAPTIVE_ROUNDS:
-                if compare.relative_half_width(samples) <= target:
-                    break
-                more = min(len(samples), timing.MAX_ADAPTIVE_ROUNDS - len(samples))
-                more = min(more, int((settings.precision.time_cap - spent) / wall)) if wall > 0 else more
-                if more < 1:
-                    break
-                extra, extra_spans, extra_wall = gathered_rounds(more)
-                samples += extra
-                spans = [a + b for a, b in zip(spans, extra_spans, strict=True)]
-                spent += extra_wall * more
-                wall = spent / len(samples)
+            per_rank_spans = []
+
+            def timed(rounds):
+                samples, spans, wall = _time_rounds(ctx, step, rounds)
+                gathered = _gather((samples, spans, wall))
+                per_rank_spans.append([g[1] for g in gathered])
+                return _slowest([g[0] for g in gathered]), max(g[2] for g in gathered) * rounds
+
+            # Every rank holds the same gathered samples and times, so every rank takes the same decision.
+            samples, wall = timing.adapt(timed, plan.rounds, settings.precision)
+            spans = [sum(batch, []) for batch in zip(*per_rank_spans, strict=True)]
             return samples, spans, wall
 
         def judge(samples):
             if settings.baseline_samples is None:
                 return None
-            return compare.compare_time(samples, settings.baseline_samples, settings.tolerance)
+            return compare.compare_time(
+                samples, settings.baseline_samples, settings.tolerance, source=settings.tolerance_source
+            )
 
-        samples, spans, wall = measure_all()
-        comparison = judge(samples)
-        remeasured = comparison is not None and comparison.verdict == compare.SLOWER
-        if remeasured:  # every rank computed the same comparison from the same gathered samples
-            samples, spans, wall = measure_all()
-            comparison = judge(samples)
+        # Every rank judges the same gathered samples, so every rank re-measures, or none does.
+        (samples, spans, wall), comparison, remeasured = timing.judged(measure_all, judge)
         _barrier(ctx)
         result, memory = backend.measure_memory(step)
         readings = _gather((memory, dict(ctx.marks)))

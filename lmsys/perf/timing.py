@@ -4,7 +4,7 @@ One round is one call of the benchmarked function (or one replay of its CUDA gra
 before the round, outside the timed span. The budget follows pytest-benchmark's options: rounds =
 --benchmark-max-time / (wall time of one round, flush and synchronization included), at least
 --benchmark-min-rounds and at most MAX_ROUNDS (unless min-rounds asks for more); warmup covers WARMUP_SHARE of the
-budget, 1 to MAX_WARMUP_ROUNDS rounds, unless the test fixes it. Then the rounds adapt (`sample`): while the
+budget, 1 to MAX_WARMUP_ROUNDS rounds, unless the test fixes it. Then the rounds adapt (`adapt`): while the
 median's confidence interval is wider than the target (a share of the tolerance), the rounds are doubled, within
 a wall-time cap and MAX_ADAPTIVE_ROUNDS.
 
@@ -114,6 +114,27 @@ def time_rounds(backend, call: Callable[[], Any], rounds: int, flush: Callable[[
     return samples
 
 
+def adapt(timed: Callable[[int], tuple[list[float], float]], rounds: int, precision: Precision = Precision()):
+    """`timed(n)` times n rounds and returns their samples and the wall-clock seconds they took. Times `rounds`
+    rounds, then doubles them while the median is known less precisely than precision.target and the next batch fits
+    in precision.time_cap (estimated from the rounds so far); returns the samples and the wall seconds per round.
+    The decision uses only what `timed` returns, so ranks that gather their samples decide alike (multirank.py)."""
+    samples, spent = timed(rounds)
+    while precision.target is not None and len(samples) < MAX_ADAPTIVE_ROUNDS:
+        if relative_half_width(samples) <= precision.target:
+            break
+        per_round = spent / len(samples)
+        more = min(len(samples), MAX_ADAPTIVE_ROUNDS - len(samples))
+        if per_round > 0:
+            more = min(more, int((precision.time_cap - spent) / per_round))
+        if more < 1:
+            break
+        extra, extra_spent = timed(more)
+        samples += extra
+        spent += extra_spent
+    return samples, spent / len(samples)
+
+
 def sample(
     backend,
     call: Callable[[], Any],
@@ -122,23 +143,14 @@ def sample(
     precision: Precision = Precision(),
     clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[list[float], float]:
-    """Times `rounds` rounds, then doubles them while the median is known less precisely than precision.target and
-    the next batch fits in precision.time_cap (estimated from the rounds so far); returns the samples and the
-    wall-clock seconds per round."""
-    start = clock()
-    samples = time_rounds(backend, call, rounds, flush)
-    while precision.target is not None and len(samples) < MAX_ADAPTIVE_ROUNDS:
-        if relative_half_width(samples) <= precision.target:
-            break
-        spent = clock() - start
-        per_round = spent / len(samples)
-        more = min(len(samples), MAX_ADAPTIVE_ROUNDS - len(samples))
-        if per_round > 0:
-            more = min(more, int((precision.time_cap - spent) / per_round))
-        if more < 1:
-            break
-        samples += time_rounds(backend, call, more, flush)
-    return samples, (clock() - start) / len(samples)
+    """`adapt` over rounds of `call` timed through the backend (each after an untimed flush when one is given)."""
+
+    def timed(n: int) -> tuple[list[float], float]:
+        start = clock()
+        samples = time_rounds(backend, call, n, flush)
+        return samples, clock() - start
+
+    return adapt(timed, rounds, precision)
 
 
 def warm_up(backend, call: Callable[[], Any], flush, max_time: float, min_rounds: int, warmup_rounds: int | None):
@@ -188,14 +200,21 @@ def with_allocation(backend, call: Callable[[], Any], nbytes: int) -> Callable[[
     return holding
 
 
-def _series(backend, call, rounds, flush, precision: Precision, judge: Judge):
-    """Samples, wall seconds per round, comparison and whether a SLOWER first comparison was re-measured."""
-    samples, wall = sample(backend, call, rounds, flush, precision)
-    comparison = judge(samples)
+def judged(measure: Callable[[], tuple], judge: Judge):
+    """`measure()` returns (samples, *more); judged by `judge`; when that says SLOWER, measured once more and the
+    second measurement decides. Returns the measurement, its comparison and whether it was re-measured."""
+    measured = measure()
+    comparison = judge(measured[0])
     remeasured = comparison is not None and comparison.verdict == SLOWER
     if remeasured:
-        samples, wall = sample(backend, call, rounds, flush, precision)
-        comparison = judge(samples)
+        measured = measure()
+        comparison = judge(measured[0])
+    return measured, comparison, remeasured
+
+
+def _series(backend, call, rounds, flush, precision: Precision, judge: Judge):
+    """Samples, wall seconds per round, comparison and whether a SLOWER first comparison was re-measured."""
+    (samples, wall), comparison, remeasured = judged(lambda: sample(backend, call, rounds, flush, precision), judge)
     return samples, wall, comparison, remeasured
 
 
@@ -207,13 +226,7 @@ def _capture(backend, call, flush, max_time, min_rounds, notes: list[str]):
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         notes.append(f"timed eagerly: the CUDA graph capture failed ({type(exc).__name__}: {reason})")
         return None
-    replay()
-    backend.synchronize()
-    start = time.perf_counter()
-    time_rounds(backend, replay, 1, flush)
-    chosen = plan(time.perf_counter() - start, max_time, min_rounds, None)
-    time_rounds(backend, replay, chosen.warmup_rounds - 1, flush)
-    return replay, release, chosen
+    return replay, release, warm_up(backend, replay, flush, max_time, min_rounds, None)
 
 
 def run(
