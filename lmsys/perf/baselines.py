@@ -353,6 +353,25 @@ def _remove_stale_temporaries(folder: Path) -> None:
             path.unlink()
 
 
+@contextlib.contextmanager
+def _staged(folder: Path, text: str):
+    """Under the folder's lock, with SIGTERM turned into an exit so that this cleanup runs: a hidden temporary file in
+    folder holding text, flushed to disk, for the caller to link or move into place; removed at the end unless moved.
+    Temporary files a harder kill left behind are removed first."""
+    with _terminate_as_exit(), _locked(folder):
+        _remove_stale_temporaries(folder)
+        handle, temporary = tempfile.mkstemp(dir=folder, prefix=TEMPORARY_PREFIX, suffix=".json")
+        try:
+            with os.fdopen(handle, "w", encoding="utf-8") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+            yield Path(temporary)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temporary)
+
+
 def replace_file(path: Path, text: str) -> Path:
     """Writes text to path atomically (a temporary file renamed over it), under the folder's lock: for the files
     that are meant to be updated (the calibration), never for a baseline."""
@@ -360,18 +379,8 @@ def replace_file(path: Path, text: str) -> Path:
     if file_number(path) is not None:
         raise ValueError(f"{path} is named like a baseline: baselines are written once, with save_new")
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _terminate_as_exit(), _locked(path.parent):
-        _remove_stale_temporaries(path.parent)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=TEMPORARY_PREFIX, suffix=".json")
-        try:
-            with os.fdopen(handle, "w", encoding="utf-8") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(temporary, path)
-        except BaseException:
-            os.unlink(temporary)
-            raise
+    with _staged(path.parent, text) as temporary:
+        os.replace(temporary, path)
     return path
 
 
@@ -386,23 +395,14 @@ def save_new(folder: Path, name: str, text: str) -> Path:
     check_name(name)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    with _terminate_as_exit(), _locked(folder):
-        _remove_stale_temporaries(folder)
-        handle, temporary = tempfile.mkstemp(dir=folder, prefix=TEMPORARY_PREFIX, suffix=".json")
-        try:
-            with os.fdopen(handle, "w", encoding="utf-8") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            while True:
-                number = next_number(folder)
-                if number > MAX_NUMBER:
-                    raise BaselineError(f"{folder} already holds baseline {MAX_NUMBER}; move old files away to save")
-                target = folder / file_name(number, name)
-                try:
-                    os.link(temporary, target)
-                except FileExistsError:
-                    continue
-                return target
-        finally:
-            os.unlink(temporary)
+    with _staged(folder, text) as temporary:
+        while True:
+            number = next_number(folder)
+            if number > MAX_NUMBER:
+                raise BaselineError(f"{folder} already holds baseline {MAX_NUMBER}; move old files away to save")
+            target = folder / file_name(number, name)
+            try:
+                os.link(temporary, target)
+            except FileExistsError:
+                continue
+            return target
