@@ -21,20 +21,20 @@ from pathlib import Path
 import pandas as pd
 
 from lmsys.perf import calibration, reruns
-from lmsys.perf.compare import format_bytes
+from lmsys.perf.compare import MORE_MEMORY, Verdict, format_bytes
 from lmsys.perf.timing import INJECT_DELAY, INJECT_MEMORY
-FAILING = ("SLOWER", "SLOWER-EAGER", "MORE-MEMORY")
+
 UNCHANGED = {INJECT_DELAY: "0", INJECT_MEMORY: "0"}
 
 
 def failed(label: str | None) -> bool:
     """Whether a verdict label fails its test (the A/A false alarms, the caught delays)."""
-    return label is not None and any(part in FAILING for part in label.split("+"))
+    return label is not None and Verdict(label).failed
 
 
 def more_memory(label: str | None) -> bool:
     """Whether a verdict label says MORE-MEMORY (the caught allocations)."""
-    return label is not None and "MORE-MEMORY" in label.split("+")
+    return label is not None and MORE_MEMORY in label.split("+")
 
 
 def tally(cases: list[tuple[str, list[dict], Callable[[str | None], bool]]]) -> pd.DataFrame:

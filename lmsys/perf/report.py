@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from lmsys.perf.compare import FAILING, format_bytes, format_seconds
+from lmsys.perf.compare import Verdict, format_bytes, format_seconds
 from lmsys.perf.session import PerfSession, Record
 
 MEMORY_REPORT_SUFFIXES = (".csv", ".json")
@@ -184,11 +184,6 @@ def markdown_table(frame: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _memory_change(record: Record) -> float | None:
-    peak = None if record.memory is None else record.memory.peak_allocated_above_start
-    return peak / record.baseline_peak - 1 if peak is not None and record.baseline_peak else None
-
-
 def report_frame(records: list[Record], comparing: bool) -> pd.DataFrame:
     """One row per benchmark for the markdown report, failing verdicts first (then in the order they ran)."""
     rows = []
@@ -206,11 +201,9 @@ def report_frame(records: list[Record], comparing: bool) -> pd.DataFrame:
             "verdict": f"**{verdict}**" if failed else verdict,
             "benchmark": f"`{record.name}`",
             "median": format_seconds(record.median),
-            "time change": "" if baseline is None else (
-                f"{_percent(record.median / baseline - 1)} vs {format_seconds(baseline)}"
-            ),
+            "time change": "" if baseline is None else f"{_change(record.median, baseline)} vs {format_seconds(baseline)}",
             "peak memory": "" if peak is None else format_bytes(peak),
-            "memory change": _percent(_memory_change(record)),
+            "memory change": _change(peak, record.baseline_peak),
             "TFLOP/s": tflops,
         })
     columns = ["failed", "verdict", "benchmark", "median", "time change", "peak memory", "memory change", "TFLOP/s"]
@@ -224,7 +217,7 @@ def markdown_report(
 ) -> str:
     """The whole markdown report: a title counting the regressions, the device ('GPU: NAME'), commit and baseline
     files, the table (report_frame) and the notes. `labels` are the benchmarks' verdict labels ('' if not compared)."""
-    failing = sum(any(part in FAILING for part in label.split("+")) for label in labels)
+    failing = sum(Verdict(label).failed for label in labels if label)
     counts = pd.Series([label for label in labels if label]).value_counts()
     benchmarks = f"{len(labels)} benchmark{'' if len(labels) == 1 else 's'}"
     if compared or failing:
