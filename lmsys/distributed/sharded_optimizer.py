@@ -36,6 +36,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
         self._loads = [0] * self._world_size  # bytes owned per rank
         self._owner: dict[torch.Tensor, int] = {}
+        self._owned: list[list[torch.Tensor]] = [[] for _ in range(self._world_size)]  # per rank, in group order
         self.local: torch.optim.Optimizer | None = None
         super().__init__(params, kwargs)
 
@@ -47,6 +48,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             owner = min(range(self._world_size), key=lambda rank: (self._loads[rank], rank))
             self._owner[group["params"][index]] = owner
             self._loads[owner] += _nbytes(group["params"][index])
+        for p in group["params"]:
+            self._owned[self._owner[p]].append(p)
         local_group = {**_hyper(group), "params": [p for p in group["params"] if self._owner[p] == self._rank]}
         if self.local is None:
             self.local = self._optimizer_cls([local_group], **self._kwargs)
@@ -66,8 +69,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for group, local_group in zip(self.param_groups, self.local.param_groups, strict=True):
             local_group.update(_hyper(group))
         self.local.step()
-        for owner in range(self._world_size):
-            owned = [p for group in self.param_groups for p in group["params"] if self._owner[p] == owner]
+        for owner, owned in enumerate(self._owned):
             broadcast_coalesced(owned, src=owner)
         return loss
 

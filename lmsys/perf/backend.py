@@ -9,14 +9,13 @@ CUDA is initialized lazily, on the first use of the name or a measurement: a pyt
 (the correctness tests, which may fork worker processes) must not inherit an initialized CUDA context.
 """
 
-import functools
 import gc
 import platform
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, Protocol
 
 import torch
@@ -132,7 +131,7 @@ class CpuBackend:
 
     def for_rank(self) -> Callable[[], "CpuBackend"]:
         """A picklable maker of the same backend in a rank process (multi-rank benchmarks)."""
-        return functools.partial(CpuBackend, self.clock)
+        return partial(CpuBackend, self.clock)
 
     def capture_graph(self, call: Callable[[], Any]) -> tuple[Callable[[], None], Callable[[], None]]:
         """There are no CUDA graphs on the CPU: graph=True falls back to eager timing, with a note."""
