@@ -17,10 +17,8 @@ reads each rank's peak memory (GPU only).
 
 import argparse
 import contextlib
-import functools
 import gc
 import os
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,7 +140,7 @@ def measure(world: World, setup: Callable, setup_kwargs: dict, args: argparse.Na
     settings = multirank.Settings(
         setup=setup,
         setup_kwargs=setup_kwargs,
-        make_backend=CudaBackend if world.transport == "nccl" else functools.partial(CpuBackend, time.perf_counter),
+        make_backend=sweep.backend().for_rank(),
         transport=world.transport,
         max_time=0.0,  # exactly --steps rounds
         min_rounds=args.steps,
