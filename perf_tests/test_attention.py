@@ -28,18 +28,11 @@ import warnings
 
 import pytest
 import torch
-from torch._functorch import config as functorch_config
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lmsys.attention import FlashAttentionTorch, FlashAttentionTriton, naive_attention, sdpa_attention
+from lmsys.attention.providers import NEEDS_CUDA, SDPA_BACKENDS, attention_function, sdpa_with, timed_call
 from lmsys.flops import attention_flops
 
 PROVIDERS = ("naive", "naive_compiled", "flash_torch_compiled", "flash_triton", "sdpa_flash", "sdpa_cudnn")
-NEEDS_CUDA = {
-    "flash_triton": "the Triton kernels need a CUDA device (the interpreter is for tests, not timing)",
-    "sdpa_cudnn": "SDPA's cuDNN backend needs a CUDA device",
-}
-SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
 # Up to this length the fused kernels are launch-bound on an H100 (the CPU's launch path costs more than the
 # kernels): on a GPU they are timed as CUDA-graph replays, their eager time kept beside (README, "Graph mode").
 GRAPH_PROVIDERS = ("flash_triton", "sdpa_flash", "sdpa_cudnn")
@@ -49,30 +42,12 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HAS_CUDA = torch.cuda.is_available()
 
 
-def _flash_torch(q, k, v, is_causal):
-    return FlashAttentionTorch.apply(q, k, v, is_causal)
-
-
-def _flash_triton(q, k, v, is_causal):
-    return FlashAttentionTriton.apply(q, k, v, is_causal)
-
-
-def _sdpa_with(backend: SDPBackend):
-    def attend(q, k, v, is_causal):
-        with sdpa_kernel(backend):
-            if q.dim() == 3:  # SDPA's fused backends want (B, H, T, D): add a heads dim of 1 (a view).
-                return sdpa_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), is_causal).squeeze(1)
-            return sdpa_attention(q, k, v, is_causal)
-
-    return attend
-
-
-def _refusal(backend: SDPBackend, q, k, v, is_causal) -> str | None:
+def _refusal(backend, q, k, v, is_causal) -> str | None:
     """Why SDPA's `backend` refuses these inputs, in SDPA's words (its warnings), or None when it runs them."""
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
         try:
-            _sdpa_with(backend)(q, k, v, is_causal)
+            sdpa_with(backend)(q, k, v, is_causal)
         except RuntimeError as exc:
             return " ".join(str(w.message) for w in caught) or str(exc)
     return None
@@ -86,16 +61,7 @@ def attention_for(provider: str, q, k, v, is_causal: bool, compile_all: bool = F
         reason = _refusal(SDPA_BACKENDS[provider], q, k, v, is_causal)
         if reason is not None:
             pytest.skip(f"SDPA's {provider.removeprefix('sdpa_')} backend refuses {q.dtype} {tuple(q.shape)}: {reason}")
-    attend = {
-        "naive": naive_attention,
-        "naive_compiled": naive_attention,
-        "flash_torch_compiled": _flash_torch,
-        "flash_triton": _flash_triton,
-        **{name: _sdpa_with(backend) for name, backend in SDPA_BACKENDS.items()},
-    }[provider]
-    if compile_all or provider.endswith("_compiled"):
-        attend = torch.compile(attend, dynamic=False)
-    return attend
+    return attention_function(provider, compile=compile_all)
 
 
 @pytest.fixture
@@ -115,34 +81,9 @@ def run_case(gpu_benchmark, device, provider, shape, is_causal, dtype, mode, com
     graph = device.type == "cuda" and provider in GRAPH_PROVIDERS and shape[-2] <= GRAPH_MAX_SEQ and not compile_all
     batch, heads = (shape[0], 1) if len(shape) == 3 else shape[:2]
     work = attention_flops(batch, heads, shape[-2], shape[-2], shape[-1], is_causal, mode)
-    if mode == "fwd":
-
-        def forward(q, k, v):
-            with torch.no_grad():
-                return attend(q, k, v, is_causal)
-
-        out = gpu_benchmark(forward, q, k, v, flops=work, graph=graph)
-        assert torch.isfinite(out).all()
-        return
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
-    do = torch.randn_like(q)
-    if mode == "fwd_bwd":
-
-        def forward_backward(q, k, v, do):
-            return torch.autograd.grad(attend(q, k, v, is_causal), (q, k, v), do)
-
-        grads = gpu_benchmark(forward_backward, q, k, v, do, flops=work, graph=graph)
-    else:
-        # A compiled backward normally frees ("donates") the saved activations; timing it again over the same
-        # graph needs them kept. The flag is read when the forward compiles.
-        with functorch_config.patch(donated_buffer=False):
-            out = attend(q, k, v, is_causal)
-
-        def backward(out, do):
-            return torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
-
-        grads = gpu_benchmark(backward, out, do, flops=work, graph=graph)
-    assert all(torch.isfinite(g).all() for g in grads)
+    fn, args = timed_call(attend, q, k, v, is_causal, mode)
+    out = gpu_benchmark(fn, *args, flops=work, graph=graph)
+    assert all(torch.isfinite(x).all() for x in (out if isinstance(out, tuple) else (out,)))
 
 
 def point(shape, causal, dtype, mode, default=False):

@@ -6,38 +6,25 @@ halved when causal; backward 2.5x; both 3.5x). Modes: `fwd` (no autograd graph),
 untimed; each timed call is a backward through the kept graph), `fwd_bwd`. Gradients come from a random dO through
 torch.autograd.grad. The peak memory is what one more call allocates above what was allocated before it (GPU only).
 
-Providers: lmsys.attention's naive reference, flash_torch (FlashAttention-2 in PyTorch), flash_triton, PyTorch's
-sdpa (its own choice of backend) and sdpa_flash / sdpa_cudnn / sdpa_efficient / sdpa_math (one SDPA backend each);
-`_compiled` after naive or flash_torch wraps it in torch.compile. A provider that cannot run a point is a row whose
-status says why (SDPA's own words when a backend refuses the inputs); running out of memory is a row 'OOM: ...'.
+Providers (lmsys/attention/providers.py): lmsys.attention's naive reference, flash_torch (FlashAttention-2 in
+PyTorch), flash_triton, PyTorch's sdpa (its own choice of backend) and sdpa_flash / sdpa_cudnn / sdpa_efficient /
+sdpa_math (one SDPA backend each); `_compiled` after naive or flash_torch wraps it in torch.compile. A provider
+that cannot run a point is a row whose status says why (SDPA's own words when a backend refuses the inputs); running
+out of memory is a row 'OOM: ...'.
 """
 
 import argparse
+import functools
 import warnings
 from pathlib import Path
 
 import pandas as pd
 import torch
-from torch._functorch import config as functorch_config
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lmsys.attention import ATTENTION
+from lmsys.attention.providers import NEEDS_CUDA, PROVIDERS, attention_function, timed_call
 from lmsys.bench import sweep
 from lmsys.flops import ATTENTION_MODES, attention_flops
 
-SDPA_BACKENDS = {
-    "sdpa_flash": SDPBackend.FLASH_ATTENTION,
-    "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
-    "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
-    "sdpa_math": SDPBackend.MATH,
-}
-PROVIDERS = (
-    "naive", "naive_compiled", "flash_torch", "flash_torch_compiled", "flash_triton", "sdpa", *SDPA_BACKENDS
-)
-NEEDS_CUDA = {
-    "flash_triton": "needs CUDA (the Triton interpreter is for tests, not timing)",
-    "sdpa_cudnn": "needs CUDA (SDPA's cuDNN backend)",
-}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COLUMNS = [
     "provider", "batch", "heads", "seq", "d", "dtype", "mode", "causal", "status", "median_ms", "mean_ms", "std_ms",
@@ -68,40 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write DIR/attention_time.png and DIR/attention_memory.png")
 
 
-def _sdpa_with(backend: SDPBackend):
-    def attend(q, k, v, is_causal):
-        with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
-
-    return attend
-
-
-def attention_function(provider: str):
-    """The provider's attention(q, k, v, is_causal), compiled for the `_compiled` providers."""
-    base = provider.removesuffix("_compiled")
-    attend = _sdpa_with(SDPA_BACKENDS[base]) if base in SDPA_BACKENDS else ATTENTION[base]
-    return torch.compile(attend, dynamic=False) if provider.endswith("_compiled") else attend
-
-
-def point_function(attend, q, k, v, causal: bool, mode: str):
-    """The timed call of one mode, as a function of no arguments (for `bwd` the forward runs here, once)."""
-    if mode == "fwd":
-
-        def forward():
-            with torch.no_grad():
-                return attend(q, k, v, causal)
-
-        return forward
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
-    do = torch.randn_like(q)
-    if mode == "fwd_bwd":
-        return lambda: torch.autograd.grad(attend(q, k, v, causal), (q, k, v), do)
-    # A compiled backward frees ("donates") the saved activations; timing it again over the same graph needs them.
-    with functorch_config.patch(donated_buffer=False):
-        out = attend(q, k, v, causal)
-    return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
-
-
 def _refusal(exc: RuntimeError, caught: list) -> str:
     """Why a provider refused the inputs: the warnings SDPA gives its reasons in, else the error's first line."""
     reasons = " ".join(str(w.message) for w in caught) or str(exc)
@@ -117,7 +70,8 @@ def measure(provider: str, shape: tuple, dtype: str, mode: str, causal: bool, ar
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            call = point_function(attend, q, k, v, causal, mode)
+            fn, fn_args = timed_call(attend, q, k, v, causal, mode)
+            call = functools.partial(fn, *fn_args)
             call()
         except RuntimeError as exc:
             if provider.startswith("sdpa"):

@@ -201,7 +201,9 @@ def report_frame(records: list[Record], comparing: bool) -> pd.DataFrame:
             "verdict": f"**{verdict}**" if failed else verdict,
             "benchmark": f"`{record.name}`",
             "median": format_seconds(record.median),
-            "time change": "" if baseline is None else f"{_change(record.median, baseline)} vs {format_seconds(baseline)}",
+            "time change": (
+                "" if baseline is None else f"{_change(record.median, baseline)} vs {format_seconds(baseline)}"
+            ),
             "peak memory": "" if peak is None else format_bytes(peak),
             "memory change": _change(peak, record.baseline_peak),
             "TFLOP/s": tflops,
