@@ -24,7 +24,6 @@ CUDA the script runs on the CPU (wall-clock timing, no MFU), for a smoke test wi
 """
 
 import argparse
-import csv
 import dataclasses
 import functools
 import gc
@@ -32,11 +31,14 @@ import statistics
 import sys
 import time
 
+import pandas as pd
 import torch
 
 from lmsys import flops
+from lmsys.bench import sweep
 from lmsys.model import SIZES, TransformerLM
 from lmsys.optim import AdamW
+from lmsys.perf.report import markdown_table
 from lmsys.reference_model import ReferenceLM
 from lmsys.train import make_train_step, random_batch
 
@@ -75,31 +77,14 @@ def _release_memory() -> None:
 
 
 def time_steps(step, batch, warmup: int, steps: int) -> tuple[list[float], float]:
-    """Per-step times in ms (CUDA events around each step; the wall clock on the CPU) and the first step's wall time
-    in seconds (the compilation lands there)."""
+    """Per-step times in ms, by the regression gate's clock (CUDA events around each step on a GPU, the wall clock
+    on the CPU), and the first step's wall time in seconds (the compilation lands there)."""
+    device = sweep.backend()
     start = time.perf_counter()
     step(*batch)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    device.synchronize()
     first = time.perf_counter() - start
-    for _ in range(warmup - 1):
-        step(*batch)
-    times = []
-    if torch.cuda.is_available():
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-        torch.cuda.synchronize()
-        for begin, end in events:
-            begin.record()
-            step(*batch)
-            end.record()
-        torch.cuda.synchronize()
-        times = [begin.elapsed_time(end) for begin, end in events]
-    else:
-        for _ in range(steps):
-            begin = time.perf_counter()
-            step(*batch)
-            times.append((time.perf_counter() - begin) * 1e3)
-    return times, first
+    return [seconds * 1e3 for seconds in sweep.time_steps(device, lambda: step(*batch), warmup - 1, steps)], first
 
 
 def run_group(size: str, names: list[str], args, device: torch.device) -> list[dict]:
@@ -142,14 +127,13 @@ def run_group(size: str, names: list[str], args, device: torch.device) -> list[d
 
 def markdown(rows: list[dict]) -> str:
     """The rows as a markdown table, MFU as a percentage."""
-    header = ["size", "variant", "median ms", "min-max ms", "TFLOP/s", "MFU", "peak GiB", "first step s"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in rows:
-        mfu = "" if r["mfu"] == "" else f"{r['mfu']:.1%}"
-        cells = [r["size"], r["variant"], f"{r['median_ms']:.2f}", f"{r['min_ms']:.2f}-{r['max_ms']:.2f}",
-                 f"{r['tflops']:.1f}", mfu, str(r["peak_gib"]), f"{r['first_step_s']:.1f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    shown = pd.DataFrame([{
+        "size": r["size"], "variant": r["variant"], "median ms": f"{r['median_ms']:.2f}",
+        "min-max ms": f"{r['min_ms']:.2f}-{r['max_ms']:.2f}", "TFLOP/s": f"{r['tflops']:.1f}",
+        "MFU": "" if r["mfu"] == "" else f"{r['mfu']:.1%}", "peak GiB": r["peak_gib"],
+        "first step s": f"{r['first_step_s']:.1f}",
+    } for r in rows])
+    return markdown_table(shown)
 
 
 def main(argv=None) -> None:
@@ -176,10 +160,7 @@ def main(argv=None) -> None:
             rows += run_group(size, names, args, device)
     order = {name: index for index, name in enumerate(args.variants)}
     rows.sort(key=lambda r: (args.sizes.index(r["size"]), order[r["variant"]]))
-    with open(args.csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    pd.DataFrame(rows, columns=COLUMNS).to_csv(args.csv, index=False)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{device_name}, torch {torch.__version__}, bf16 autocast + torch.compile, batch {args.batch}, context "
           f"{args.context}; median of {args.steps} steps after {args.warmup} warmup steps\n")
