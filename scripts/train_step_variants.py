@@ -18,6 +18,9 @@ Variants (model, attention, optimizer, make_train_step options):
     ours-flash_triton             lmsys.model, flash_triton, lmsys AdamW, the loss outside the compiled model
     ours-compiled-foreach         lmsys.model, SDPA, torch's foreach AdamW with its step compiled (compile_optimizer)
 
+With `--top N`, each variant's timing is followed by the torch.profiler table of one more step (the N operators
+with the most device time), to see where two variants differ.
+
 Variants that share a model (class and attention) run on one model object, one after the other, each with a fresh
 optimizer; dynamo reuses the model's compiled graph where it can. Models are freed between groups and sizes. Without
 CUDA the script runs on the CPU (wall-clock timing, no MFU), for a smoke test with `--sizes tiny`.
@@ -34,7 +37,7 @@ import time
 import pandas as pd
 import torch
 
-from lmsys import flops
+from lmsys import flops, profiling
 from lmsys.bench import sweep
 from lmsys.model import SIZES, TransformerLM
 from lmsys.optim import AdamW
@@ -116,6 +119,11 @@ def run_group(size: str, names: list[str], args, device: torch.device) -> list[d
             first_step_s=round(first_step, 1),
         ))
         print(f"  {size} {name}: {median:.2f} ms (first step {first_step:.1f} s)", file=sys.stderr, flush=True)
+        if args.top:
+            prof = profiling.profile(step, *batch, warmup=0)
+            print(f"\n### {size} {name}: one step's top {args.top} operators\n\n{profiling.table(prof, args.top)}\n",
+                  flush=True)
+            del prof
         del step, optimizer
         model.zero_grad(set_to_none=True)
         _release_memory()
@@ -146,6 +154,8 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=8, help="untimed steps, the first one compiling (>= 1)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--compile-backend", default="inductor")
+    parser.add_argument("--top", type=int, default=0, metavar="N",
+                        help="after timing a variant, profile one more step and print its N costliest operators")
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be at least 1")
