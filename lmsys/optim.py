@@ -11,7 +11,8 @@ Two implementations of that update, with the same results:
   parameter, and the kernel touches each of them once. Tensors are cut into chunks of CHUNK elements, one program
   per chunk (multi_tensor_apply's scheme in torch's `_fused_adamw_`): a chunk table (tensor index, first element)
   is built once per set of tensor sizes and kept on the device; each step copies a small table with every tensor's
-  four addresses, size and per-tensor coefficients (its group's hyper-parameters, its own step). Loads are
+  four addresses, size and per-tensor coefficients (its group's hyper-parameters, its own step), staged in pinned
+  memory so that the copy does not wait for the device (the host runs ahead into the next step). Loads are
   vectorized when every address is 16-byte aligned. Under TRITON_INTERPRET=1 the kernel also runs on CPU tensors,
   when asked for with `fused=True` (slow: for tests).
 - foreach (the default elsewhere, `fused=False`): a few `torch._foreach_*` calls per dtype and device.
@@ -363,7 +364,10 @@ class AdamW(torch.optim.Optimizer):
             sizes.append(numel)
         if not sizes:
             return
-        table = torch.zeros(len(sizes), _ROW, dtype=torch.int64)
+        # Staged in pinned memory: a copy from pageable memory would wait for the device to finish all queued work
+        # (the forward and backward of the step), so the host could not run ahead into the next step. The caching
+        # host allocator keeps the pinned block until the copy that reads it has finished.
+        table = torch.zeros(len(sizes), _ROW, dtype=torch.int64, pin_memory=device.type == "cuda")
         table[:, :5] = torch.tensor(ints, dtype=torch.int64).view(-1, 5)
         table[:, 5: 5 + len(_COEFFICIENTS)] = torch.tensor(floats, dtype=torch.float64).view(torch.int64).view(
             len(sizes), -1)

@@ -55,6 +55,7 @@ def make_train_step(
     compile_loss: bool = False,
     compile_optimizer: bool = False,
     compile_backend: str = "inductor",
+    cuda_graphs: bool = False,
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Return `step(inputs, targets) -> loss`: forward, cross-entropy, backward, optimizer step, gradients cleared.
 
@@ -82,12 +83,17 @@ def make_train_step(
             "step builds tables on the host that the compiler cannot trace)"
         )
     device_type = next(model.parameters()).device.type
+    if cuda_graphs and not compile:
+        raise ValueError("cuda_graphs=True records the compiled model's kernels as CUDA graphs: it needs compile=True")
+    if cuda_graphs and device_type != "cuda":
+        raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, not {device_type}")
 
     def model_loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return cross_entropy(forward(inputs), targets)
 
-    forward = torch.compile(model, backend=compile_backend) if compile and not compile_loss else model
-    loss_of = torch.compile(model_loss, backend=compile_backend) if compile_loss else model_loss
+    mode = "reduce-overhead" if cuda_graphs else None
+    forward = torch.compile(model, backend=compile_backend, mode=mode) if compile and not compile_loss else model
+    loss_of = torch.compile(model_loss, backend=compile_backend, mode=mode) if compile_loss else model_loss
     optimizer_step = torch.compile(optimizer.step, backend=compile_backend) if compile_optimizer else optimizer.step
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -101,6 +107,7 @@ def make_train_step(
         with profiling.range("optimizer_step"):
             optimizer_step()
             optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        # A graph's output lives in its memory pool and the next replay overwrites it: hand out a copy.
+        return loss.detach().clone() if cuda_graphs else loss.detach()
 
     return step

@@ -10,8 +10,9 @@ Providers (a model and an optimizer):
 
 On a GPU: batch 4, context 512 (as in the plain-PyTorch reference runs). The default subset: `large` in bf16
 autocast + torch.compile with the four main providers side by side (MFU in the report's "% of peak"), `large` in
-fp32 and bf16 eager (reference and ours), and `small` in every precision with SDPA and naive attention. The rest
-(2.7B with every provider, medium and xl, naive on large, flash_triton eager) runs with --full-grid.
+fp32 and bf16 eager (reference and ours), `large` with the compiled step replayed as CUDA graphs (`bf16-graphs`:
+reference and ours), and `small` in every precision with SDPA and naive attention. The rest (2.7B with every
+provider, medium and xl, naive on large, flash_triton eager and with graphs) runs with --full-grid.
 On the CPU: the tiny preset, reference and ours.
 """
 
@@ -31,6 +32,8 @@ PRECISIONS = {
     "fp32": dict(autocast_dtype=None, compile=False),
     "bf16": dict(autocast_dtype=torch.bfloat16, compile=False),
     "bf16-compile": dict(autocast_dtype=torch.bfloat16, compile=True),
+    # ... and the compiled forward and backward replayed as CUDA graphs (make_train_step's cuda_graphs)
+    "bf16-graphs": dict(autocast_dtype=torch.bfloat16, compile=True, cuda_graphs=True),
 }
 
 TORCH_FUSED_ADAMW = functools.partial(torch.optim.AdamW, fused=True)
@@ -54,6 +57,10 @@ def case(size: str, precision: str, provider: str, batch: int = 4, context: int 
 
 GPU_CASES = [
     *(case("large", "bf16-compile", provider) for provider in MAIN_PROVIDERS),
+    *(case("large", "bf16-graphs", provider) for provider in ("reference", "ours")),
+    *(case(size, "bf16-graphs", provider, full_grid=True)
+      for size, provider in (("large", "ours-flash_triton"), ("2.7B", "reference"), ("2.7B", "ours"),
+                             ("2.7B", "ours-flash_triton"))),
     *(case("large", precision, provider) for precision in ("fp32", "bf16") for provider in ("reference", "ours")),
     *(case("small", precision, provider) for precision in PRECISIONS for provider in ("ours", "ours-naive")),
     *(case("2.7B", "bf16-compile", provider, full_grid=True) for provider in MAIN_PROVIDERS),
@@ -88,6 +95,6 @@ def test_train_step(gpu_benchmark, fresh_compiler, device, size, precision, prov
     # The embedding is a lookup; every other weight (the untied LM head included) is a matmul.
     matmul_params = sum(p.numel() for p in model.parameters()) - model.embedding.weight.numel()
     work = flops.training_step_flops(matmul_params, batch, context, config.num_layers, config.d_model)
-    # Percent of peak against the matmul precision: "fp32" or "bf16" (with or without compile), i.e. the MFU.
+    # Percent of peak against the matmul precision: "fp32" or "bf16" (eager, compiled or graphed), i.e. the MFU.
     loss = gpu_benchmark(step, inputs, targets, flops=work, precision=precision.split("-")[0])
     assert torch.isfinite(loss)

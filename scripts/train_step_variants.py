@@ -12,9 +12,12 @@ Variants (model, attention, optimizer, make_train_step options):
     reference                     the plain-PyTorch model (lmsys.reference_model), SDPA, torch's fused AdamW
     ours-torch-adamw              lmsys.model, SDPA, torch's fused AdamW
     ours                          lmsys.model, SDPA, lmsys AdamW (the fused Triton kernel)
-    ours-compile-loss             ... and the cross-entropy compiled with the model (compile_loss=True)
-    ours-flash_triton-compile-loss  ... with our Triton FlashAttention as the attention
+    ours-cuda-graphs              lmsys.model, SDPA, lmsys AdamW, forward and backward replayed as CUDA graphs
+    ours-flash_triton-cuda-graphs ... with our Triton FlashAttention as the attention
+    reference-cuda-graphs         the plain-PyTorch model and torch's fused AdamW, with the same CUDA graphs
   not in the default set (each adds a compilation; run them with --variants):
+    ours-compile-loss             lmsys.model, SDPA, lmsys AdamW, the cross-entropy compiled with the model
+    ours-flash_triton-compile-loss  ... with our Triton FlashAttention as the attention
     ours-flash_triton             lmsys.model, flash_triton, lmsys AdamW, the loss outside the compiled model
     ours-compiled-foreach         lmsys.model, SDPA, torch's foreach AdamW with its step compiled (compile_optimizer)
 
@@ -68,8 +71,12 @@ VARIANTS = {
     "ours-flash_triton-compile-loss": Variant(TransformerLM, "flash_triton", "lmsys", dict(compile_loss=True)),
     "ours-flash_triton": Variant(TransformerLM, "flash_triton", "lmsys"),
     "ours-compiled-foreach": Variant(TransformerLM, "sdpa", "torch-foreach", dict(compile_optimizer=True)),
+    "ours-cuda-graphs": Variant(TransformerLM, "sdpa", "lmsys", dict(cuda_graphs=True)),
+    "ours-flash_triton-cuda-graphs": Variant(TransformerLM, "flash_triton", "lmsys", dict(cuda_graphs=True)),
+    "reference-cuda-graphs": Variant(ReferenceLM, "sdpa", "torch-fused", dict(cuda_graphs=True)),
 }
-DEFAULT_VARIANTS = ["reference", "ours-torch-adamw", "ours", "ours-compile-loss", "ours-flash_triton-compile-loss"]
+DEFAULT_VARIANTS = ["reference", "ours-torch-adamw", "ours", "ours-cuda-graphs", "ours-flash_triton-cuda-graphs",
+                    "reference-cuda-graphs"]
 COLUMNS = ["size", "variant", "median_ms", "min_ms", "max_ms", "tflops", "mfu", "peak_gib", "first_step_s"]
 
 

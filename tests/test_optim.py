@@ -128,6 +128,22 @@ def test_fused_matches_torch_fused_adamw_on_gpu(gpu, seed, weight_decay):
     _assert_same_state(ours, theirs, optimizers, 1e-6)
 
 
+@pytest.mark.gpu
+def test_fused_step_does_not_wait_for_the_device(gpu, seed):
+    """The host returns from step() while earlier device work still runs: the step's table must not be copied from
+    pageable memory, which waits for the queue to drain (the training step then could not run ahead)."""
+    params = _params(torch.Generator().manual_seed(seed), torch.float32, gpu, [(1024, 1024), (4096,)])
+    optimizer = AdamW(params)
+    for _ in range(2):  # the first step allocates the state and the chunk table
+        for param in params:
+            param.grad = torch.randn_like(param)
+        torch.cuda.synchronize(gpu)
+        torch.cuda._sleep(2_000_000_000)  # about a second of device time queued ahead of the step
+        optimizer.step()
+        assert not torch.cuda.current_stream(gpu).query(), "step() waited for the device's queue"
+    torch.cuda.synchronize(gpu)
+
+
 def test_defaults_match_torch():
     param = torch.zeros(1, requires_grad=True)
     ours, theirs = AdamW([param]).defaults, torch.optim.AdamW([param]).defaults

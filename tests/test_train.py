@@ -165,9 +165,40 @@ def test_step_options_match_the_plain_step(seed, options, optimizer_class):
     [
         (dict(compile_loss=True), "compile_loss=True compiles the loss with the model: it needs compile=True"),
         (dict(compile_optimizer=True), "compile_optimizer=True is for torch's optimizers"),
+        (dict(cuda_graphs=True), "cuda_graphs=True records the compiled model's kernels as CUDA graphs: it needs"),
+        (dict(compile=True, cuda_graphs=True), "cuda_graphs=True needs the model on a CUDA device, not cpu"),
     ],
 )
 def test_step_options_that_cannot_work_are_refused(options, message):
     model = TransformerLM(TINY)
     with pytest.raises(ValueError, match=message):
         make_train_step(model, AdamW(model.parameters()), **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["sdpa", "flash_triton"])
+def test_cuda_graph_step_matches_the_compiled_step_on_gpu(gpu, seed, attention):
+    """Recorded and replayed as CUDA graphs, the bf16 step trains as the plain compiled step does (same losses and
+    weights over several steps, the recording steps included); earlier losses survive later replays; the host runs
+    ahead of the device."""
+    torch.compiler.reset()
+    config = dataclasses.replace(SIZES["small"], num_layers=2, context_length=128, attention=attention)
+    with torch.device(gpu):
+        plain, graphed = TransformerLM(config), TransformerLM(config)
+    graphed.load_state_dict(plain.state_dict())
+    options = dict(autocast_dtype=torch.bfloat16, compile=True)
+    plain_step = make_train_step(plain, AdamW(plain.parameters()), **options)
+    graphed_step = make_train_step(graphed, AdamW(graphed.parameters()), cuda_graphs=True, **options)
+    batch = random_batch(2, 128, config.vocab_size, gpu)
+    plain_losses = [plain_step(*batch) for _ in range(5)]
+    graphed_losses = [graphed_step(*batch) for _ in range(5)]
+    torch.testing.assert_close(torch.stack(graphed_losses), torch.stack(plain_losses), rtol=2e-2, atol=2e-2)
+    assert graphed_losses[-1] < graphed_losses[0]
+    for mine, reference in zip(graphed.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(mine, reference, rtol=2e-2, atol=2e-3)
+    torch.cuda.synchronize(gpu)
+    torch.cuda._sleep(2_000_000_000)
+    graphed_step(*batch)
+    assert not torch.cuda.current_stream(gpu).query(), "the graphed step waited for the device's queue"
+    torch.cuda.synchronize(gpu)
+    torch.compiler.reset()
