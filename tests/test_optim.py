@@ -115,17 +115,21 @@ def test_fused_kernel_across_chunks_blocks_and_unaligned_tensors(seed, monkeypat
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_fused_matches_torch_fused_adamw_on_gpu(gpu, seed, weight_decay):
-    """Model-like sizes (several chunks, ragged tails) against torch's own fused kernel, 100 steps."""
+@pytest.mark.parametrize("reference, rtol", [("foreach", 1e-6), ("fused", 3e-5)])
+def test_fused_matches_torch_adamw_on_gpu(gpu, seed, weight_decay, reference, rtol):
+    """Model-like sizes (several chunks, ragged tails), 100 steps, against torch's foreach AdamW on the GPU (to 1e-6)
+    and against torch's own fused kernel. That kernel rounds 1 - beta2 to fp32 (1.3e-5 off for beta2 = 0.999), so
+    its second moments differ from the exact update by about that much relative (measured on an H100: 1.4e-5)."""
     shapes = [(1280, 3840), (5120, 1280), (1280,), (), (0,), (3 * optim.CHUNK + 5,), (10_000, 1280)]
     ours = _params(torch.Generator().manual_seed(seed), torch.float32, gpu, shapes)
     theirs = _params(torch.Generator().manual_seed(seed), torch.float32, gpu, shapes)
     optimizers = [
         AdamW(_groups(ours, 1e-3, weight_decay), weight_decay=weight_decay),
-        torch.optim.AdamW(_groups(theirs, 1e-3, weight_decay), weight_decay=weight_decay, fused=True),
+        torch.optim.AdamW(_groups(theirs, 1e-3, weight_decay), weight_decay=weight_decay,
+                          **{reference: True}),
     ]
     _train_side_by_side(ours, theirs, optimizers, 100, seed)
-    _assert_same_state(ours, theirs, optimizers, 1e-6)
+    _assert_same_state(ours, theirs, optimizers, rtol)
 
 
 @pytest.mark.gpu
