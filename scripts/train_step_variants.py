@@ -36,6 +36,7 @@ import gc
 import statistics
 import sys
 import time
+import traceback
 
 import pandas as pd
 import torch
@@ -77,7 +78,7 @@ VARIANTS = {
 }
 DEFAULT_VARIANTS = ["reference", "ours-torch-adamw", "ours", "ours-cuda-graphs", "ours-flash_triton-cuda-graphs",
                     "reference-cuda-graphs"]
-COLUMNS = ["size", "variant", "median_ms", "min_ms", "max_ms", "tflops", "mfu", "peak_gib", "first_step_s"]
+COLUMNS = ["size", "variant", "median_ms", "min_ms", "max_ms", "tflops", "mfu", "peak_gib", "first_step_s", "error"]
 
 
 def _release_memory() -> None:
@@ -97,8 +98,36 @@ def time_steps(step, batch, warmup: int, steps: int) -> tuple[list[float], float
     return [seconds * 1e3 for seconds in sweep.time_steps(device, lambda: step(*batch), warmup - 1, steps)], first
 
 
-def run_group(size: str, names: list[str], args, device: torch.device) -> list[dict]:
-    """Time the variants `names`, which share one model, on a model of `size`."""
+def _time_variant(size, name, model, batch, work, peak, args, device) -> dict:
+    """One variant's row: its step built on `model`, timed, and with `--top`, profiled."""
+    variant = VARIANTS[name]
+    optimizer = OPTIMIZERS[variant.optimizer](model.parameters())
+    step = make_train_step(model, optimizer, autocast_dtype=torch.bfloat16, compile=True,
+                           compile_backend=args.compile_backend, **variant.options)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times, first_step = time_steps(step, batch, args.warmup, args.steps)
+    median = statistics.median(times)
+    tflops = work / (median * 1e-3) / 1e12
+    row = dict(
+        size=size, variant=name, median_ms=round(median, 2), min_ms=round(min(times), 2),
+        max_ms=round(max(times), 2), tflops=round(tflops, 1),
+        mfu="" if peak is None else round(tflops / peak, 4),
+        peak_gib="" if device.type != "cuda" else round(torch.cuda.max_memory_allocated(device) / 2**30, 1),
+        first_step_s=round(first_step, 1), error="",
+    )
+    print(f"  {size} {name}: {median:.2f} ms, {row['tflops']} TFLOP/s, MFU {row['mfu']}, peak {row['peak_gib']} GiB "
+          f"(first step {first_step:.1f} s)", file=sys.stderr, flush=True)
+    if args.top:
+        prof = profiling.profile(step, *batch, warmup=0)
+        print(f"\n### {size} {name}: one step's top {args.top} operators\n\n{profiling.table(prof, args.top)}\n",
+              flush=True)
+    return row
+
+
+def run_group(size: str, names: list[str], args, device: torch.device, on_row) -> None:
+    """Time the variants `names`, which share one model, on a model of `size`; `on_row(row)` with each row (an
+    error, such as running out of memory, is a row with `error` set)."""
     first = VARIANTS[names[0]]
     config = dataclasses.replace(SIZES[size], context_length=args.context, attention=first.attention)
     with torch.device(device):
@@ -107,39 +136,22 @@ def run_group(size: str, names: list[str], args, device: torch.device) -> list[d
     matmul_params = sum(p.numel() for p in model.parameters()) - model.embedding.weight.numel()
     work = flops.training_step_flops(matmul_params, args.batch, args.context, config.num_layers, config.d_model)
     peak = flops.peak_tflops(torch.cuda.get_device_name(device), "bf16") if device.type == "cuda" else None
-    rows = []
     for name in names:
-        variant = VARIANTS[name]
-        optimizer = OPTIMIZERS[variant.optimizer](model.parameters())
-        step = make_train_step(model, optimizer, autocast_dtype=torch.bfloat16, compile=True,
-                               compile_backend=args.compile_backend, **variant.options)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        times, first_step = time_steps(step, batch, args.warmup, args.steps)
-        median = statistics.median(times)
-        tflops = work / (median * 1e-3) / 1e12
-        rows.append(dict(
-            size=size, variant=name, median_ms=round(median, 2), min_ms=round(min(times), 2),
-            max_ms=round(max(times), 2), tflops=round(tflops, 1),
-            mfu="" if peak is None else round(tflops / peak, 4),
-            peak_gib="" if device.type != "cuda" else round(torch.cuda.max_memory_allocated(device) / 2**30, 1),
-            first_step_s=round(first_step, 1),
-        ))
-        row = rows[-1]
-        print(f"  {size} {name}: {median:.2f} ms, {row['tflops']} TFLOP/s, MFU {row['mfu']}, peak {row['peak_gib']} GiB "
-              f"(first step {first_step:.1f} s)", file=sys.stderr, flush=True)
-        if args.top:
-            prof = profiling.profile(step, *batch, warmup=0)
-            print(f"\n### {size} {name}: one step's top {args.top} operators\n\n{profiling.table(prof, args.top)}\n",
-                  flush=True)
-            del prof
-        del step, optimizer
+        try:
+            row = _time_variant(size, name, model, batch, work, peak, args, device)
+        except Exception as error:  # an out-of-memory case (or any failure) is a row, and the sweep goes on
+            out_of_memory = isinstance(error, torch.OutOfMemoryError)
+            if not out_of_memory:
+                traceback.print_exc()
+            message = "out of memory" if out_of_memory else f"{type(error).__name__}: {error}".splitlines()[0]
+            row = dict(size=size, variant=name, error=message)
+            print(f"  {size} {name}: {message}", file=sys.stderr, flush=True)
+        on_row(row)
         model.zero_grad(set_to_none=True)
         _release_memory()
     del model
     torch.compiler.reset()
     _release_memory()
-    return rows
 
 
 def markdown(rows: list[dict]) -> str:
@@ -149,7 +161,7 @@ def markdown(rows: list[dict]) -> str:
         "min-max ms": f"{r['min_ms']:.2f}-{r['max_ms']:.2f}", "TFLOP/s": f"{r['tflops']:.1f}",
         "MFU": "" if r["mfu"] == "" else f"{r['mfu']:.1%}", "peak GiB": r["peak_gib"],
         "first step s": f"{r['first_step_s']:.1f}",
-    } for r in rows])
+    } if not r.get("error") else {"size": r["size"], "variant": r["variant"], "median ms": r["error"]} for r in rows])
     return markdown_table(shown)
 
 
@@ -169,21 +181,30 @@ def main(argv=None) -> None:
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be at least 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    # Variants that share a model class and attention run on one model, in the order given.
+    # Variants that share a model class and attention run on one model, in the order given; those recorded as CUDA
+    # graphs get a model of their own, so that the graphs' memory pool goes with it.
     groups = {}
     for name in args.variants:
-        groups.setdefault((VARIANTS[name].model, VARIANTS[name].attention), []).append(name)
+        variant = VARIANTS[name]
+        groups.setdefault((variant.model, variant.attention, variant.options.get("cuda_graphs", False)), []).append(name)
+    order = {name: index for index, name in enumerate(args.variants)}
     rows = []
+
+    def add(row):  # the CSV is rewritten after every variant, so an interrupted sweep keeps its rows
+        rows.append(row)
+        rows.sort(key=lambda r: (args.sizes.index(r["size"]), order[r["variant"]]))
+        pd.DataFrame(rows, columns=COLUMNS).to_csv(args.csv, index=False)
+
     for size in args.sizes:
         for names in groups.values():
-            rows += run_group(size, names, args, device)
-    order = {name: index for index, name in enumerate(args.variants)}
-    rows.sort(key=lambda r: (args.sizes.index(r["size"]), order[r["variant"]]))
-    pd.DataFrame(rows, columns=COLUMNS).to_csv(args.csv, index=False)
+            run_group(size, names, args, device, on_row=add)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{device_name}, torch {torch.__version__}, bf16 autocast + torch.compile, batch {args.batch}, context "
           f"{args.context}; median of {args.steps} steps after {args.warmup} warmup steps\n")
     print(markdown(rows))
+    failed = [r for r in rows if r.get("error") and r["error"] != "out of memory"]
+    if failed:
+        sys.exit(f"{len(failed)} variant(s) failed: " + ", ".join(f"{r['size']} {r['variant']}" for r in failed))
 
 
 if __name__ == "__main__":

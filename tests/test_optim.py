@@ -113,23 +113,67 @@ def test_fused_kernel_across_chunks_blocks_and_unaligned_tensors(seed, monkeypat
     _assert_same_state(ours, theirs, optimizers, 1e-6 if dtype == torch.float32 else 1e-12)
 
 
-@pytest.mark.gpu
+def _errors_against_float64(device, shapes, weight_decay, seed, steps) -> dict:
+    """Ours (fused), torch's foreach and torch's fused AdamW in fp32, each against a float64 run of the same updates
+    from the same fp32 gradients: {implementation: {quantity: max |x - exact| / max |exact|}}."""
+    start = _params(torch.Generator().manual_seed(seed), torch.float32, device, shapes)
+    runs = {name: [p.detach().clone().to(dtype).requires_grad_() for p in start]
+            for name, dtype in (("ours", torch.float32), ("foreach", torch.float32), ("fused", torch.float32),
+                                ("exact", torch.float64))}
+    optimizers = {
+        "ours": AdamW(_groups(runs["ours"], 1e-3, weight_decay), weight_decay=weight_decay, fused=True),
+        "foreach": torch.optim.AdamW(_groups(runs["foreach"], 1e-3, weight_decay), weight_decay=weight_decay,
+                                     foreach=True),
+        "fused": torch.optim.AdamW(_groups(runs["fused"], 1e-3, weight_decay), weight_decay=weight_decay, fused=True),
+        "exact": torch.optim.AdamW(_groups(runs["exact"], 1e-3, weight_decay), weight_decay=weight_decay,
+                                   foreach=True),
+    }
+    grad_generator = torch.Generator(device=device).manual_seed(seed + 1)
+    for step in range(steps):
+        for index, shape in enumerate(shapes):
+            grad = torch.randn(shape, generator=grad_generator, device=device)
+            has_grad = not (step % 5 == 0 and index == step % len(shapes))
+            for params in runs.values():
+                params[index].grad = grad.to(params[index].dtype) if has_grad else None
+        for optimizer in optimizers.values():
+            optimizer.step()
+
+    def quantities(name):
+        for index, param in enumerate(runs[name]):
+            state = optimizers[name].state[param]
+            yield f"parameter {index}", param.detach()
+            yield f"exp_avg {index}", state["exp_avg"]
+            yield f"exp_avg_sq {index}", state["exp_avg_sq"]
+
+    exact = dict(quantities("exact"))
+    return {
+        name: {what: ((x.double() - exact[what]).abs().max() / exact[what].abs().max().clamp_min(1e-30)).item()
+               for what, x in quantities(name) if x.numel()}
+        for name in ("ours", "foreach", "fused")
+    }
+
+
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-@pytest.mark.parametrize("reference, rtol", [("foreach", 1e-6), ("fused", 3e-5)])
-def test_fused_matches_torch_adamw_on_gpu(gpu, seed, weight_decay, reference, rtol):
-    """Model-like sizes (several chunks, ragged tails), 100 steps, against torch's foreach AdamW on the GPU (to 1e-6)
-    and against torch's own fused kernel. That kernel rounds 1 - beta2 to fp32 (1.3e-5 off for beta2 = 0.999), so
-    its second moments differ from the exact update by about that much relative (measured on an H100: 1.4e-5)."""
-    shapes = [(1280, 3840), (5120, 1280), (1280,), (), (0,), (3 * optim.CHUNK + 5,), (10_000, 1280)]
-    ours = _params(torch.Generator().manual_seed(seed), torch.float32, gpu, shapes)
-    theirs = _params(torch.Generator().manual_seed(seed), torch.float32, gpu, shapes)
-    optimizers = [
-        AdamW(_groups(ours, 1e-3, weight_decay), weight_decay=weight_decay),
-        torch.optim.AdamW(_groups(theirs, 1e-3, weight_decay), weight_decay=weight_decay,
-                          **{reference: True}),
-    ]
-    _train_side_by_side(ours, theirs, optimizers, 100, seed)
-    _assert_same_state(ours, theirs, optimizers, rtol)
+@pytest.mark.parametrize("where", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_fused_is_as_close_to_float64_as_torchs_own(request, where, seed, weight_decay):
+    """Ours, torch's foreach and torch's fused AdamW against a float64 run over 100 steps; ours may be at most twice
+    as far from it as the farther of torch's two, or 1e-6. On the GPU, model-like sizes (several chunks, ragged
+    tails); on the CPU, the kernel interpreted on small ones. Why not ours against torch to 1e-6 there: on an H100
+    no two fp32 implementations agree to 1e-6 (ours and torch's foreach differed by 4.9e-6 relative on 117 of 196613
+    elements; torch's fused kernel rounds 1 - beta2 to fp32, so its second moments are 1.4e-5 off)."""
+    if where == "gpu":
+        device = request.getfixturevalue("gpu")
+        shapes = [(1280, 3840), (5120, 1280), (1280,), (), (0,), (3 * optim.CHUNK + 5,), (10_000, 1280)]
+    else:
+        if HAS_CUDA:
+            pytest.skip("the fused kernel runs on the CPU only under the interpreter, without CUDA")
+        device, shapes = torch.device("cpu"), FUSED_SHAPES
+    errors = _errors_against_float64(device, shapes, weight_decay, seed, 100)
+    for what, error in errors["ours"].items():
+        torchs = max(errors["foreach"][what], errors["fused"][what])
+        assert error <= max(2 * torchs, 1e-6), (
+            f"{what}: ours is {error:.2e} from the float64 run, torch's foreach {errors['foreach'][what]:.2e} and "
+            f"fused {errors['fused'][what]:.2e}")
 
 
 @pytest.mark.gpu

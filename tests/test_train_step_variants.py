@@ -6,6 +6,7 @@ import pathlib
 import runpy
 
 import pytest
+import torch
 
 SCRIPT = pathlib.Path(__file__).parent.parent / "scripts" / "train_step_variants.py"
 
@@ -28,3 +29,36 @@ def test_rejects_an_unknown_variant(tmp_path):
     main = runpy.run_path(str(SCRIPT))["main"]
     with pytest.raises(SystemExit):
         main([str(tmp_path / "x.csv"), "--variants", "fastest"])
+
+
+def test_out_of_memory_is_a_row_and_the_sweep_goes_on(tmp_path, capsys, seed):
+    main = runpy.run_path(str(SCRIPT))["main"]
+    real = main.__globals__["make_train_step"]
+
+    def make_train_step(model, optimizer, **options):
+        if isinstance(optimizer, main.__globals__["AdamW"]):  # the `ours` variant
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 76.00 MiB.")
+        return real(model, optimizer, **options)
+
+    main.__globals__["make_train_step"] = make_train_step
+    out = tmp_path / "variants.csv"
+    main([str(out), "--sizes", "tiny", "--variants", "ours", "ours-torch-adamw", "--warmup", "1", "--steps", "1",
+          "--batch", "1", "--context", "16", "--compile-backend", "aot_eager"])
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["variant"], r["error"]) for r in rows] == [("ours", "out of memory"), ("ours-torch-adamw", "")]
+    assert float(rows[1]["median_ms"]) > 0
+    assert "| tiny | ours | out of memory |" in capsys.readouterr().out
+
+
+def test_a_failing_variant_is_a_row_and_fails_the_run(tmp_path):
+    main = runpy.run_path(str(SCRIPT))["main"]
+
+    def make_train_step(model, optimizer, **options):
+        raise RuntimeError("inductor fell over\nsecond line")
+
+    main.__globals__["make_train_step"] = make_train_step
+    out = tmp_path / "variants.csv"
+    with pytest.raises(SystemExit, match="1 variant\\(s\\) failed: tiny ours"):
+        main([str(out), "--sizes", "tiny", "--variants", "ours", "--warmup", "1", "--steps", "1", "--batch", "1",
+              "--context", "16", "--compile-backend", "aot_eager"])
+    assert [r["error"] for r in csv.DictReader(out.open())] == ["RuntimeError: inductor fell over"]
