@@ -73,3 +73,15 @@ def test_an_empty_folder_is_an_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         docs.main([str(tmp_path)])
     assert "no baseline files (NNNN_name.json) in" in capsys.readouterr().err
+
+
+def test_providers_that_state_bytes_show_gb_per_second(tmp_path):
+    """A provider test with bytes and no FLOPs (the optimizer step) is a table too, with GB/s in its cells."""
+    folder = tmp_path / "baselines" / "Fake_GPU"
+    save(folder, "0001_optim.json", [
+        bench("test_optimizer_step", {"size": size, "provider": provider}, 1e-3 * n, gbps=100.0 / n,
+              peak_allocated_above_start_bytes=0)
+        for n, size in ((1, "small"), (2, "large")) for provider in ("ours", "theirs")
+    ])
+    text = docs.page(folder, tmp_path / "docs")
+    assert "| large | 2 ms, 50 GB/s, 0 B | 2 ms, 50 GB/s, 0 B |" in text

@@ -57,7 +57,7 @@ def test_plot_draws_grids_and_single_configurations(tmp_path):
 
 
 def test_unknown_value_is_rejected():
-    with pytest.raises(ValueError, match="value must be one of ms, tflops, mem"):
+    with pytest.raises(ValueError, match="value must be one of ms, tflops, gbps, mem"):
         providers.side_by_side(providers.frame(grid_doc()), "median")
 
 

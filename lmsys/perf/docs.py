@@ -48,10 +48,12 @@ def _files_table(docs: list[tuple[str, dict]], newest: list[tuple[str, dict]]) -
     return pd.DataFrame(rows)
 
 
-def _cell(ms: float, tflops: float | None, mem: float | None) -> str:
+def _cell(ms: float, tflops: float | None, gbps: float | None, mem: float | None) -> str:
     parts = [format_seconds(ms / 1e3)]
     if tflops is not None and pd.notna(tflops):
         parts.append(f"{tflops:.4g} TFLOP/s")
+    if gbps is not None and pd.notna(gbps):
+        parts.append(f"{gbps:.4g} GB/s")
     if mem is not None and pd.notna(mem):
         parts.append(format_bytes(mem * 2**20))
     return ", ".join(parts)
@@ -73,8 +75,8 @@ def in_order(data: pd.DataFrame) -> pd.DataFrame:
 
 def provider_table(data: pd.DataFrame) -> pd.DataFrame:
     """One test's providers side by side (rows in_order first): a row per configuration, a column per provider, cells
-    'time, TFLOP/s, memory'."""
-    tables = {value: providers.side_by_side(data, value) for value in ("ms", "tflops", "mem")}
+    'time, TFLOP/s or GB/s, memory'."""
+    tables = {value: providers.side_by_side(data, value) for value in ("ms", "tflops", "gbps", "mem")}
     ms = tables["ms"]
     rows = []
     for key in ms.index:
@@ -82,7 +84,7 @@ def provider_table(data: pd.DataFrame) -> pd.DataFrame:
         for provider in ms.columns:
             value = ms.loc[key, provider]
             row[provider] = "" if pd.isna(value) else _cell(
-                value, tables["tflops"].loc[key, provider], tables["mem"].loc[key, provider]
+                value, *(tables[name].loc[key, provider] for name in ("tflops", "gbps", "mem"))
             )
         rows.append(row)
     return pd.DataFrame(rows)

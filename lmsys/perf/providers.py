@@ -18,7 +18,7 @@ import pandas as pd
 
 from lmsys.perf import baselines
 
-VALUES = {"ms": "median ms", "tflops": "TFLOP/s", "mem": "peak MiB above start"}
+VALUES = {"ms": "median ms", "tflops": "TFLOP/s", "gbps": "GB/s", "mem": "peak MiB above start"}
 
 
 def _configuration(params: dict, seq_as: str | None = None) -> str:
@@ -56,17 +56,24 @@ def frame(doc: dict) -> pd.DataFrame:
             "provider": params["provider"],
             "ms": bench["stats"]["median"] * 1e3,
             "tflops": info.get("tflops"),
+            "gbps": info.get("gbps"),
             "mem": None if above is None else above / 2**20,
         })
-    return pd.DataFrame(rows, columns=["test", "configuration", "family", "seq", "provider", "ms", "tflops", "mem"])
+    return pd.DataFrame(
+        rows, columns=["test", "configuration", "family", "seq", "provider", "ms", "tflops", "gbps", "mem"]
+    )
 
 
 def side_by_side(data: pd.DataFrame, value: str = "ms") -> pd.DataFrame:
     """Rows (test, configuration), columns providers in the order first met, cells `value`."""
     if value not in VALUES:
         raise ValueError(f"value must be one of {', '.join(VALUES)}, got {value!r}")
-    table = data.pivot_table(index=["test", "configuration"], columns="provider", values=value, sort=False)
-    return table.reindex(columns=list(dict.fromkeys(data["provider"])))
+    # Every (test, configuration) row and provider column, also where no benchmark has this value (GB/s of a
+    # benchmark that states only FLOPs): pivot_table alone drops the rows and columns that are all missing.
+    table = data.pivot_table(index=["test", "configuration"], columns="provider", values=value, sort=False,
+                             dropna=False)
+    rows = pd.MultiIndex.from_frame(data[["test", "configuration"]].drop_duplicates())
+    return table.reindex(index=rows, columns=list(dict.fromkeys(data["provider"])))
 
 
 def markdown(table: pd.DataFrame, value: str) -> str:
