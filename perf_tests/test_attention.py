@@ -64,14 +64,6 @@ def attention_for(provider: str, q, k, v, is_causal: bool, compile_all: bool = F
     return attention_function(provider, compile=compile_all)
 
 
-@pytest.fixture
-def fresh_compiler():
-    """Compile every test's function anew: compiled graphs of earlier shapes would hit dynamo's recompile limit."""
-    torch.compiler.reset()
-    yield
-    torch.compiler.reset()
-
-
 def run_case(gpu_benchmark, device, provider, shape, is_causal, dtype, mode, compile_all=False):
     """Benchmark one provider in one mode on fresh random (q, k, v) of `shape`; returns nothing, checks finiteness.
 

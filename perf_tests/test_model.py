@@ -72,16 +72,6 @@ GPU_CASES = [
 CPU_CASES = [case("tiny", "fp32", provider, batch=2, context=64) for provider in ("reference", "ours")]
 
 
-@pytest.fixture
-def fresh_compiler():
-    """Drop compiled graphs and cached memory after the test: they hold the model's memory, and every new model would
-    recompile."""
-    yield
-    torch.compiler.reset()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 @pytest.mark.parametrize(
     "size,precision,provider,batch,context", GPU_CASES if torch.cuda.is_available() else CPU_CASES
 )

@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -496,6 +498,33 @@ class _TunedForEveryKey(dict):
 
     def get(self, key, default=None):
         return self.config
+
+
+@pytest.mark.parametrize("kernel_name", ["_flash_fwd_kernel", "_flash_bwd_kernel"])
+def test_triton_still_has_the_layout_the_fast_launch_relies_on(kernel_name):
+    """_launch reaches past triton's wrappers: autotuner (`.cache`, `.configs`, `.fn`) -> heuristics (`.values`, `.fn`)
+    -> JIT function. If a triton upgrade moves any of these, this fails and names it (and the fast path needs a look),
+    rather than every launch silently taking the slow path or breaking."""
+    from triton.runtime.autotuner import Autotuner, Heuristics
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    kernel = getattr(flash_triton, kernel_name)
+    assert isinstance(kernel, Autotuner), f"{kernel_name} is a {type(kernel)}, not triton's Autotuner"
+    assert isinstance(kernel.cache, dict) and kernel.configs, "the autotuner's cache or configs moved"
+    assert isinstance(kernel.fn, Heuristics), f"{kernel_name}.fn is a {type(kernel.fn)}, not triton's Heuristics"
+    assert set(kernel.fn.values) == {"EVEN_M", "EVEN_N"}, "the heuristics' rules moved"
+    jit = InterpretedFunction if flash_triton._INTERPRET else JITFunction  # what triton.jit makes in this session
+    assert isinstance(kernel.fn.fn, jit), f"{kernel_name}.fn.fn is a {type(kernel.fn.fn)}, not a {jit.__name__}"
+    # The key of `_tuned_config`: the values of the autotuner's `key` arguments, then the tensors' dtypes.
+    assert kernel.keys == ["N_BUCKET", "HEAD_DIM", "CAUSAL"]
+    source = inspect.getsource(Autotuner.run)
+    assert "_args[key] for key in self.keys" in source and "str(arg.dtype)" in source, (
+        "triton's Autotuner.run builds its cache key differently: update _tuned_config")
+    # The rules the fast path evaluates are the ones triton's wrapper evaluates.
+    rows = "BLOCK_M" if kernel_name == "_flash_fwd_kernel" else "BLOCK_BIG"
+    for n_q, even in ((256, True), (100, False)):
+        assert kernel.fn.values["EVEN_M"]({"N_Q": n_q, "N_K": 128, rows: 64, "BLOCK_N": 64}) is even
 
 
 @pytest.mark.parametrize("is_causal", [False, True])

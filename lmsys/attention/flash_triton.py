@@ -66,6 +66,13 @@ def _autotune_key(n_q, n_k):
 _SMALL_PROBLEM = 2048
 
 
+def _even_flags(rows: str, cols: str) -> dict:
+    """The kernels' EVEN_* heuristics: whether the query (key) length is a multiple of the tile's `rows` (`cols`), so
+    that no load needs a bounds mask. Triton's heuristics wrapper evaluates them on the slow path, `_launch` on the
+    fast one."""
+    return {"EVEN_M": lambda a: a["N_Q"] % a[rows] == 0, "EVEN_N": lambda a: a["N_K"] % a[cols] == 0}
+
+
 def _prune_configs(configs, named_args, rows, tiles=None, **kwargs):
     """Drop tiles much taller (`rows`) than the problem, and for fp32 all but the small tiles verified on the H100
     to fit shared memory up to d=128 (fp32 operands take twice the room). With `tiles` (head dim -> configs), keep
@@ -165,12 +172,7 @@ def _fwd_inner(
     key=["N_BUCKET", "HEAD_DIM", "CAUSAL"],
     prune_configs_by={"early_config_prune": functools.partial(_prune_configs, rows="BLOCK_M", tiles=_FWD_CONFIGS)},
 )
-@triton.heuristics(
-    {
-        "EVEN_M": lambda a: a["N_Q"] % a["BLOCK_M"] == 0,
-        "EVEN_N": lambda a: a["N_K"] % a["BLOCK_N"] == 0,
-    }
-)
+@triton.heuristics(_even_flags("BLOCK_M", "BLOCK_N"))
 @triton.jit
 def _flash_fwd_kernel(
     Q, K, V, O, LSE,
@@ -354,12 +356,7 @@ def _bwd_dq_inner(
     key=["N_BUCKET", "HEAD_DIM", "CAUSAL"],
     prune_configs_by={"early_config_prune": functools.partial(_prune_configs, rows="BLOCK_BIG")},
 )
-@triton.heuristics(
-    {
-        "EVEN_M": lambda a: a["N_Q"] % a["BLOCK_BIG"] == 0,
-        "EVEN_N": lambda a: a["N_K"] % a["BLOCK_BIG"] == 0,
-    }
-)
+@triton.heuristics(_even_flags("BLOCK_BIG", "BLOCK_BIG"))
 @triton.jit
 def _flash_bwd_kernel(
     Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
@@ -505,21 +502,26 @@ def _tuned_config(kernel, tuning_key, args):
     return kernel.cache.get((*tuning_key, *(str(a.dtype) for a in args if isinstance(a, torch.Tensor))))
 
 
-def _launch(kernel, grid, args, tuning_key, even, **kwargs):
+def _launch(kernel, grid, args, tuning_key, lengths, **kwargs):
     """Launch the autotuned `kernel` on `args` (positional) and `kwargs` (constexprs).
 
-    `grid(meta)` gives the launch grid for a config's meta-parameters; `even(meta)` the EVEN_* flags of the
-    kernel's heuristics. The first call per tuning key goes through triton's autotuner, which times the configs and
-    caches the winner. Later calls find it in that cache and launch the JIT function under it directly: the
-    autotuner and heuristics wrappers rebuild dicts of every argument on each call, a third of a launch's CPU time,
-    which is what a small problem costs. A cache key triton spells differently only means the slow path.
+    `grid(meta)` gives the launch grid for a config's meta-parameters; `lengths` ({"N_Q": ..., "N_K": ...}) is what
+    the kernel's heuristics (`_even_flags`) read besides the config. The first call per tuning key goes through
+    triton's autotuner, which times the configs and caches the winner. Later calls find it in that cache and launch
+    the JIT function under it directly, with the heuristics evaluated here: the autotuner and heuristics wrappers
+    rebuild dicts of every argument on each call, a third of a launch's CPU time, which is what a small problem
+    costs. This leans on triton's layout (autotuner -> heuristics `.values` -> JIT function, the cache key of
+    `_tuned_config`); tests/test_attention.py checks it. A cache key triton spells differently only means the slow
+    path.
     """
     config = _tuned_config(kernel, tuning_key, args)
     if config is None:
         kernel[grid](*args, **kwargs)
         return
     meta = config.all_kwargs()
-    kernel.fn.fn[grid(meta)](*args, **kwargs, **meta, **even(meta))
+    heuristics = kernel.fn
+    flags = {name: rule({**lengths, **meta}) for name, rule in heuristics.values.items()}
+    heuristics.fn[grid(meta)](*args, **kwargs, **meta, **flags)
 
 
 def _fwd_impl(q, k, v, is_causal):
@@ -540,7 +542,7 @@ def _fwd_impl(q, k, v, is_causal):
         (q4, k4, v4, o4, lse, n_q, n_k, heads, batch * heads, launch_order.group_heads(k4, batch * heads), bucket,
          LOG2E.value / math.sqrt(head_dim), *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o4.stride()[:3]),
         (bucket, head_dim, is_causal),
-        lambda meta: {"EVEN_M": n_q % meta["BLOCK_M"] == 0, "EVEN_N": n_k % meta["BLOCK_N"] == 0},
+        {"N_Q": n_q, "N_K": n_k},
         HEAD_DIM=head_dim, CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype), TMA_OK=tma_ok,
     )
     return o4.view(q.shape), lse.view(q.shape[:-1])
@@ -579,7 +581,7 @@ def _bwd_impl(q, k, v, o, lse, do, is_causal):
          *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *do4.stride()[:3],
          *dq4.stride()[:3], *dk4.stride()[:3], *dv4.stride()[:3]),
         (bucket, head_dim, is_causal),
-        lambda meta: {"EVEN_M": n_q % meta["BLOCK_BIG"] == 0, "EVEN_N": n_k % meta["BLOCK_BIG"] == 0},
+        {"N_Q": n_q, "N_K": n_k},
         HEAD_DIM=head_dim, CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
     )
     return dq4.view(q.shape), dk4.view(k.shape), dv4.view(v.shape)
