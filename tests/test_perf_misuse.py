@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+from lmsys.perf.baselines import TEMPORARY_PREFIX
 from perf_fakes import INNER_CONFTEST, GPU, MACHINE, MIB, baseline_files, run, save_baseline, write_suite
 
 pytest_plugins = ["pytester"]
@@ -304,3 +305,28 @@ def test_a_non_finite_or_negative_max_time_is_a_usage_error(pytester, value, sho
     result.stderr.fnmatch_lines(
         [f"*--benchmark-max-time={shown}: must be a finite, non-negative number of seconds*"]
     )
+
+
+def test_benchmark_json_is_not_truncated_by_a_run_that_stops_early(pytester):
+    """pytest-benchmark opens --benchmark-json for writing while the command line is parsed: a run that then stopped
+    on a usage error used to leave the file empty. Now the file is written only with the report, atomically."""
+    write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=1)
+    report = pytester.path / "report.json"
+    report.write_text('{"earlier": "report"}')
+    result = run(pytester, f"--benchmark-json={report}", "--perf-report=nonsense:x")
+    assert result.ret == USAGE_ERROR
+    assert report.read_text() == '{"earlier": "report"}'
+    result = run(pytester, f"--benchmark-json={report}")
+    result.assert_outcomes(passed=1)
+    assert saved_names(report) == ["test_a"]
+    assert not list(pytester.path.glob(f"{TEMPORARY_PREFIX}*"))  # no temporary file left
+
+
+def test_benchmark_json_refuses_a_baseline_file(pytester):
+    save_baseline(pytester, {"test_a": {"ms": 1.0}})
+    (baseline,) = baseline_files(pytester)
+    before = baseline.read_text()
+    result = run(pytester, f"--benchmark-json={baseline}")
+    assert result.ret == USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--benchmark-json*is named like a baseline file (NNNN_name.json)*--benchmark-save*"])
+    assert baseline.read_text() == before

@@ -97,6 +97,52 @@ def _runs(text: str) -> int:
     return value
 
 
+class JsonReport:
+    """The file of pytest-benchmark's --benchmark-json, written when the report is (atomically: a temporary file
+    renamed into place), not opened at parse time. pytest-benchmark declares the option as argparse.FileType('wb'),
+    which truncates the file while the command line is parsed: a run that then stopped on a usage error, or was
+    interrupted, left an empty file where the previous report (or a baseline) was. A path named like a baseline file
+    (NNNN_name.json) is refused: baselines are written once, by --benchmark-save."""
+
+    def __init__(self, text: str):
+        self.path = Path(text)
+        if baselines.file_number(self.path) is not None:
+            raise argparse.ArgumentTypeError(
+                f"{text} is named like a baseline file (NNNN_name.json), which a JSON report would overwrite: "
+                "baselines are written once, by --benchmark-save; name the report otherwise"
+            )
+        self._chunks = []
+
+    def write(self, data: bytes) -> int:
+        self._chunks.append(data)
+        return len(data)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is None:
+            baselines.replace_file(self.path, b"".join(self._chunks).decode())
+        self._chunks = []
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+def pytest_plugin_registered(plugin, manager):
+    """Once pytest-benchmark's options exist (this hook also replays the registrations before this plugin's), give
+    --benchmark-json the JsonReport type before the command line is parsed."""
+    config = manager.get_plugin("pytestconfig")
+    for group in getattr(getattr(config, "_parser", None), "_groups", ()):
+        for option in group.options:
+            if "--benchmark-json" in option.names():
+                option.type = option._attrs["type"] = JsonReport  # what an argparse parser built later reads
+        # pytest 9 also adds each option to an argparse group at once: its action parses the value.
+        for action in getattr(getattr(group, "_arggroup", None), "_group_actions", ()):
+            if "--benchmark-json" in action.option_strings:
+                action.type = JsonReport
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("lmsys perf", "lmsys perf regression gate (on top of pytest-benchmark)")
     group.addoption(
