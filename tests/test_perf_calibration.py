@@ -2,6 +2,7 @@
 fresh processes, the tolerance it gives, the file next to the GPU's baselines, and a run that uses it."""
 
 import json
+import multiprocessing
 import math
 import os
 from pathlib import Path
@@ -58,11 +59,10 @@ def test_mixed_timings_are_not_calibrated():
 
 def test_the_file_is_merged_written_atomically_and_validated(tmp_path):
     first = calibration.noise([run_doc({"t::a": x, "t::b": x}) for x in (1e-3, 1.1e-3)])
-    calibration.write(tmp_path, "GPU", first)
+    calibration.update(tmp_path, "GPU", first)
     second = calibration.noise([run_doc({"t::b": x}) for x in (2e-3, 2.2e-3)])
-    merged, replaced = calibration.merged(calibration.read(tmp_path), second)
-    assert replaced == ["t::b"]
-    calibration.write(tmp_path, "GPU", merged)
+    path, merged, replaced = calibration.update(tmp_path, "GPU", second)
+    assert path == tmp_path / "calibration.json" and replaced == ["t::b"] and sorted(merged) == ["t::a", "t::b"]
     assert calibration.read(tmp_path)["t::b"]["medians"] == [2e-3, 2.2e-3]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calibration.json"]
     assert calibration.read(tmp_path / "nowhere") == {}
@@ -70,6 +70,32 @@ def test_the_file_is_merged_written_atomically_and_validated(tmp_path):
                                                                                    "medians": [1e-3, -1.0]}}}))
     with pytest.raises(calibration.CalibrationError, match="medians that are not positive"):
         calibration.read(tmp_path)
+
+
+def _calibrate_many(folder, prefix, count):
+    for index in range(count):
+        calibration.update(folder, "GPU", calibration.noise([run_doc({f"t::{prefix}{index}": x}) for x in (1e-3, 2e-3)]))
+
+
+def test_calibrations_at_the_same_time_keep_each_others_entries(tmp_path):
+    """Processes writing calibrations into one folder at once: each merges into the file as it is when it writes
+    (read, merge and write under the folder's lock), so none loses another's entries."""
+    context = multiprocessing.get_context("fork")
+    workers = [context.Process(target=_calibrate_many, args=(tmp_path, prefix, 15)) for prefix in "abc"]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+        assert worker.exitcode == 0
+    assert sorted(calibration.read(tmp_path)) == sorted(f"t::{p}{i}" for p in "abc" for i in range(15))
+
+
+def test_a_corrupt_calibration_file_is_named_and_left_as_it_was(tmp_path):
+    (tmp_path / "calibration.json").write_text("{not json")
+    with pytest.raises(calibration.CalibrationError, match="calibration file .*calibration.json cannot be read"):
+        calibration.update(tmp_path, "GPU", calibration.noise([run_doc({"t::a": x}) for x in (1e-3, 1.1e-3)]))
+    assert (tmp_path / "calibration.json").read_text() == "{not json"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calibration.json"]
 
 
 @pytest.mark.parametrize(

@@ -354,12 +354,19 @@ def _remove_stale_temporaries(folder: Path) -> None:
 
 
 @contextlib.contextmanager
-def _staged(folder: Path, text: str):
-    """Under the folder's lock, with SIGTERM turned into an exit so that this cleanup runs: a hidden temporary file in
-    folder holding text, flushed to disk, for the caller to link or move into place; removed at the end unless moved.
-    Temporary files a harder kill left behind are removed first."""
+def _holding(folder: Path):
+    """The folder's lock, with SIGTERM turned into an exit so that cleanups run; temporary files a harder kill left
+    behind are removed first."""
     with _terminate_as_exit(), _locked(folder):
         _remove_stale_temporaries(folder)
+        yield
+
+
+@contextlib.contextmanager
+def _staged(folder: Path, text: str, held: bool = False):
+    """Under the folder's lock (taken here unless `held`): a hidden temporary file in folder holding text, flushed to
+    disk, for the caller to link or move into place; removed at the end unless moved."""
+    with contextlib.nullcontext() if held else _holding(folder):
         handle, temporary = tempfile.mkstemp(dir=folder, prefix=TEMPORARY_PREFIX, suffix=".json")
         try:
             with os.fdopen(handle, "w", encoding="utf-8") as fh:
@@ -374,13 +381,22 @@ def _staged(folder: Path, text: str):
 
 def replace_file(path: Path, text: str) -> Path:
     """Writes text to path atomically (a temporary file renamed over it), under the folder's lock: for the files
-    that are meant to be updated (the calibration), never for a baseline."""
+    that are meant to be updated (reports), never for a baseline."""
+    return update_file(path, lambda current: text)
+
+
+def update_file(path: Path, change) -> Path:
+    """Read, change and write path as one step under the folder's lock: `change(current text, or None when there is
+    no file)` returns the new text, written atomically. Two processes updating one file at once both keep their
+    changes (each reads what the other wrote). Never for a baseline."""
     path = Path(path)
     if file_number(path) is not None:
         raise ValueError(f"{path} is named like a baseline: baselines are written once, with save_new")
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _staged(path.parent, text) as temporary:
-        os.replace(temporary, path)
+    with _holding(path.parent):
+        text = change(path.read_text(encoding="utf-8") if path.exists() else None)
+        with _staged(path.parent, text, held=True) as temporary:
+            os.replace(temporary, path)
     return path
 
 

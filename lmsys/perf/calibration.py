@@ -109,8 +109,16 @@ def read(folder: Path) -> dict:
     if not path.exists():
         return {}
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CalibrationError(f"calibration file {path} cannot be read: {exc}") from None
+    return _parsed(path, text)
+
+
+def _parsed(path: Path, text: str) -> dict:
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
         raise CalibrationError(f"calibration file {path} cannot be read: {exc}") from None
     problem = _problem(doc)
     if problem:
@@ -123,7 +131,17 @@ def merged(old: dict[str, dict], new: dict[str, dict]) -> tuple[dict[str, dict],
     return {**old, **new}, sorted(set(old) & set(new))
 
 
-def write(folder: Path, machine_id: str, entries: dict[str, dict]) -> Path:
-    """Writes the calibration file of a GPU's folder atomically (under the folder's lock, like a save)."""
-    text = json.dumps({"machine_id": machine_id, "benchmarks": entries}, indent=2, sort_keys=True)
-    return baselines.replace_file(Path(folder) / FILE_NAME, text)
+def update(folder: Path, machine_id: str, entries: dict[str, dict]) -> tuple[Path, dict[str, dict], list[str]]:
+    """Merges `entries` into the calibration file of a GPU's folder as it is now (read, merged and written atomically
+    under the folder's lock, so a calibration running at the same time keeps its entries too). Returns the path, the
+    merged calibration and the names whose earlier calibration was replaced; a CalibrationError names a bad file,
+    which is left as it was."""
+    path = Path(folder) / FILE_NAME
+    result = {}
+
+    def change(current: str | None) -> str:
+        result["all"], result["replaced"] = merged({} if current is None else _parsed(path, current), entries)
+        return json.dumps({"machine_id": machine_id, "benchmarks": result["all"]}, indent=2, sort_keys=True)
+
+    baselines.update_file(path, change)
+    return path, result["all"], result["replaced"]

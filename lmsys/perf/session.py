@@ -266,8 +266,7 @@ class PerfSession:
 
     def record_calibration(self, entries: dict[str, dict]) -> None:
         """Merges a calibration's entries into the GPU's calibration file and notes what was written and replaced."""
-        everything, replaced = calibration.merged(self.calibration, entries)
-        path = calibration.write(self.folder, self.machine_id, everything)
+        path, everything, replaced = calibration.update(self.folder, self.machine_id, entries)
         self.calibration = everything
         self.notes.append(f"calibration of {len(entries)} benchmark(s) written to {path}")
         if replaced:
