@@ -308,8 +308,8 @@ def test_a_non_finite_or_negative_max_time_is_a_usage_error(pytester, value, sho
 
 
 def test_benchmark_json_is_not_truncated_by_a_run_that_stops_early(pytester):
-    """pytest-benchmark opens --benchmark-json for writing while the command line is parsed: a run that then stopped
-    on a usage error used to leave the file empty. Now the file is written only with the report, atomically."""
+    """pytest-benchmark 5.2 opens --benchmark-json for writing while the command line is parsed: a run that then
+    stopped on a usage error used to leave the file empty. Now the file is written only with the report."""
     write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=1)
     report = pytester.path / "report.json"
     report.write_text('{"earlier": "report"}')

@@ -10,6 +10,7 @@ only held back until collection says whose it is).
 """
 
 import argparse
+import contextlib
 import math
 import os
 import traceback
@@ -97,12 +98,13 @@ def _runs(text: str) -> int:
     return value
 
 
-class JsonReport:
-    """The file of pytest-benchmark's --benchmark-json, written when the report is (atomically: a temporary file
-    renamed into place), not opened at parse time. pytest-benchmark declares the option as argparse.FileType('wb'),
-    which truncates the file while the command line is parsed: a run that then stopped on a usage error, or was
-    interrupted, left an empty file where the previous report (or a baseline) was. A path named like a baseline file
-    (NNNN_name.json) is refused: baselines are written once, by --benchmark-save."""
+class JsonReport(os.PathLike):
+    """The file of pytest-benchmark's --benchmark-json. pytest-benchmark 5.2 declares the option as
+    argparse.FileType('wb'), which empties the file while the command line is parsed: a run that then stopped on a
+    usage error, or was interrupted, left an empty file where the previous report (or a baseline) was. Used as that
+    file object (5.2), it writes the report when it is written, atomically (a temporary file renamed into place);
+    5.3 opens the path itself at the end (`os.fspath`). Either way a path named like a baseline file (NNNN_name.json)
+    is refused: baselines are written once, by --benchmark-save."""
 
     def __init__(self, text: str):
         self.path = Path(text)
@@ -128,16 +130,31 @@ class JsonReport:
     def __str__(self) -> str:
         return str(self.path)
 
+    def __fspath__(self) -> str:
+        return str(self.path)
+
 
 def pytest_plugin_registered(plugin, manager):
     """Once pytest-benchmark's options exist (this hook also replays the registrations before this plugin's), give
     --benchmark-json the JsonReport type before the command line is parsed."""
-    config = manager.get_plugin("pytestconfig")
+    # pytest's parser internals differ between versions; tests/test_perf_misuse.py fails if none of these applies
+    # (and a version that has none of them still loads the plugin).
+    with contextlib.suppress(AttributeError, TypeError):
+        _use_json_report(manager.get_plugin("pytestconfig"))
+
+
+def _use_json_report(config) -> None:
+    """Make JsonReport the type of --benchmark-json in config's parser, if that option exists yet."""
     for group in getattr(getattr(config, "_parser", None), "_groups", ()):
-        for option in group.options:
-            if "--benchmark-json" in option.names():
-                option.type = option._attrs["type"] = JsonReport  # what an argparse parser built later reads
-        # pytest 9 also adds each option to an argparse group at once: its action parses the value.
+        for option in getattr(group, "options", ()):
+            if "--benchmark-json" not in option.names():
+                continue
+            action = getattr(option, "_action", None)
+            if action is not None:  # pytest >= 9.2: the option wraps its argparse action
+                action.type = JsonReport
+            elif isinstance(getattr(option, "_attrs", None), dict):  # earlier: the attributes an action is built from
+                option._attrs["type"] = option.type = JsonReport
+        # pytest 9.0-9.1 also add each option to an argparse group at once: that action parses the value.
         for action in getattr(getattr(group, "_arggroup", None), "_group_actions", ()):
             if "--benchmark-json" in action.option_strings:
                 action.type = JsonReport
