@@ -78,6 +78,15 @@ def test_a_sweep_stopped_halfway_keeps_its_rows(tmp_path, monkeypatch):
     assert pd.read_csv(tmp_path / "m.csv")["mode"].tolist() == ["fwd"]
 
 
+@pytest.mark.gpu
+def test_graphs_cases_replay_cuda_graphs_on_the_gpu(gpu, tmp_path):
+    main(["model", "--sizes", "small", "--num-layers", "2", "--context", "128", "--batch", "2", "--dtypes", "bf16",
+          "--compile", "graphs", "--modes", "fwd_bwd", "train", "--warmup", "3", "--steps", "2",
+          "-o", str(tmp_path / "m.csv")])
+    table = pd.read_csv(tmp_path / "m.csv")
+    assert table["compile"].tolist() == ["graphs", "graphs"] and (table["status"] == "ok").all()
+
+
 def test_compiled_cases_are_labelled_and_the_compiler_is_reset(tmp_path, monkeypatch):
     # torch.compile on the CPU takes tens of seconds: here it is the identity, the plumbing is what is tested.
     resets = []
@@ -110,10 +119,11 @@ def test_nvtx_turns_the_ranges_on_for_the_timed_steps_only(monkeypatch):
     (["--memory-snapshot", "snap"], "--memory-snapshot records the CUDA caching allocator's history: it needs a CUDA"),
     (["-o", "table.txt"], "--output table.txt: the file must end in .csv or .json"),
     (["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--compile", "graphs"], "--compile graphs replays the compiled model as CUDA graphs: it needs a CUDA device"),
 ])
 def test_model_usage_errors(arguments, problem, capsys):
-    if "--memory-snapshot" in arguments and torch.cuda.is_available():
-        pytest.skip("this machine has a GPU: the snapshot is possible")
+    if ("--memory-snapshot" in arguments or "graphs" in arguments) and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: what is refused without one is possible")
     assert main(["model", *QUICK, *arguments]) == 2
     assert problem in capsys.readouterr().err
 

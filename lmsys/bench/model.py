@@ -1,5 +1,5 @@
 """`lmsys-bench model`: forward, forward + backward and training-step times of the LM over sizes x context lengths x
-{fp32, bf16 autocast} x {eager, torch.compile}.
+{fp32, bf16 autocast} x {eager, torch.compile, torch.compile replayed as CUDA graphs}.
 
 Each case builds its model afresh (the gate's clock: CUDA events on a GPU, perf_counter on the CPU), runs `--warmup`
 untimed steps, then times `--steps` steps one by one: mean, std and median ms, tokens/s, model TFLOP/s (lmsys.flops:
@@ -43,7 +43,8 @@ from lmsys.train import cross_entropy, make_train_step, random_batch
 
 MODES = ("fwd", "fwd_bwd", "train")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
-COMPILE = ("eager", "compiled")
+# graphs: compiled with mode="reduce-overhead", the forward and backward recorded and replayed as CUDA graphs
+COMPILE = ("eager", "compiled", "graphs")
 OPTIMIZERS = {"adamw": AdamW, "torch-fused-adamw": functools.partial(torch.optim.AdamW, fused=True)}
 # The process-wide (start/end) NVTX range around each timed step: it also covers kernels that the autograd engine's
 # own thread launches for the backward, which a thread-local push/pop range would miss.
@@ -81,8 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="default: all three")
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES),
                         help="fp32, or bf16 autocast with fp32 master weights (default: both)")
-    parser.add_argument("--compile", nargs="+", choices=COMPILE, default=list(COMPILE),
-                        help="eager and/or torch.compile of the model (default: both)")
+    parser.add_argument("--compile", nargs="+", choices=COMPILE, default=["eager", "compiled"],
+                        help="eager, torch.compile of the model, and/or graphs (compiled, then replayed as CUDA "
+                        "graphs; CUDA only) (default: eager compiled)")
     parser.add_argument("--attention", choices=sorted(ATTENTION), default="sdpa",
                         help="the model's attention kernel (default: sdpa)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
@@ -121,13 +123,12 @@ def config_for(case: Case, args: argparse.Namespace):
 def step_function(case: Case, model: TransformerLM, optimizer: str, inputs, targets) -> Callable[[], object]:
     """The work of one step of the case's mode, as a function of no arguments."""
     autocast_dtype = DTYPES[case.dtype]
-    compiled = case.compile == "compiled"
+    compiled, graphs = case.compile != "eager", case.compile == "graphs"
     if case.mode == "train":
-        step = make_train_step(
-            model, OPTIMIZERS[optimizer](model.parameters()), autocast_dtype=autocast_dtype, compile=compiled
-        )
+        step = make_train_step(model, OPTIMIZERS[optimizer](model.parameters()), autocast_dtype=autocast_dtype,
+                               compile=compiled, cuda_graphs=graphs)
         return functools.partial(step, inputs, targets)
-    forward = torch.compile(model) if compiled else model
+    forward = torch.compile(model, mode="reduce-overhead" if graphs else None) if compiled else model
 
     def loss():
         with (
@@ -233,7 +234,7 @@ def run_case(case: Case, args: argparse.Namespace, device) -> dict:
         with sweep.out_of_memory_as_status(device, row):
             row.update(measure(case, args, device))
     finally:
-        if case.compile == "compiled":
+        if case.compile != "eager":
             torch.compiler.reset()  # compiled graphs hold the model's memory and would hit the recompile limit
         device.release_memory()
     if row["status"] == sweep.OK:
@@ -265,6 +266,8 @@ def run(args: argparse.Namespace) -> int:
     device = sweep.backend()
     if args.memory_snapshot and not device.is_gpu:
         raise sweep.UsageError("--memory-snapshot records the CUDA caching allocator's history: it needs a CUDA device")
+    if "graphs" in args.compile and not device.is_gpu:
+        raise sweep.UsageError("--compile graphs replays the compiled model as CUDA graphs: it needs a CUDA device")
     for name, value, least in (("--batch", args.batch, 1), ("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
                                ("--num-layers", args.num_layers or 1, 1), ("--context", min(args.context or [1]), 1)):
         if value < least:
