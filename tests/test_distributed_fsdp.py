@@ -103,6 +103,7 @@ def _train_like_single_process(seed: int, model_name: str, compute_dtype: torch.
     torch.manual_seed(seed)
     with device:
         reference = MODELS[model_name]()
+    assert fsdp.num_parameters() == sum(p.numel() for p in reference.parameters())
     cast = _linear_and_embedding_names(reference) if compute_dtype is not None else set()
     # fp16 gradients of a 10000-word softmax fall below fp16's normal range: scale the loss, as fp16 training does.
     scale = 1.0 if compute_dtype is None else 1024.0

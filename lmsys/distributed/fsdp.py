@@ -223,6 +223,12 @@ class FSDP(nn.Module):
                 param.grad = flat[offset : offset + param.numel()].view_as(param)
                 offset += param.numel()
 
+    def num_parameters(self) -> int:
+        """The wrapped model's parameter count, sharded weights at their full size: the module's own `parameters()`
+        (and so `TransformerLM.num_parameters()`) no longer list the sharded weights, which became plain tensors."""
+        sharded = sum(slot.numel for unit in self._units for slot in unit.slots)
+        return sharded + sum(p.numel() for p in self.module.parameters())
+
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:
         """Every parameter of the wrapped module in full, by its original name (fp32 copies, on every rank)."""
