@@ -69,9 +69,8 @@ def side_by_side(data: pd.DataFrame, value: str = "ms") -> pd.DataFrame:
     if value not in VALUES:
         raise ValueError(f"value must be one of {', '.join(VALUES)}, got {value!r}")
     # Every (test, configuration) row and provider column, also where no benchmark has this value (GB/s of a
-    # benchmark that states only FLOPs): pivot_table alone drops the rows and columns that are all missing.
-    table = data.pivot_table(index=["test", "configuration"], columns="provider", values=value, sort=False,
-                             dropna=False)
+    # benchmark that states only FLOPs): pivot_table drops the rows and columns that are all missing.
+    table = data.pivot_table(index=["test", "configuration"], columns="provider", values=value, sort=False)
     rows = pd.MultiIndex.from_frame(data[["test", "configuration"]].drop_duplicates())
     return table.reindex(index=rows, columns=list(dict.fromkeys(data["provider"])))
 
