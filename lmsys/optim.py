@@ -32,6 +32,7 @@ import triton.language as tl
 
 CHUNK = 65536  # elements per program
 BLOCK = 1024  # elements per iteration of a program
+NUM_WARPS = 4
 _INTERPRET = triton.knobs.runtime.interpret
 _DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
@@ -376,7 +377,7 @@ class AdamW(torch.optim.Optimizer):
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             _adamw_kernel[(chunks.shape[0],)](
                 table.to(device, non_blocking=True), chunks,
-                ROW=_ROW, CHUNK=CHUNK, BLOCK=BLOCK, DTYPE=_DTYPES[dtype], ALIGNED=aligned, num_warps=4,
+                ROW=_ROW, CHUNK=CHUNK, BLOCK=BLOCK, DTYPE=_DTYPES[dtype], ALIGNED=aligned, num_warps=NUM_WARPS,
             )
 
     def _chunk_table(self, device: torch.device, dtype: torch.dtype, sizes: list[int]) -> torch.Tensor:
