@@ -205,8 +205,8 @@ def test_fused_is_the_default_on_cuda_only(seed):
     param.grad = torch.ones(3, device=FUSED_DEVICE)
     optimizer = AdamW([param])
     assert optimizer.fused is None
-    work = optimizer._validated_work()
-    assert [fused for *_, fused in work] == [HAS_CUDA]
+    buckets, _ = optimizer._validated_buckets()
+    assert [fused for _, _, fused in buckets] == [HAS_CUDA]
 
 
 def test_float32_step_matches_float64(seed):
@@ -279,6 +279,10 @@ def _break_grad_dtype(optimizer, params):
     params[-1].grad = torch.zeros(params[-1].shape, dtype=torch.float64, device=params[-1].device)
 
 
+def _break_grad_shape(optimizer, params):
+    params[-1].grad.resize_(2)  # in place: the gradient setter's own checks never see it
+
+
 def _break_param_dtype(optimizer, params):
     params[-1].data = params[-1].data.bfloat16()
     params[-1].grad = torch.zeros_like(params[-1])
@@ -312,6 +316,7 @@ def _break_fused_device(optimizer, params):
 BREAKS = {
     "sparse gradient": (_break_sparse, "sparse gradients"),
     "gradient dtype": (_break_grad_dtype, "has a gradient of shape"),
+    "gradient shape": (_break_grad_shape, r"has a gradient of shape \(2,\)"),
     "parameter dtype": (_break_param_dtype, "parameters must be float32"),
     "lr": (_break_lr, "lr must be a finite number"),
     "amsgrad": (_break_flag, "does not support amsgrad=True"),
@@ -346,6 +351,32 @@ def test_a_bad_last_group_changes_nothing(case, fused, seed, monkeypatch):
         torch.testing.assert_close(param.detach(), value, rtol=0, atol=0)
         assert optimizer.state[param]["step"] == state["step"] == 1
         torch.testing.assert_close(optimizer.state[param]["exp_avg"], state["exp_avg"], rtol=0, atol=0)
+
+
+def test_a_step_checks_in_full_only_what_changed_since_the_last(seed, monkeypatch):
+    """The host's cost per step: a parameter checked at an earlier step, with its storage and state unchanged, has
+    only its new gradient checked; new state, a new storage or a change of mode gets the full checks again."""
+    params = _params(torch.Generator().manual_seed(seed), torch.float32, FUSED_DEVICE, [(5,), (4, 3), (6,)])
+    optimizer = AdamW(params)
+    full_checks = []
+    check = optimizer._check
+    monkeypatch.setattr(optimizer, "_check", lambda *args: full_checks.append(args[1]) or check(*args))
+
+    def step():
+        full_checks.clear()
+        for param in params:
+            param.grad = torch.randn_like(param)
+        optimizer.step()
+        return [next(i for i, p in enumerate(params) if p is checked) for checked in full_checks]
+
+    assert step() == [0, 1, 2]
+    assert step() == []
+    optimizer.state[params[1]] = copy.deepcopy(optimizer.state[params[1]])
+    params[2].data = params[2].data.clone()
+    assert step() == [1, 2]
+    assert step() == []
+    optimizer.fused = not FUSED_DEVICE.type == "cuda"  # the other implementation: everything again
+    assert step() == [0, 1, 2]
 
 
 # ------------------------------------------------------------------------------------------- state dicts
