@@ -394,6 +394,18 @@ def test_block_d_is_the_padded_power_of_two():
                                                                                        128, 128]
 
 
+@pytest.mark.parametrize("d, table", [(80, 128), (96, 128), (48, 64), (8, 64), (128, 128)])
+def test_forward_tiles_are_those_of_the_padded_width(d, table, monkeypatch):
+    """On a GPU the forward's autotuner keeps the tile table of the tiles' width (BLOCK_D), not of the head dim: a
+    head dim of 80 runs 128-wide tiles. (The interpreter skips the tables; here they are looked up as on a GPU.)"""
+    monkeypatch.setattr(flash_triton, "_INTERPRET", False)
+    configs = list(dict.fromkeys(c for cs in flash_triton._FWD_CONFIGS.values() for c in cs))
+    q = torch.empty(1, 1, 8192, d, dtype=torch.bfloat16, device="meta")
+    kept = flash_triton._prune_configs(configs, {"Q": q, "N_Q": 8192, "N_K": 8192}, rows="BLOCK_M",
+                                       tiles=flash_triton._FWD_CONFIGS, HEAD_DIM=d, BLOCK_D=flash_triton._block_d(d))
+    assert kept == flash_triton._FWD_CONFIGS[table]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize(

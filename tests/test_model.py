@@ -174,8 +174,8 @@ def test_compiled_model_with_flash_triton_matches_sdpa(backend, on_gpu, device, 
 @pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)], ids=["fp32", "gpu-bf16"])
 def test_model_with_flash_triton_at_head_dim_80_matches_sdpa(on_gpu, device, seed):
     """The 2.7B preset's head dim, 80 (2560 / 32), which the Triton kernels pad to 128, in a one-layer model: logits
-    and every gradient against SDPA. In fp32 (on the CPU through the interpreter) to fp32 rounding; on the GPU under
-    bf16 autocast, to each tensor's scale."""
+    and every gradient against SDPA: in fp32 to fp32 rounding (without CUDA through the interpreter), and on a GPU also
+    under bf16 autocast, to each tensor's scale."""
     if on_gpu and device.type != "cuda":
         pytest.skip("needs a CUDA device")
     config = tiny(d_model=160, num_heads=2, num_layers=1)
