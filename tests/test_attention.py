@@ -44,7 +44,7 @@ HAS_CUDA = torch.cuda.is_available()
 # Without CUDA the Triton kernels run interpreted: slow, so the Triton tests stay small there.
 TRITON_DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 TRITON_DTYPES = (torch.float32, torch.float16) if not HAS_CUDA else (torch.float32, torch.float16, torch.bfloat16)
-TRITON_HEAD_DIMS = (16, 32, 64) if not HAS_CUDA else (16, 32, 64, 128)
+TRITON_HEAD_DIMS = (16, 24, 32, 64, 80) if not HAS_CUDA else (16, 24, 32, 64, 80, 128)
 
 # Largest error allowed, relative to the largest |value| of the float64 reference tensor, or to 1 if that is smaller:
 # inputs are unit normal, so a result that cancels to about 0 (dQ and dK with a single key) still carries
@@ -330,6 +330,9 @@ OP_CASES = [
     pytest.param((1, 3, 17, 32), "contiguous", "transposed", True, torch.float32, id="4d-mixed"),
     pytest.param((2, 20, 16), "contiguous", "contiguous", False, torch.float16, id="3d-contiguous"),
     pytest.param((2, 20, 16), "transposed", "transposed", False, torch.float32, id="3d-transposed"),
+    # Head dims that the kernels pad (to 128 and 64): the 2.7B preset's 80 as the model passes it, and 48.
+    pytest.param((1, 2, 19, 80), "contiguous", "transposed", True, torch.float32, id="4d-mixed-d80"),
+    pytest.param((2, 19, 48), "transposed", "transposed", False, torch.float16, id="3d-transposed-d48"),
 ]
 
 
@@ -344,6 +347,90 @@ def test_custom_ops_pass_opcheck(shape, q_layout, kv_layout, is_causal, dtype, s
     assert o.is_contiguous() and lse.is_contiguous()
     torch.library.opcheck(torch.ops.lmsys.flash_attn_bwd.default, (q, k, v, o, lse, do, is_causal))
     assert all(g.is_contiguous() for g in flash_triton.backward(q, k, v, o, lse, do, is_causal))
+
+
+# ------------------------------------------------------------------------- head dims that are not powers of two
+
+# The Triton kernels' tiles are a power of two wide along the head dim (80 -> 128, 48 -> 64, 8 -> 16): the padding
+# columns must load as zeros (so Q K^T, P V and the gradients' products are unchanged) and never be stored.
+# 80: the 2.7B preset's head dim, padded to 128; 48 and 8 are padded to 64 and 16.
+PADDED_HEAD_DIMS = [
+    pytest.param(80, torch.float32, id="d80-fp32"),
+    pytest.param(80, torch.float16, id="d80-fp16"),
+    pytest.param(48, torch.float16, id="d48-fp16"),
+    pytest.param(8, torch.float32, id="d8-fp32"),
+]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d, dtype", PADDED_HEAD_DIMS)
+def test_flash_triton_padded_head_dim(d, dtype, is_causal, layout, seed):
+    """o, lse, dq, dk, dv against float64 at lengths ragged for every tile (and seq_q != seq_k without the mask), on
+    contiguous inputs and on heads split off a (B, T, H, D) projection."""
+    n_q, n_k = 37, 37 if is_causal else 23
+    q, do = (_strided((2, 2, n_q, d), layout, dtype, TRITON_DEVICE) for _ in range(2))
+    k, v = (_strided((2, 2, n_k, d), layout, dtype, TRITON_DEVICE) for _ in range(2))
+    check_flash("triton", q, k, v, is_causal, do)
+
+
+@pytest.mark.parametrize(
+    "shape, layout, dtype, descriptors",
+    [
+        pytest.param((2, 2, 37, 80), "transposed", torch.float16, True, id="d80-fp16-transposed"),
+        pytest.param((2, 2, 37, 80), "contiguous", torch.float32, True, id="d80-fp32-contiguous"),
+        pytest.param((1, 3, 37, 48), "contiguous", torch.float16, True, id="d48-fp16-contiguous"),
+        # Rows 288 bytes apart (16-byte aligned) but heads 72 bytes apart: a descriptor per head would be misaligned.
+        pytest.param((1, 4, 37, 36), "transposed", torch.float16, False, id="d36-fp16-transposed"),
+    ],
+)
+def test_flash_triton_forward_through_tensor_descriptors(shape, layout, dtype, descriptors, monkeypatch, seed):
+    """The forward's USE_TMA path, forced (the interpreter runs tensor descriptors with TMA's zero fill out of
+    bounds): descriptors span the real head dim and their tiles the padded one, so the padding loads as zeros. Inputs
+    whose batch, head or row strides would misalign a descriptor take the pointer path instead."""
+    _force_config(monkeypatch, flash_triton._flash_fwd_kernel, flash_triton._fwd_config(32, 16, 4, 1, True))
+    q, k, v, do = (_strided(shape, layout, dtype, TRITON_DEVICE) for _ in range(4))
+    assert flash_triton._tma_ok(q, k, v) is descriptors
+    check_flash("triton", q, k, v, True, do)
+
+
+def test_block_d_is_the_padded_power_of_two():
+    assert [flash_triton._block_d(d) for d in (1, 8, 16, 17, 48, 64, 80, 96, 128)] == [16, 16, 16, 32, 64, 64, 128,
+                                                                                       128, 128]
+
+
+@pytest.mark.parametrize("d, table", [(80, 128), (96, 128), (48, 64), (8, 64), (128, 128)])
+def test_forward_tiles_are_those_of_the_padded_width(d, table, monkeypatch):
+    """On a GPU the forward's autotuner keeps the tile table of the tiles' width (BLOCK_D), not of the head dim: a
+    head dim of 80 runs 128-wide tiles. (The interpreter skips the tables; here they are looked up as on a GPU.)"""
+    monkeypatch.setattr(flash_triton, "_INTERPRET", False)
+    configs = list(dict.fromkeys(c for cs in flash_triton._FWD_CONFIGS.values() for c in cs))
+    q = torch.empty(1, 1, 8192, d, dtype=torch.bfloat16, device="meta")
+    kept = flash_triton._prune_configs(configs, {"Q": q, "N_Q": 8192, "N_K": 8192}, rows="BLOCK_M",
+                                       tiles=flash_triton._FWD_CONFIGS, HEAD_DIM=d, BLOCK_D=flash_triton._block_d(d))
+    assert kept == flash_triton._FWD_CONFIGS[table]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    "shape, k_len, layout, is_causal",
+    [
+        # The 2.7B preset's attention at context 512, as the model calls it (v a transposed view).
+        pytest.param((4, 32, 512, 80), 512, "transposed", True, id="d80-2.7B"),
+        pytest.param((2, 4, 1000, 80), 1000, "contiguous", True, id="d80-causal-ragged"),
+        pytest.param((1, 3, 1537, 80), 1000, "contiguous", False, id="d80-full-ragged"),
+        pytest.param((2, 4, 2048, 96), 2048, "transposed", False, id="d96-full"),
+        pytest.param((3, 1000, 48), 1000, "contiguous", True, id="d48-3d-causal"),
+        pytest.param((2, 4, 777, 72), 777, "transposed", True, id="d72-causal"),
+        pytest.param((2, 4, 1000, 36), 1000, "transposed", True, id="d36-causal"),  # misaligned for descriptors
+        pytest.param((2, 4, 1000, 8), 1000, "contiguous", False, id="d8-full"),
+    ],
+)
+def test_flash_triton_padded_head_dim_gpu(gpu, shape, k_len, layout, is_causal, dtype, seed):
+    q, do = (_strided(shape, layout, dtype, gpu) for _ in range(2))
+    k, v = (_strided((*shape[:-2], k_len, shape[-1]), layout, dtype, gpu) for _ in range(2))
+    check_flash("triton", q, k, v, is_causal, do)
 
 
 # --------------------------------------------------------------------------------------- GPU, realistic sizes
@@ -395,10 +482,11 @@ TILE_CONFIGS = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 80], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("kernel, config", TILE_CONFIGS)
 def test_every_tile_config_gpu(gpu, kernel, config, head_dim, monkeypatch):
-    """Each tile config a kernel's autotuner may pick, forced, against float64 (the autotuner runs only the fastest)."""
+    """Each tile config a kernel's autotuner may pick, forced, against float64 (the autotuner runs only the fastest);
+    at d=80 the tiles are 128 wide, the descriptors of the USE_TMA configs 80."""
     _force_config(monkeypatch, getattr(flash_triton, kernel), config)
     for q_shape, k_shape, is_causal in FORCED_CONFIG_PROBLEMS:
         q, k, v = make_inputs(q_shape[:-1] + (head_dim,), k_shape[:-1] + (head_dim,), torch.bfloat16, gpu)
@@ -479,6 +567,7 @@ def test_hopper_forward_gpu(gpu, q_shape, k_shape, is_causal, dtype, seed):
     [
         ("ragged length", lambda gpu: make_inputs((1, 2, 1000, 128), (1, 2, 1000, 128), torch.bfloat16, gpu)),
         ("head dim 64", lambda gpu: make_inputs((1, 2, 1024, 64), (1, 2, 1024, 64), torch.bfloat16, gpu)),
+        ("head dim 80", lambda gpu: make_inputs((1, 2, 1024, 80), (1, 2, 1024, 80), torch.bfloat16, gpu)),
         ("fp32", lambda gpu: make_inputs((1, 2, 1024, 128), (1, 2, 1024, 128), torch.float32, gpu)),
         ("not contiguous", lambda gpu: tuple(
             x.transpose(1, 2) for x in make_inputs((1, 1024, 2, 128), (1, 1024, 2, 128), torch.bfloat16, gpu))),
@@ -602,7 +691,8 @@ def test_bad_input_raises_value_error(backend, case):
 @pytest.mark.parametrize(
     "dtype, d, message",
     [
-        (torch.float32, 48, "head dim 48 is not supported by triton; supported: 16, 32, 64, 128"),
+        (torch.float32, 129, "head dim 129 is not supported by triton; supported: 1 to 128"),
+        (torch.float16, 256, "head dim 256 is not supported by triton; supported: 1 to 128"),
         (torch.float64, 64, "dtype torch.float64 is not supported by triton; supported: float16, bfloat16, float32"),
     ],
 )

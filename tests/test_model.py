@@ -169,6 +169,34 @@ def test_compiled_model_with_flash_triton_matches_sdpa(backend, on_gpu, device, 
         torch.testing.assert_close(grads, expected_grads, rtol=1e-4, atol=1e-5)
 
 
+# The Triton interpreter (triton 3.6) converts one-element arrays to scalars in a way NumPy deprecates.
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+@pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)], ids=["fp32", "gpu-bf16"])
+def test_model_with_flash_triton_at_head_dim_80_matches_sdpa(on_gpu, device, seed):
+    """The 2.7B preset's head dim, 80 (2560 / 32), which the Triton kernels pad to 128, in a one-layer model: logits
+    and every gradient against SDPA: in fp32 to fp32 rounding (without CUDA through the interpreter), and on a GPU also
+    under bf16 autocast, to each tensor's scale."""
+    if on_gpu and device.type != "cuda":
+        pytest.skip("needs a CUDA device")
+    config = tiny(d_model=160, num_heads=2, num_layers=1)
+    assert config.head_dim == SIZES["2.7B"].head_dim == 80
+    with torch.device(device):
+        reference = TransformerLM(dataclasses.replace(config, attention="sdpa"))
+        model = TransformerLM(dataclasses.replace(config, attention="flash_triton"))
+    model.load_state_dict(reference.state_dict())
+    tokens = torch.randint(config.vocab_size, (2, 45), device=device)
+    autocast = torch.bfloat16 if on_gpu else None
+    logits, grads = _logits_and_grads(model, tokens, autocast)
+    expected_logits, expected_grads = _logits_and_grads(reference, tokens, autocast)
+    if on_gpu:
+        _assert_close_to_scale(logits, expected_logits, "logits")
+        for name, expected in expected_grads.items():
+            _assert_close_to_scale(grads[name], expected, f"gradient of {name}")
+    else:
+        torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(grads, expected_grads, rtol=1e-4, atol=1e-5)
+
+
 def _assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, what: str, fraction: float = 0.03) -> None:
     atol = fraction * expected.abs().amax().item()
     torch.testing.assert_close(actual.float(), expected.float(), rtol=0.0, atol=atol, msg=lambda m: f"{what}: {m}")

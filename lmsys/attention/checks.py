@@ -24,9 +24,9 @@ def check_inputs(
 
     Valid inputs are tensors shaped (batch, seq, d) or (batch, heads, seq, d), all with the same number of
     dimensions, the same batch (and heads), one dtype among `dtypes`, one device; `k` and `v` have the same
-    shape; `q` and `k` share the head dim, which must be one of `head_dims` when that is given; no sequence is
-    empty; causal attention needs as many queries as keys. Device support beyond "all on one device" is left
-    to the caller (the Triton wrapper checks for CUDA or the interpreter itself).
+    shape; `q` and `k` share the head dim, which must be in `head_dims` (a collection or a range) when that is
+    given; no sequence is empty; causal attention needs as many queries as keys. Device support beyond "all on one
+    device" is left to the caller (the Triton wrapper checks for CUDA or the interpreter itself).
     """
     for name, x in zip(_NAMES, (q, k, v), strict=True):
         if not isinstance(x, torch.Tensor):
@@ -57,7 +57,10 @@ def check_inputs(
             f"{impl} attention: q and k must have the same head dim; got q {tuple(q.shape)}, k {tuple(k.shape)}"
         )
     if head_dims is not None and q.shape[-1] not in head_dims:
-        supported = ", ".join(str(d) for d in head_dims)
+        if isinstance(head_dims, range):
+            supported = f"{head_dims[0]} to {head_dims[-1]}"
+        else:
+            supported = ", ".join(str(d) for d in head_dims)
         raise ValueError(f"head dim {q.shape[-1]} is not supported by {impl}; supported: {supported}")
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"{impl} attention: q, k and v must have one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")

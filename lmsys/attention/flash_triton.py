@@ -25,8 +25,10 @@ Tuning: tile sizes, warps and pipeline depth are autotuned per (length rounded u
 causal, dtype); the forward may load its tiles through tensor descriptors (TMA on Hopper) instead of pointers,
 whichever is faster. Under ``torch.compile`` the wrappers are ``torch.library`` custom ops, opaque to the compiler;
 eager calls skip the custom-op dispatch. Any sequence length works: boundary masks are compiled in only when a length is not a multiple
-of the tile (``EVEN_*`` heuristics). With ``TRITON_INTERPRET=1`` the same kernels run on the CPU (small shapes,
-for tests).
+of the tile (``EVEN_*`` heuristics). Any head dim up to 128 works (the 2.7B model's is 80): tiles are BLOCK_D wide,
+the head dim rounded up to a power of two (at least 16), and the padding columns load as zeros, which leaves every
+product over the head dim unchanged, and are never stored; a power-of-two head dim compiles without those masks.
+With ``TRITON_INTERPRET=1`` the same kernels run on the CPU (small shapes, for tests).
 """
 
 import functools
@@ -39,7 +41,8 @@ import triton.language as tl
 from lmsys.attention import flash_hopper, launch_order
 from lmsys.attention.checks import check_inputs, refuse_double_backward
 
-HEAD_DIMS = (16, 32, 64, 128)
+# Any head dim up to 128: the kernels' tiles are BLOCK_D = _block_d(d) wide, zero-padded past d.
+HEAD_DIMS = range(1, 129)
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 # A finite "minus infinity" for masked scores: exp2 of it is 0, and a row whose tile is all masked gives no NaN. It
@@ -51,6 +54,11 @@ _INTERPRET = triton.knobs.runtime.interpret
 # Inputs that lmsys.attention.flash_hopper takes (Hopper, 16-bit, d=128, lengths multiples of 128) go to its Gluon
 # forward, about 20% faster there than the forward below; False sends everything to the Triton-language kernels.
 HOPPER_FORWARD = True
+
+
+def _block_d(head_dim):
+    """Tile width along the head dim: the next power of two (tl.arange needs one), at least 16 (tl.dot's least)."""
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 def _autotune_key(n_q, n_k):
@@ -76,12 +84,12 @@ def _even_flags(rows: str, cols: str) -> dict:
 def _prune_configs(configs, named_args, rows, tiles=None, **kwargs):
     """Drop tiles much taller (`rows`) than the problem, and for fp32 all but the small tiles verified on the H100
     to fit shared memory up to d=128 (fp32 operands take twice the room). With `tiles` (head dim -> configs), keep
-    only the configs listed for the head dim, in their order. Up to _SMALL_PROBLEM tokens, keep one config of each
-    tile height."""
+    only the configs listed for the tile width along the head dim (BLOCK_D: a head dim of 80 has the tiles of 128),
+    in their order. Up to _SMALL_PROBLEM tokens, keep one config of each tile height."""
     n = max(named_args["N_Q"], named_args["N_K"])
     fp32 = named_args["Q"].element_size() == 4
     if tiles is not None and not _INTERPRET:
-        configs = [c for c in tiles[min(d for d in tiles if d >= kwargs["HEAD_DIM"])] if c in configs]
+        configs = [c for c in tiles[min(d for d in tiles if d >= kwargs["BLOCK_D"])] if c in configs]
     kept = [
         c for c in configs
         if c.kwargs[rows] <= max(64, triton.next_power_of_2(n))
@@ -117,18 +125,44 @@ def _fwd_configs():
 
 
 @triton.jit
-def _load_rows(src, start, offs_rows, offs_d, stride_row, n_rows, BOUNDS_MASK: tl.constexpr, USE_TMA: tl.constexpr):
-    """Rows [start, start + len(offs_rows)) of a (n_rows, HEAD_DIM) matrix with unit stride along HEAD_DIM; rows past
-    the end read as 0."""
+def _tile_mask(rows, offs_d, n_rows, HEAD_DIM: tl.constexpr, BOUNDS_MASK: tl.constexpr):
+    """Which elements of a (len(rows), len(offs_d)) tile exist: rows below n_rows (checked only with BOUNDS_MASK) and
+    columns below HEAD_DIM (checked only when the tile is padded wider than the head dim). One of them must apply."""
+    if BOUNDS_MASK and offs_d.shape[0] != HEAD_DIM:
+        return (rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
+    elif BOUNDS_MASK:
+        return rows[:, None] < n_rows
+    else:
+        return offs_d[None, :] < HEAD_DIM
+
+
+@triton.jit
+def _load_rows(src, start, offs_rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.constexpr, BOUNDS_MASK: tl.constexpr,
+               USE_TMA: tl.constexpr):
+    """Rows [start, start + len(offs_rows)) of a (n_rows, HEAD_DIM) matrix with unit stride along HEAD_DIM, as a tile
+    len(offs_d) wide; rows past the end and the padding columns past HEAD_DIM read as 0 (so they add nothing to a
+    dot product over the head dim)."""
     if USE_TMA:
-        # A tensor descriptor (TMA on Hopper) zero-fills rows past n_rows by itself.
+        # A tensor descriptor (TMA on Hopper) zero-fills rows past n_rows and columns past HEAD_DIM by itself.
         return src.load([start, 0])
     else:
         ptrs = src + (start + offs_rows)[:, None] * stride_row + offs_d[None, :]
-        if BOUNDS_MASK:
-            return tl.load(ptrs, mask=(start + offs_rows)[:, None] < n_rows, other=0.0)
+        if BOUNDS_MASK or offs_d.shape[0] != HEAD_DIM:
+            return tl.load(ptrs, mask=_tile_mask(start + offs_rows, offs_d, n_rows, HEAD_DIM, BOUNDS_MASK), other=0.0)
         else:
             return tl.load(ptrs)
+
+
+@triton.jit
+def _store_rows(dst, value, rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.constexpr, BOUNDS_MASK: tl.constexpr):
+    """Store the tile `value` as `rows` of a (n_rows, HEAD_DIM) matrix, leaving out rows past the end and the padding
+    columns past HEAD_DIM."""
+    ptrs = dst + rows[:, None] * stride_row + offs_d[None, :]
+    value = value.to(dst.dtype.element_ty)
+    if BOUNDS_MASK or offs_d.shape[0] != HEAD_DIM:
+        tl.store(ptrs, value, mask=_tile_mask(rows, offs_d, n_rows, HEAD_DIM, BOUNDS_MASK))
+    else:
+        tl.store(ptrs, value)
 
 
 @triton.jit
@@ -136,14 +170,14 @@ def _fwd_inner(
     acc, l_i, m_i, q, K, V,
     stride_kn, stride_vn,
     offs_m, offs_d, lo, hi, N_K, qk_scale,
-    BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        k = _load_rows(K, start_n, offs_n, offs_d, stride_kn, N_K, BOUNDS_MASK, USE_TMA)
+        k = _load_rows(K, start_n, offs_n, offs_d, stride_kn, N_K, HEAD_DIM, BOUNDS_MASK, USE_TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         if CAUSAL_MASK or BOUNDS_MASK:
             if CAUSAL_MASK and BOUNDS_MASK:
@@ -161,7 +195,7 @@ def _fwd_inner(
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _load_rows(V, start_n, offs_n, offs_d, stride_vn, N_K, BOUNDS_MASK, USE_TMA)
+        v = _load_rows(V, start_n, offs_n, offs_d, stride_vn, N_K, HEAD_DIM, BOUNDS_MASK, USE_TMA)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_ij
     return acc, l_i, m_i
@@ -181,7 +215,8 @@ def _flash_fwd_kernel(
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_OK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA_OK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
@@ -196,55 +231,54 @@ def _flash_fwd_kernel(
     LSE += off_bh.to(tl.int64) * N_Q
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     if TMA:
-        q_src = tl.make_tensor_descriptor(Q, [N_Q, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM])
-        K = tl.make_tensor_descriptor(K, [N_K, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM])
-        V = tl.make_tensor_descriptor(V, [N_K, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM])
+        # Global shapes of the real head dim, tiles of the padded one: the padding columns load as zeros.
+        q_src = tl.make_tensor_descriptor(Q, [N_Q, HEAD_DIM], [stride_qm, 1], [BLOCK_M, BLOCK_D])
+        K = tl.make_tensor_descriptor(K, [N_K, HEAD_DIM], [stride_kn, 1], [BLOCK_N, BLOCK_D])
+        V = tl.make_tensor_descriptor(V, [N_K, HEAD_DIM], [stride_vn, 1], [BLOCK_N, BLOCK_D])
     else:
         q_src = Q
-    q = _load_rows(q_src, start_m * BLOCK_M, tl.arange(0, BLOCK_M), offs_d, stride_qm, N_Q, not EVEN_M, TMA)
+    q = _load_rows(q_src, start_m * BLOCK_M, tl.arange(0, BLOCK_M), offs_d, stride_qm, N_Q, HEAD_DIM, not EVEN_M, TMA)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if CAUSAL:
         # Stage 1: key tiles strictly below the diagonal, no mask at all.
         diag = start_m * BLOCK_M
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, K, V, stride_kn, stride_vn,
             offs_m, offs_d, 0, diag, N_K, qk_scale,
-            BLOCK_N, False, False, DOT_PRECISION, TMA,
+            HEAD_DIM, BLOCK_N, False, False, DOT_PRECISION, TMA,
         )
         # Stage 2: the diagonal tiles, masked (and bounds-checked when the length is ragged).
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, K, V, stride_kn, stride_vn,
             offs_m, offs_d, diag, tl.minimum(diag + BLOCK_M, N_K), N_K, qk_scale,
-            BLOCK_N, True, not EVEN_N, DOT_PRECISION, TMA,
+            HEAD_DIM, BLOCK_N, True, not EVEN_N, DOT_PRECISION, TMA,
         )
     else:
         n_full = (N_K // BLOCK_N) * BLOCK_N
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, K, V, stride_kn, stride_vn,
             offs_m, offs_d, 0, n_full, N_K, qk_scale,
-            BLOCK_N, False, False, DOT_PRECISION, TMA,
+            HEAD_DIM, BLOCK_N, False, False, DOT_PRECISION, TMA,
         )
         if not EVEN_N:
             acc, l_i, m_i = _fwd_inner(
                 acc, l_i, m_i, q, K, V, stride_kn, stride_vn,
                 offs_m, offs_d, n_full, N_K, N_K, qk_scale,
-                BLOCK_N, False, True, DOT_PRECISION, TMA,
+                HEAD_DIM, BLOCK_N, False, True, DOT_PRECISION, TMA,
             )
 
     acc = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * LN2  # back from base 2 to the natural log
-    o_ptrs = O + offs_m[:, None] * stride_om + offs_d[None, :]
     if EVEN_M:
         tl.store(LSE + offs_m, lse)
-        tl.store(o_ptrs, acc.to(O.dtype.element_ty))
     else:
         tl.store(LSE + offs_m, lse, mask=offs_m < N_Q)
-        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=offs_m[:, None] < N_Q)
+    _store_rows(O, acc, offs_m, offs_d, stride_om, N_Q, HEAD_DIM, not EVEN_M)
 
 
 # ------------------------------------------------------------------------------------------------ backward
@@ -256,19 +290,19 @@ def _flash_bwd_preprocess_kernel(
     N_Q, H,
     stride_ob, stride_oh, stride_om,
     stride_dob, stride_doh, stride_dom,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """D = rowsum(dO * O), in fp32."""
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
     off_h = (off_bh % H).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    rows = offs_m[:, None] < N_Q
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = _tile_mask(offs_m, offs_d, N_Q, HEAD_DIM, True)
     o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
-                mask=rows, other=0.0)
+                mask=mask, other=0.0)
     do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom
-                 + offs_d[None, :], mask=rows, other=0.0)
+                 + offs_d[None, :], mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + off_bh.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
 
@@ -293,14 +327,15 @@ def _bwd_dkdv_inner(
     dk, dv, k, v, Q, DO, LSE, DELTA,
     stride_qm, stride_dom,
     offs_n, offs_d, lo, hi, N_Q, qk_scale,
-    BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate dK, dV of one key tile over the query tiles [lo, hi). Works on transposed scores (keys x queries)."""
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + offs_m0
-        q = _load_rows(Q, start_m, offs_m0, offs_d, stride_qm, N_Q, BOUNDS_MASK, False)
+        q = _load_rows(Q, start_m, offs_m0, offs_d, stride_qm, N_Q, HEAD_DIM, BOUNDS_MASK, False)
         if BOUNDS_MASK:
             rows = offs_m < N_Q
             # lse = +inf on padding rows makes their probabilities exactly 0.
@@ -311,7 +346,7 @@ def _bwd_dkdv_inner(
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
         if CAUSAL_MASK:
             pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
-        do = _load_rows(DO, start_m, offs_m0, offs_d, stride_dom, N_Q, BOUNDS_MASK, False)
+        do = _load_rows(DO, start_m, offs_m0, offs_d, stride_dom, N_Q, HEAD_DIM, BOUNDS_MASK, False)
         if BOUNDS_MASK:
             delta = tl.load(DELTA + offs_m, mask=rows, other=0.0)
         else:
@@ -328,15 +363,16 @@ def _bwd_dq_inner(
     dq, q, do, lse2, delta, K, V,
     stride_kn, stride_vn,
     offs_m, offs_d, lo, hi, N_K, qk_scale,
-    BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate dQ of one query tile over the key tiles [lo, hi)."""
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n0
-        k = _load_rows(K, start_n, offs_n0, offs_d, stride_kn, N_K, BOUNDS_MASK, False)
-        v = _load_rows(V, start_n, offs_n0, offs_d, stride_vn, N_K, BOUNDS_MASK, False)
+        k = _load_rows(K, start_n, offs_n0, offs_d, stride_kn, N_K, HEAD_DIM, BOUNDS_MASK, False)
+        v = _load_rows(V, start_n, offs_n0, offs_d, stride_vn, N_K, HEAD_DIM, BOUNDS_MASK, False)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if CAUSAL_MASK and BOUNDS_MASK:
@@ -368,7 +404,7 @@ def _flash_bwd_kernel(
     stride_dqb, stride_dqh, stride_dqm,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_BIG: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     # dK/dV: a key tile of BLOCK_BIG rows visits query tiles of BLOCK_M1 rows.
@@ -388,15 +424,15 @@ def _flash_bwd_kernel(
     DV += off_b * stride_dvb + off_h * stride_dvh
     LSE += off_bh.to(tl.int64) * N_Q
     DELTA += off_bh.to(tl.int64) * N_Q
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
 
     start_n = pid * BLOCK_BIG
     if start_n < N_K:
         offs_n = start_n + tl.arange(0, BLOCK_BIG)
-        k = _load_rows(K, start_n, tl.arange(0, BLOCK_BIG), offs_d, stride_kn, N_K, not EVEN_N, False)
-        v = _load_rows(V, start_n, tl.arange(0, BLOCK_BIG), offs_d, stride_vn, N_K, not EVEN_N, False)
-        dk = tl.zeros([BLOCK_BIG, HEAD_DIM], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_BIG, HEAD_DIM], dtype=tl.float32)
+        k = _load_rows(K, start_n, tl.arange(0, BLOCK_BIG), offs_d, stride_kn, N_K, HEAD_DIM, not EVEN_N, False)
+        v = _load_rows(V, start_n, tl.arange(0, BLOCK_BIG), offs_d, stride_vn, N_K, HEAD_DIM, not EVEN_N, False)
+        dk = tl.zeros([BLOCK_BIG, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_BIG, BLOCK_D], dtype=tl.float32)
         lo = 0
         if CAUSAL:
             # Query tiles on the diagonal need the mask; those above it (earlier queries) are skipped entirely.
@@ -404,27 +440,21 @@ def _flash_bwd_kernel(
             dk, dv = _bwd_dkdv_inner(
                 dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_dom,
                 offs_n, offs_d, start_n, tl.minimum(lo, N_Q), N_Q, qk_scale,
-                BLOCK_M1, True, not EVEN_M, DOT_PRECISION,
+                HEAD_DIM, BLOCK_M1, True, not EVEN_M, DOT_PRECISION,
             )
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_dom,
             offs_n, offs_d, lo, N_Q, N_Q, qk_scale,
-            BLOCK_M1, False, not EVEN_M, DOT_PRECISION,
+            HEAD_DIM, BLOCK_M1, False, not EVEN_M, DOT_PRECISION,
         )
-        dk_ptrs = DK + offs_n[:, None] * stride_dkn + offs_d[None, :]
-        dv_ptrs = DV + offs_n[:, None] * stride_dvn + offs_d[None, :]
-        if EVEN_N:
-            tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty))
-            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
-        else:
-            tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=offs_n[:, None] < N_K)
-            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < N_K)
+        _store_rows(DK, dk * sm_scale, offs_n, offs_d, stride_dkn, N_K, HEAD_DIM, not EVEN_N)
+        _store_rows(DV, dv, offs_n, offs_d, stride_dvn, N_K, HEAD_DIM, not EVEN_N)
 
     start_m = pid * BLOCK_BIG
     if start_m < N_Q:
         offs_m = start_m + tl.arange(0, BLOCK_BIG)
-        q = _load_rows(Q, start_m, tl.arange(0, BLOCK_BIG), offs_d, stride_qm, N_Q, not EVEN_M, False)
-        do = _load_rows(DO, start_m, tl.arange(0, BLOCK_BIG), offs_d, stride_dom, N_Q, not EVEN_M, False)
+        q = _load_rows(Q, start_m, tl.arange(0, BLOCK_BIG), offs_d, stride_qm, N_Q, HEAD_DIM, not EVEN_M, False)
+        do = _load_rows(DO, start_m, tl.arange(0, BLOCK_BIG), offs_d, stride_dom, N_Q, HEAD_DIM, not EVEN_M, False)
         if EVEN_M:
             lse2 = tl.load(LSE + offs_m) * LOG2E
             delta = tl.load(DELTA + offs_m)
@@ -432,29 +462,25 @@ def _flash_bwd_kernel(
             rows = offs_m < N_Q
             lse2 = tl.load(LSE + offs_m, mask=rows, other=float("inf")) * LOG2E
             delta = tl.load(DELTA + offs_m, mask=rows, other=0.0)
-        dq = tl.zeros([BLOCK_BIG, HEAD_DIM], dtype=tl.float32)
+        dq = tl.zeros([BLOCK_BIG, BLOCK_D], dtype=tl.float32)
         if CAUSAL:
             dq = _bwd_dq_inner(
                 dq, q, do, lse2, delta, K, V, stride_kn, stride_vn,
                 offs_m, offs_d, 0, start_m, N_K, qk_scale,
-                BLOCK_N2, False, False, DOT_PRECISION,
+                HEAD_DIM, BLOCK_N2, False, False, DOT_PRECISION,
             )
             dq = _bwd_dq_inner(
                 dq, q, do, lse2, delta, K, V, stride_kn, stride_vn,
                 offs_m, offs_d, start_m, tl.minimum(start_m + BLOCK_BIG, N_K), N_K, qk_scale,
-                BLOCK_N2, True, not EVEN_N, DOT_PRECISION,
+                HEAD_DIM, BLOCK_N2, True, not EVEN_N, DOT_PRECISION,
             )
         else:
             dq = _bwd_dq_inner(
                 dq, q, do, lse2, delta, K, V, stride_kn, stride_vn,
                 offs_m, offs_d, 0, N_K, N_K, qk_scale,
-                BLOCK_N2, False, not EVEN_N, DOT_PRECISION,
+                HEAD_DIM, BLOCK_N2, False, not EVEN_N, DOT_PRECISION,
             )
-        dq_ptrs = DQ + offs_m[:, None] * stride_dqm + offs_d[None, :]
-        if EVEN_M:
-            tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty))
-        else:
-            tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=offs_m[:, None] < N_Q)
+        _store_rows(DQ, dq * sm_scale, offs_m, offs_d, stride_dqm, N_Q, HEAD_DIM, not EVEN_M)
 
 
 # ------------------------------------------------------------------------------------------------ wrappers
@@ -467,8 +493,13 @@ def _as_4d(x):
 
 
 def _tma_ok(*tensors):
-    """Tensor descriptors need 16-byte aligned base addresses and row strides."""
-    return all(x.data_ptr() % 16 == 0 and (x.stride(-2) * x.element_size()) % 16 == 0 for x in tensors)
+    """Tensor descriptors need 16-byte aligned base addresses and row strides; the kernel moves the base by the batch
+    and head strides, so those must keep it aligned too (a 16-bit head dim that is not a multiple of 8 breaks this
+    for heads split off a (B, T, H, D) projection)."""
+    return all(
+        x.data_ptr() % 16 == 0 and all(stride * x.element_size() % 16 == 0 for stride in x.stride()[:-1])
+        for x in tensors
+    )
 
 
 def _scratch(size, alignment, stream):
@@ -532,8 +563,10 @@ def _fwd_impl(q, k, v, is_causal):
     n_k = k4.shape[2]
     o4 = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q4.shape[:-1], dtype=torch.float32, device=q.device)
-    tma_ok = q.is_cuda and _tma_ok(q4, k4, v4)
-    if tma_ok:
+    # The interpreter runs tensor descriptors too (zero-filling out of bounds as TMA does), for tests that force a
+    # config with USE_TMA; its own config has none.
+    tma_ok = (q.is_cuda or _INTERPRET) and _tma_ok(q4, k4, v4)
+    if tma_ok and q.is_cuda:
         triton.set_allocator(_scratch)
     bucket = _autotune_key(n_q, n_k)
     _launch(
@@ -543,7 +576,8 @@ def _fwd_impl(q, k, v, is_causal):
          LOG2E.value / math.sqrt(head_dim), *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o4.stride()[:3]),
         (bucket, head_dim, is_causal),
         {"N_Q": n_q, "N_K": n_k},
-        HEAD_DIM=head_dim, CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype), TMA_OK=tma_ok,
+        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
+        TMA_OK=tma_ok,
     )
     return o4.view(q.shape), lse.view(q.shape[:-1])
 
@@ -570,7 +604,8 @@ def _bwd_impl(q, k, v, o, lse, do, is_causal):
     delta = torch.empty_like(lse)
     pre_block = 64
     _flash_bwd_preprocess_kernel[(triton.cdiv(n_q, pre_block), batch * heads)](
-        o4, do4, delta, n_q, heads, *o4.stride()[:3], *do4.stride()[:3], HEAD_DIM=head_dim, BLOCK_M=pre_block,
+        o4, do4, delta, n_q, heads, *o4.stride()[:3], *do4.stride()[:3], HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim), BLOCK_M=pre_block,
     )
     sm_scale = 1.0 / math.sqrt(head_dim)
     bucket = _autotune_key(n_q, n_k)
@@ -582,7 +617,7 @@ def _bwd_impl(q, k, v, o, lse, do, is_causal):
          *dq4.stride()[:3], *dk4.stride()[:3], *dv4.stride()[:3]),
         (bucket, head_dim, is_causal),
         {"N_Q": n_q, "N_K": n_k},
-        HEAD_DIM=head_dim, CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
+        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
     )
     return dq4.view(q.shape), dk4.view(k.shape), dv4.view(v.shape)
 
@@ -621,7 +656,7 @@ def backward(q, k, v, o, lse, do, is_causal=False):
 class FlashAttentionTriton(torch.autograd.Function):
     """FlashAttention-2 with Triton kernels: ``FlashAttentionTriton.apply(q, k, v, is_causal)``.
 
-    q, k, v: (batch, seq, d) or (batch, heads, seq, d), fp16/bf16/fp32 on CUDA, head dim 16/32/64/128;
+    q, k, v: (batch, seq, d) or (batch, heads, seq, d), fp16/bf16/fp32 on CUDA, any head dim d up to 128;
     causal needs equal query and key lengths. Softmax scale 1/sqrt(d). The output and the gradients are contiguous
     whatever the inputs' strides. Once differentiable: a second backward through it raises.
     """
