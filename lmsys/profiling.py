@@ -106,9 +106,13 @@ def profile(
 
 def table(prof: torch.profiler.profile, row_limit: int = 30, group_by_input_shape: bool = False) -> str:
     """The profiler's per-operator table, sorted by device time on CUDA and by CPU time otherwise; with
-    `group_by_input_shape`, one row per operator and input shapes (needs `profile(..., record_shapes=True)`)."""
+    `group_by_input_shape`, one row per operator and input shapes (needs `profile(..., record_shapes=True)`).
+
+    The ranges of `annotate` (and any other record_function) are left out: a range's time is that of everything
+    inside it ("forward" would top the table at the whole forward's time), and the table is about operators."""
     sort_by = "device_time_total" if torch.cuda.is_available() else "cpu_time_total"
     averages = prof.key_averages(group_by_input_shape=group_by_input_shape)
+    averages[:] = [event for event in averages if not event.is_user_annotation]  # keeps the EventList's settings
     return averages.table(sort_by=sort_by, row_limit=row_limit)
 
 

@@ -3,6 +3,7 @@ files written, the plots, an out-of-memory case recorded as a row, the profiling
 analysis on a hand-made snapshot in the format torch.cuda.memory._snapshot() documents."""
 
 import json
+import re
 import tomllib
 from pathlib import Path
 
@@ -104,6 +105,9 @@ def test_profile_writes_a_trace_and_operator_tables(tmp_path, capsys):
     assert {"forward", "backward", "optimizer_step"} <= {e.get("name") for e in trace["traceEvents"]}
     ops = (tmp_path / f"{name}.ops.txt").read_text()
     assert "top operators ==" in ops and "top operators by input shape ==" in ops and "Input Shapes" in ops
+    # Operators only: the ranges (forward, layer_N, ...) would top the table with the time of all they hold.
+    table = ops.split("top operators ==")[1].split("==")[0]
+    assert "aten::mm" in table and not re.search(r"^\s*(forward|backward|layer_0|optimizer_step)\s", table, re.M)
     assert "top operators" in capsys.readouterr().out
 
 
