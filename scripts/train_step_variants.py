@@ -2,8 +2,8 @@
 
 For each size (large and 2.7B by default): bf16 autocast + torch.compile, batch 4, context 512, random tokens;
 CUDA events around each step, the median of 20 steps after 8 warmup steps (how the plain-PyTorch reference numbers
-were taken). Prints a markdown table (ms; the host's time to issue one step, which above the step's time means
-the step is bound by the host; TFLOP/s, MFU, peak memory, the first step's wall time, which holds the compilation) and writes every row to the CSV file named on the command line.
+were taken). Prints a markdown table (ms, TFLOP/s, MFU, peak memory, the first step's wall time, which holds
+the compilation) and writes every row to the CSV file named on the command line.
 
     PYTHONPATH=. python scripts/train_step_variants.py variants.csv          (from the repository root)
     PYTHONPATH=. python scripts/train_step_variants.py variants.csv --sizes large --variants ours ours-compile-loss
@@ -78,7 +78,7 @@ VARIANTS = {
 }
 DEFAULT_VARIANTS = ["reference", "ours-torch-adamw", "ours", "ours-cuda-graphs", "ours-flash_triton-cuda-graphs",
                     "reference-cuda-graphs"]
-COLUMNS = ["size", "variant", "median_ms", "min_ms", "max_ms", "host_ms", "tflops", "mfu", "peak_gib", "first_step_s", "error"]
+COLUMNS = ["size", "variant", "median_ms", "min_ms", "max_ms", "tflops", "mfu", "peak_gib", "first_step_s", "error"]
 
 
 def _release_memory() -> None:
@@ -98,24 +98,6 @@ def time_steps(step, batch, warmup: int, steps: int) -> tuple[list[float], float
     return [seconds * 1e3 for seconds in sweep.time_steps(device, lambda: step(*batch), warmup - 1, steps)], first
 
 
-def host_ms(step, batch, median_ms: float, steps: int = 5) -> float | None:
-    """The median wall time the host takes to issue one step while the GPU is still busy with earlier work (a
-    device-side sleep of twice the step queued first), in ms; a step whose host time exceeds its device time is
-    bound by the host (launches, Python), which CUDA graphs remove. None without CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    delay = sweep.backend().make_delay(2 * median_ms * 1e-3)
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        delay()
-        start = time.perf_counter()
-        step(*batch)
-        times.append((time.perf_counter() - start) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
-
 def _time_variant(size, name, model, batch, work, peak, args, device) -> dict:
     """One variant's row: its step built on `model`, timed, and with `--top`, profiled."""
     variant = VARIANTS[name]
@@ -126,17 +108,15 @@ def _time_variant(size, name, model, batch, work, peak, args, device) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     times, first_step = time_steps(step, batch, args.warmup, args.steps)
     median = statistics.median(times)
-    host = host_ms(step, batch, median)
     tflops = work / (median * 1e-3) / 1e12
     row = dict(
         size=size, variant=name, median_ms=round(median, 2), min_ms=round(min(times), 2),
-        max_ms=round(max(times), 2), host_ms="" if host is None else round(host, 2), tflops=round(tflops, 1),
+        max_ms=round(max(times), 2), tflops=round(tflops, 1),
         mfu="" if peak is None else round(tflops / peak, 4),
         peak_gib="" if device.type != "cuda" else round(torch.cuda.max_memory_allocated(device) / 2**30, 1),
         first_step_s=round(first_step, 1), error="",
     )
-    print(f"  {size} {name}: {median:.2f} ms (host {row['host_ms']} ms), {row['tflops']} TFLOP/s, MFU {row['mfu']}, "
-          f"peak {row['peak_gib']} GiB "
+    print(f"  {size} {name}: {median:.2f} ms, {row['tflops']} TFLOP/s, MFU {row['mfu']}, peak {row['peak_gib']} GiB "
           f"(first step {first_step:.1f} s)", file=sys.stderr, flush=True)
     if args.top:
         prof = profiling.profile(step, *batch, warmup=0)
@@ -178,7 +158,7 @@ def markdown(rows: list[dict]) -> str:
     """The rows as a markdown table, MFU as a percentage."""
     shown = pd.DataFrame([{
         "size": r["size"], "variant": r["variant"], "median ms": f"{r['median_ms']:.2f}",
-        "min-max ms": f"{r['min_ms']:.2f}-{r['max_ms']:.2f}", "host ms": r["host_ms"], "TFLOP/s": f"{r['tflops']:.1f}",
+        "min-max ms": f"{r['min_ms']:.2f}-{r['max_ms']:.2f}", "TFLOP/s": f"{r['tflops']:.1f}",
         "MFU": "" if r["mfu"] == "" else f"{r['mfu']:.1%}", "peak GiB": r["peak_gib"],
         "first step s": f"{r['first_step_s']:.1f}",
     } if not r.get("error") else {"size": r["size"], "variant": r["variant"], "median ms": r["error"]} for r in rows])
