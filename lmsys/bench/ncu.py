@@ -221,6 +221,14 @@ def family(kernel: str) -> str:
     return "other"
 
 
+def range_of(renamed: str) -> str:
+    """The NVTX range path that `--print-nvtx-rename kernel` put before a kernel's name ("layer_0/void at::...",
+    "attention/rope/_attn_fwd"), '' for a kernel outside any range: the text before the last '/' that comes before the
+    kernel name's first space, '<' or '('. (The renamed report spells a kernel's name unlike the plain one, with its
+    whole signature, so it cannot be compared with it.)"""
+    return re.split(r"[ <(]", renamed, maxsplit=1)[0].rpartition("/")[0]
+
+
 def phases(ranges: list[str]) -> list[str]:
     """The phase of each kernel, in launch order, from its innermost NVTX range ('' for none): optimizer_step ->
     optimizer, backward -> backward, any other range -> forward; no range between the forward and the optimizer ->
@@ -262,8 +270,7 @@ def kernels(text: str, nvtx_text: str | None = None) -> pd.DataFrame:
     ranges = pd.Series("", index=data.index)
     if nvtx_text is not None:
         renamed = metrics_frame(nvtx_text).set_index("id")["kernel"]
-        named = data["id"].map(renamed).fillna("")
-        ranges = named.where(named != data["kernel"], "")
+        ranges = data["id"].map(renamed).fillna("").map(range_of)
     frame["range"] = ranges
     frame["phase"] = phases(list(ranges))
     frame["family"] = [family(k) for k in data["kernel"]]
