@@ -73,6 +73,16 @@ def test_reads_back(gpu_benchmark):
     x = torch.ones(1024, device="cuda")
     # .item() synchronizes, which a CUDA graph capture refuses: timed eagerly, with a note.
     assert gpu_benchmark(lambda: x.sum().item(), graph=True) == 1024
+
+
+def test_draws_random_numbers_and_reads_back(gpu_benchmark):
+    # The capture fails after drawing random numbers inside it.
+    assert gpu_benchmark(lambda: torch.rand(1024, device="cuda").gt(2).sum().item(), graph=True) == 0
+
+
+def test_random_numbers_after_failed_captures(gpu_benchmark):
+    x = torch.randn(1024, device="cuda")
+    gpu_benchmark(torch.mul, x, 2.0, graph=True)
 """
 
 
@@ -81,7 +91,7 @@ def test_graph_mode_on_cuda(pytester, gpu):
     pytester.makepyfile(test_graph=GRAPH_SUITE)
     result = pytester.runpytest_inprocess("--benchmark-max-time=0.2", "--benchmark-json=out.json",
                                           "-p", "no:hypothesispytest")
-    result.assert_outcomes(passed=2)
+    result.assert_outcomes(passed=4)
     result.stdout.fnmatch_lines(["test_reads_back: timed eagerly: the CUDA graph capture failed*"])
     benches = {b["name"]: b for b in json.loads((pytester.path / "out.json").read_text())["benchmarks"]}
     small = benches["test_small_mm"]

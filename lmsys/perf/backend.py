@@ -262,8 +262,17 @@ class CudaBackend:
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         kept = {}
-        with torch.cuda.graph(graph):
-            kept["output"] = call()
+        generator = torch.cuda.default_generators[self.index]
+        before = generator.clone_state()
+        try:
+            with torch.cuda.graph(graph):
+                kept["output"] = call()
+        except BaseException:
+            # A failed capture leaves the device's random generator marked as capturing (torch resets it only when
+            # the capture ends), and every later random draw on the device fails with "Offset increment outside
+            # graph capture encountered unexpectedly": give it back its state from before the capture.
+            generator.graphsafe_set_state(before)
+            raise
 
         def release():
             kept.clear()
