@@ -151,22 +151,13 @@ def test_compiled_model_with_flash_triton_matches_sdpa(backend, on_gpu, device, 
     if on_gpu and device.type != "cuda":
         pytest.skip("needs a CUDA device")
     config = tiny(d_model=256, num_heads=4, context_length=256) if on_gpu else tiny(num_layers=1)
-    with torch.device(device):
-        reference = TransformerLM(dataclasses.replace(config, attention="sdpa"))
-        model = TransformerLM(dataclasses.replace(config, attention="flash_triton"))
-    model.load_state_dict(reference.state_dict())
+    reference, model = _sdpa_and_flash_triton(config, device)
     tokens = torch.randint(config.vocab_size, (4, 256) if on_gpu else (2, 45), device=device)
     autocast = torch.bfloat16 if on_gpu else None
     torch.compiler.reset()
     logits, grads = _logits_and_grads(model, tokens, autocast, compile=backend)
     expected_logits, expected_grads = _logits_and_grads(reference, tokens, autocast, compile=backend if on_gpu else None)
-    if on_gpu:
-        _assert_close_to_scale(logits, expected_logits, "logits")
-        for name, expected in expected_grads.items():
-            _assert_close_to_scale(grads[name], expected, f"gradient of {name}")
-    else:
-        torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(grads, expected_grads, rtol=1e-4, atol=1e-5)
+    _assert_same_training_signal(logits, grads, expected_logits, expected_grads, low_precision=on_gpu)
 
 
 # The Triton interpreter (triton 3.6) converts one-element arrays to scalars in a way NumPy deprecates.
@@ -180,15 +171,26 @@ def test_model_with_flash_triton_at_head_dim_80_matches_sdpa(on_gpu, device, see
         pytest.skip("needs a CUDA device")
     config = tiny(d_model=160, num_heads=2, num_layers=1)
     assert config.head_dim == SIZES["2.7B"].head_dim == 80
-    with torch.device(device):
-        reference = TransformerLM(dataclasses.replace(config, attention="sdpa"))
-        model = TransformerLM(dataclasses.replace(config, attention="flash_triton"))
-    model.load_state_dict(reference.state_dict())
+    reference, model = _sdpa_and_flash_triton(config, device)
     tokens = torch.randint(config.vocab_size, (2, 45), device=device)
     autocast = torch.bfloat16 if on_gpu else None
     logits, grads = _logits_and_grads(model, tokens, autocast)
     expected_logits, expected_grads = _logits_and_grads(reference, tokens, autocast)
-    if on_gpu:
+    _assert_same_training_signal(logits, grads, expected_logits, expected_grads, low_precision=on_gpu)
+
+
+def _sdpa_and_flash_triton(config, device) -> tuple[TransformerLM, TransformerLM]:
+    """Two models of `config` with the same weights: attention by SDPA (the reference) and by flash_triton."""
+    with torch.device(device):
+        reference = TransformerLM(dataclasses.replace(config, attention="sdpa"))
+        model = TransformerLM(dataclasses.replace(config, attention="flash_triton"))
+    model.load_state_dict(reference.state_dict())
+    return reference, model
+
+
+def _assert_same_training_signal(logits, grads, expected_logits, expected_grads, low_precision: bool) -> None:
+    """Logits and every gradient as expected: to fp32 rounding, or with `low_precision` (bf16) to each one's scale."""
+    if low_precision:
         _assert_close_to_scale(logits, expected_logits, "logits")
         for name, expected in expected_grads.items():
             _assert_close_to_scale(grads[name], expected, f"gradient of {name}")
