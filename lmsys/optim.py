@@ -136,7 +136,8 @@ def _coefficient_bits(group: dict, step: int) -> tuple[int, ...]:
     # In float64 here, as torch computes them in Python: 1 - beta2 in fp32 from fp32(0.999) would be off by 1.3e-5.
     floats = (1.0 - lr * group["weight_decay"], lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step), 1.0 - beta1,
               beta2, 1.0 - beta2, group["eps"])
-    return (*struct.unpack(f"{len(floats)}q", struct.pack(f"{len(floats)}d", *floats)),) + (0,) * (_ROW - 5 - len(floats))
+    bits = struct.unpack(f"{len(floats)}q", struct.pack(f"{len(floats)}d", *floats))
+    return bits + (0,) * (_ROW - 5 - len(floats))
 
 
 def _fused_runs_on(device: torch.device) -> bool:
@@ -363,15 +364,14 @@ class AdamW(torch.optim.Optimizer):
                     checked[id(param)] = known
                     key, fresh = known[6], False
                 else:
-                    key, fresh = self._check(group, param, grad, state, index, position), True
+                    key, fresh = self._check(param, grad, state, index, position), True
                 bucket = buckets.get(key)
                 if bucket is None:
                     bucket = buckets[key] = []
                 bucket.append([group, param, grad, state, fresh])
         return buckets, checked
 
-    def _check(self, group: dict, param: torch.Tensor, grad: torch.Tensor, state: dict | None, index: int,
-               position: int) -> tuple:
+    def _check(self, param: torch.Tensor, grad: torch.Tensor, state: dict | None, index: int, position: int) -> tuple:
         """Every check of updating `param` (parameter `position` of group `index`) from `grad` and `state`; its
         bucket, (device, dtype, fused)."""
         fused = self.fused if self.fused is not None else param.device.type == "cuda" and not _INTERPRET

@@ -6,8 +6,8 @@ communication after backward (extra_info spans.comm_wait; torch DDP waits inside
 rank's memory (extra_info per_rank_memory: after initialization, before and after the optimizer step); the gate
 judges the time and the largest rank's peak. Weak-scaling efficiency = single-device step / N-rank step.
 
-On GPUs: the `xl` model, context 512, batch 4 per rank, fp32 and bf16 autocast, NCCL on every GPU of the machine, at least 2 (skipped, saying
-so, on a machine with fewer); on the CPU: the tiny model with gloo on 2 ranks.
+On GPUs: the `xl` model, context 512, batch 4 per rank, fp32 and bf16 autocast, NCCL on every GPU of the machine,
+at least 2 (skipped, saying so, on a machine with fewer); on the CPU: the tiny model with gloo on 2 ranks.
 """
 
 import pytest
@@ -27,7 +27,8 @@ def cases():
     for precision in PRECISIONS:
         yield pytest.param(precision, "single", 1, id=f"{SIZE}-{precision}-single-ws1-{TRANSPORT}")
         for wrapper in WRAPPERS:
-            yield pytest.param(precision, wrapper, WORLD_SIZE, id=f"{SIZE}-{precision}-{wrapper}-ws{WORLD_SIZE}-{TRANSPORT}")
+            name = f"{SIZE}-{precision}-{wrapper}-ws{WORLD_SIZE}-{TRANSPORT}"
+            yield pytest.param(precision, wrapper, WORLD_SIZE, id=name)
 
 
 @pytest.mark.parametrize("precision, wrapper, world_size", cases())

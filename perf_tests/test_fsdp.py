@@ -6,7 +6,8 @@ backward (extra_info spans.comm_wait: our wrappers' finish_gradient_synchronizat
 and each rank's memory (extra_info per_rank_memory); the gate judges the time and the largest rank's peak.
 
 On GPUs: `xl` and `2.7B`, context 512, batch 4 per rank, bf16 compute (FSDP: weights gathered in bf16, gradients
-reduced in fp32; DDP: bf16 autocast), NCCL on every GPU of the machine (at least 2); on the CPU: the tiny model in fp32 with gloo.
+reduced in fp32; DDP: bf16 autocast), NCCL on every GPU of the machine (at least 2); on the CPU: the tiny model in
+fp32 with gloo.
 """
 
 import pytest

@@ -186,7 +186,8 @@ def main(argv=None) -> None:
     groups = {}
     for name in args.variants:
         variant = VARIANTS[name]
-        groups.setdefault((variant.model, variant.attention, variant.options.get("cuda_graphs", False)), []).append(name)
+        key = variant.model, variant.attention, variant.options.get("cuda_graphs", False)
+        groups.setdefault(key, []).append(name)
     order = {name: index for index, name in enumerate(args.variants)}
     rows = []
 

@@ -1,6 +1,7 @@
 """`lmsys-bench ncu`: the parser on a stored `ncu --csv` capture (tests/data/ncu_train_step*.csv: a real capture of
 one training step of `small` with 2 layers on an H100, trimmed to 57 of its 319 kernels; the checks hold for any real
-capture of a training step), the parser's rules on small inline cases, the commands it runs, and the whole command on the CPU with a stand-in ncu."""
+capture of a training step), the parser's rules on small inline cases, the commands it runs, and the whole command
+on the CPU with a stand-in ncu."""
 
 import os
 import sys

@@ -156,7 +156,8 @@ def test_compiled_model_with_flash_triton_matches_sdpa(backend, on_gpu, device, 
     autocast = torch.bfloat16 if on_gpu else None
     torch.compiler.reset()
     logits, grads = _logits_and_grads(model, tokens, autocast, compile=backend)
-    expected_logits, expected_grads = _logits_and_grads(reference, tokens, autocast, compile=backend if on_gpu else None)
+    reference_backend = backend if on_gpu else None
+    expected_logits, expected_grads = _logits_and_grads(reference, tokens, autocast, compile=reference_backend)
     _assert_same_training_signal(logits, grads, expected_logits, expected_grads, low_precision=on_gpu)
 
 

@@ -360,7 +360,7 @@ def test_a_step_checks_in_full_only_what_changed_since_the_last(seed, monkeypatc
     optimizer = AdamW(params)
     full_checks = []
     check = optimizer._check
-    monkeypatch.setattr(optimizer, "_check", lambda *args: full_checks.append(args[1]) or check(*args))
+    monkeypatch.setattr(optimizer, "_check", lambda *args: full_checks.append(args[0]) or check(*args))
 
     def step():
         full_checks.clear()

@@ -24,8 +24,8 @@ the same for every input.
 Tuning: tile sizes, warps and pipeline depth are autotuned per (length rounded up to a power of two, head dim,
 causal, dtype); the forward may load its tiles through tensor descriptors (TMA on Hopper) instead of pointers,
 whichever is faster. Under ``torch.compile`` the wrappers are ``torch.library`` custom ops, opaque to the compiler;
-eager calls skip the custom-op dispatch. Any sequence length works: boundary masks are compiled in only when a length is not a multiple
-of the tile (``EVEN_*`` heuristics). Any head dim up to 128 works (the 2.7B model's is 80): tiles are BLOCK_D wide,
+eager calls skip the custom-op dispatch. Any sequence length works: boundary masks are compiled in only when a
+length is not a multiple of the tile (``EVEN_*`` heuristics). Any head dim up to 128 works (the 2.7B model's is 80): tiles are BLOCK_D wide,
 the head dim rounded up to a power of two (at least 16), and the padding columns load as zeros, which leaves every
 product over the head dim unchanged, and are never stored; a power-of-two head dim compiles without those masks.
 With ``TRITON_INTERPRET=1`` the same kernels run on the CPU (small shapes, for tests).
@@ -551,7 +551,8 @@ def _launch(kernel, grid, args, tuning_key, lengths, **kwargs):
         return
     meta = config.all_kwargs()
     heuristics = kernel.fn
-    flags = {name: rule({**lengths, **meta}) for name, rule in heuristics.values.items()}
+    values = {**lengths, **meta}
+    flags = {name: rule(values) for name, rule in heuristics.values.items()}
     heuristics.fn[grid(meta)](*args, **kwargs, **meta, **flags)
 
 
