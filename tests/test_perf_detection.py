@@ -1,6 +1,9 @@
 """lmsys.perf.detection: the A/A false-alarm and injected-delay detection table, from the reruns' JSON."""
 
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from lmsys.perf import detection
 
@@ -60,8 +63,33 @@ def test_main_saves_a_reference_then_reruns_each_case_with_the_delay(monkeypatch
 
 def test_main_compares_with_a_named_baseline_when_asked(monkeypatch, capsys):
     calls = []
-    monkeypatch.setattr(detection.reruns, "rerun", lambda args, runs, cwd, env=None, timeout=None: calls.append(args)
-                        or [doc({"test_x": "PASS"})] * runs)
+    monkeypatch.setattr(detection.reruns, "rerun", lambda args, runs, cwd, env=None, timeout=None, progress=None:
+                        calls.append(args) or [doc({"test_x": "PASS"})] * runs)
     assert detection.main(["--runs", "2", "--inject", "0.1", "--baseline", "7", "--markdown", "--", "perf_tests"]) == 0
     assert calls[0][-2:] == ["--benchmark-storage=baselines", "--benchmark-compare=7"]
     assert "| test_x | 0/2 | 0/2 |" in capsys.readouterr().out
+
+
+def test_main_reports_each_run_and_the_table_so_far_and_can_leave_out_the_aa_case(monkeypatch, capsys):
+    calls = []
+
+    def fake_rerun(args, runs, cwd, env=None, timeout=None, progress=None):
+        calls.append(env)
+        for index in range(runs):
+            progress(index, subprocess.CompletedProcess(args, 1))
+        return [doc({"test_x": "SLOWER"})] * runs
+
+    monkeypatch.setattr(detection.reruns, "rerun", fake_rerun)
+    argv = ["--no-aa", "--runs", "2", "--inject", "0.03", "0.05", "--baseline", "7", "--", "perf_tests"]
+    assert detection.main(argv) == 0
+    assert [env[detection.INJECT_DELAY] for env in calls] == ["0.03", "0.05"]  # no unchanged case
+    err = capsys.readouterr().err
+    assert "+3% caught: run 2/2 done, exit 1" in err
+    partial = err.split("2 runs: +5% caught")[0].splitlines()  # the +3% column alone, before the +5% case ran
+    assert [line.split() for line in partial[-3:]] == [["benchmark", "+3%", "caught"], ["test_x", "2/2"], ["all", "2/2"]]
+
+
+def test_no_aa_without_an_injection_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        detection.main(["--no-aa", "--inject", "--", "perf_tests"])
+    assert "--no-aa leaves nothing to measure" in capsys.readouterr().err

@@ -13,8 +13,10 @@ of the A/A runs, the caught delays of each size (any failing verdict) and the ca
 
 import argparse
 import shutil
+import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -60,6 +62,24 @@ def tally(cases: list[tuple[str, list[dict], Callable[[str | None], bool]]]) -> 
     return pd.DataFrame(rows, columns=["benchmark", *columns])
 
 
+def _markdown(table: pd.DataFrame) -> str:
+    lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
+    return "\n".join(lines + ["| " + " | ".join(map(str, row)) + " |" for row in table.itertuples(index=False)])
+
+
+def _progress(column: str, runs: int) -> Callable[[int, subprocess.CompletedProcess], None]:
+    """Prints one line per finished run to stderr: the case, the run, its exit status and how long it took."""
+    started = [time.monotonic()]
+
+    def report(index: int, done: subprocess.CompletedProcess) -> None:
+        now = time.monotonic()
+        print(f"  {column}: run {index + 1}/{runs} done, exit {done.returncode}, {now - started[0]:.0f} s",
+              file=sys.stderr, flush=True)
+        started[0] = now
+
+    return report
+
+
 def _reference(args: list[str], storage: Path, baselines: Path, timeout: float) -> list[str]:
     """Saves a fresh reference into `storage` (with a copy of the GPU's calibration); returns the arguments that
     compare with it."""
@@ -79,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="device-side delays to inject, fractions of each call's time (default: 0.03 0.05)")
     parser.add_argument("--inject-memory", type=int, nargs="*", default=[], metavar="BYTES",
                         help="allocations to hold during every call, in bytes (e.g. 1048576), counted when MORE-MEMORY")
+    parser.add_argument("--no-aa", action="store_true",
+                        help="leave out the unchanged reruns (A/A), e.g. when an earlier run measured them")
     parser.add_argument("--baseline", help="compare with this baseline of the GPU (--benchmark-compare=VALUE) "
                         "instead of a fresh reference")
     parser.add_argument("--storage", type=Path, default=Path("baselines"),
@@ -87,6 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
     parser.add_argument("pytest_args", nargs="+", help="what to run, after --: test paths, -k, options")
     args = parser.parse_args(argv)
+    if args.no_aa and not (args.inject or args.inject_memory):
+        parser.error("--no-aa leaves nothing to measure without --inject or --inject-memory")
     if args.runs < 1 or any(not 0 < delay <= 10 for delay in args.inject) or any(n < 1 for n in args.inject_memory):
         parser.error("--runs must be at least 1, --inject fractions in (0, 10] and --inject-memory positive")
     with tempfile.TemporaryDirectory(prefix="lmsys-detection-") as folder:
@@ -94,22 +118,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             compare = [f"--benchmark-storage={args.storage}", f"--benchmark-compare={args.baseline}"]
         else:
             compare = _reference(args.pytest_args, Path(folder), args.storage, args.timeout)
-        cases = [("A/A false alarms", UNCHANGED, failed)]
+        cases = [] if args.no_aa else [("A/A false alarms", UNCHANGED, failed)]
         cases += [(f"+{delay:.0%} caught", {**UNCHANGED, INJECT_DELAY: str(delay)}, failed) for delay in args.inject]
         cases += [(f"+{format_bytes(n)} caught", {**UNCHANGED, INJECT_MEMORY: str(n)}, more_memory)
                   for n in args.inject_memory]
         results = []
         for column, env, counted in cases:
             print(f"{args.runs} runs: {column} ...", file=sys.stderr, flush=True)
-            docs = reruns.rerun([*args.pytest_args, *compare], args.runs, Path.cwd(), env=env, timeout=args.timeout)
+            docs = reruns.rerun([*args.pytest_args, *compare], args.runs, Path.cwd(), env=env, timeout=args.timeout,
+                                progress=_progress(column, args.runs))
             results.append((column, docs, counted))
+            if len(results) < len(cases):  # what is measured so far, in case the rest never finishes
+                print(tally(results).to_string(index=False), file=sys.stderr, flush=True)
     table = tally(results)
-    if args.markdown:
-        print("| " + " | ".join(table.columns) + " |\n|" + "---|" * len(table.columns))
-        for row in table.itertuples(index=False):
-            print("| " + " | ".join(map(str, row)) + " |")
-    else:
-        print(table.to_string(index=False))
+    print(_markdown(table) if args.markdown else table.to_string(index=False))
     return 0
 
 
