@@ -14,6 +14,10 @@ fp32 and bf16 eager (reference and ours), `large` with the compiled step replaye
 reference and ours), and `small` in every precision with SDPA and naive attention. The rest (2.7B with every
 provider, medium and xl, naive on large, flash_triton eager and with graphs) runs with --full-grid.
 On the CPU: the tiny preset, reference and ours.
+
+A compiled step of `large` spends longer launching its kernels than the GPU spends running them, and that launch
+time moves with the host from one machine to the next (its median by 10 ms of 55 between two runs): on a GPU the
+step is judged on its device time (graph=True), and its eager time, launch cost included, with the eager tolerance.
 """
 
 import dataclasses
@@ -86,5 +90,8 @@ def test_train_step(gpu_benchmark, fresh_compiler, device, size, precision, prov
     matmul_params = sum(p.numel() for p in model.parameters()) - model.embedding.weight.numel()
     work = flops.training_step_flops(matmul_params, batch, context, config.num_layers, config.d_model)
     # Percent of peak against the matmul precision: "fp32" or "bf16" (eager, compiled or graphed), i.e. the MFU.
-    loss = gpu_benchmark(step, inputs, targets, flops=work, precision=precision.split("-")[0])
+    # The gate judges the step's device time (a CUDA-graph replay, or the step queued ahead when it cannot be
+    # captured); its eager time, the host's launch cost included, is judged beside it (README, "Graph mode").
+    loss = gpu_benchmark(step, inputs, targets, flops=work, precision=precision.split("-")[0],
+                         graph=device.type == "cuda")
     assert torch.isfinite(loss)

@@ -41,7 +41,9 @@ def test_optimizer_step(gpu_benchmark, released_memory, device, seed, size, prov
         param.grad = torch.randn_like(param)
     optimizer = PROVIDERS[provider](params)
     n_params = sum(param.numel() for param in params)
-    # The untimed first call creates the moments; every timed call is a full step.
-    gpu_benchmark(optimizer.step, bytes=BYTES_PER_PARAMETER * n_params)
+    # The untimed first call creates the moments; every timed call is a full step. Judged on its device time (a
+    # CUDA-graph replay, or queued ahead when torch's non-capturable optimizers refuse the capture): the CPU work
+    # before the kernels is judged as the eager time.
+    gpu_benchmark(optimizer.step, bytes=BYTES_PER_PARAMETER * n_params, graph=device.type == "cuda")
     assert all(int(optimizer.state[param]["step"]) > 1 for param in params)
     assert all(torch.isfinite(param).all() for param in params[:3])

@@ -53,6 +53,7 @@ class FakeGpu:
         self.allocated = 0
         self.capturing = False
         self.replaying = False
+        self.queued = False
         self.captures = 0
         self.held = 0
         # What machine_state() returns: a healthy GPU unless a test says otherwise (None: no NVML).
@@ -68,9 +69,16 @@ class FakeGpu:
     def clock(self) -> float:
         return self.now
 
-    def time_call(self, call) -> float:
+    def time_call(self, call, lead=None) -> float:
+        """A lead (queued timing) lets the CPU queue the whole call ahead: its launch cost leaves the span."""
+        if lead is not None:
+            lead()
         start = self.now
-        call()
+        self.queued = lead is not None
+        try:
+            call()
+        finally:
+            self.queued = False
         return self.now - start
 
     def make_l2_flush(self):
@@ -139,7 +147,8 @@ class FakeGpu:
     def work(self, ms: float, noise: float = 0.0, memory: int = 0, seed: int = 0, slow_calls: int = 0, slow_ms: float = 0,
              launch_ms: float = 0.0, launch_noise: float = 0.0, capturable: bool = True):
         """A function for gpu_benchmark: each call takes `ms` milliseconds times (1 + noise * N(0, 1)) of device time
-        on the clock plus `launch_ms` times (1 + launch_noise * N(0, 1)) of CPU launch cost (not in a graph replay)
+        on the clock plus `launch_ms` times (1 + launch_noise * N(0, 1)) of CPU launch cost (not in a graph replay
+        nor in a queued round)
         and allocates `memory` bytes at its peak; its first `slow_calls` calls take `slow_ms` instead. Capturing it
         in a graph fails unless capturable."""
         rng = random.Random(seed)
@@ -154,7 +163,7 @@ class FakeGpu:
             calls += 1
             base = slow_ms if calls <= slow_calls else ms
             self.now += max(base * 1e-3 * (1 + noise * rng.gauss(0.0, 1.0)), 0.0)
-            if launch_ms and not self.replaying:
+            if launch_ms and not (self.replaying or self.queued):
                 self.now += launch_ms * 1e-3 * max(1 + launch_noise * rng.gauss(0.0, 1.0), 0.0)
             self.allocated = max(self.allocated, memory + self.held)
             return calls

@@ -157,3 +157,13 @@ def test_calibrate_refuses_to_also_compare_or_save(pytester):
     result = run(pytester, "--benchmark-calibrate=3", "--benchmark-compare")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--benchmark-calibrate runs the benchmarks in other processes*--benchmark-compare"])
+
+
+def test_reruns_are_fresh_processes_whose_json_is_returned_and_kept_when_asked(tmp_path):
+    # A tiny suite, no plugin needed: pytest-benchmark's own --benchmark-json is what each run writes.
+    (tmp_path / "test_one.py").write_text("import os\n\ndef test_pid(benchmark):\n    benchmark(os.getpid)\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    docs = reruns.rerun(["-q", "-p", "no:cacheprovider", "-p", "no:lmsys_perf", "test_one.py"], 2, tmp_path,
+                        keep=tmp_path / "kept")
+    assert [len(doc["benchmarks"]) for doc in docs] == [1, 1]
+    assert sorted(path.name for path in (tmp_path / "kept").iterdir()) == ["kept-run-0.json", "kept-run-1.json"]

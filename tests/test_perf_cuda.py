@@ -71,13 +71,24 @@ def test_small_mm(gpu_benchmark):
 
 def test_reads_back(gpu_benchmark):
     x = torch.ones(1024, device="cuda")
-    # .item() synchronizes, which a CUDA graph capture refuses: timed eagerly, with a note.
+    # .item() synchronizes, which a CUDA graph capture refuses: timed queued, with a note.
     assert gpu_benchmark(lambda: x.sum().item(), graph=True) == 1024
 
 
 def test_draws_random_numbers_and_reads_back(gpu_benchmark):
     # The capture fails after drawing random numbers inside it.
     assert gpu_benchmark(lambda: torch.rand(1024, device="cuda").gt(2).sum().item(), graph=True) == 0
+
+
+def test_launch_bound_not_capturable(gpu_benchmark):
+    x = torch.zeros(1024, device="cuda")
+
+    def launches():
+        for _ in range(100):
+            x.add_(1)
+        torch.cuda.current_stream().query()  # not permitted while capturing; no wait for the device
+
+    gpu_benchmark(launches, graph=True)
 
 
 def test_random_numbers_after_failed_captures(gpu_benchmark):
@@ -91,14 +102,40 @@ def test_graph_mode_on_cuda(pytester, gpu):
     pytester.makepyfile(test_graph=GRAPH_SUITE)
     result = pytester.runpytest_inprocess("--benchmark-max-time=0.2", "--benchmark-json=out.json",
                                           "-p", "no:hypothesispytest")
-    result.assert_outcomes(passed=4)
-    result.stdout.fnmatch_lines(["test_reads_back: timed eagerly: the CUDA graph capture failed*"])
+    result.assert_outcomes(passed=5)
+    result.stdout.fnmatch_lines(["test_reads_back: timed queued (device time): the CUDA graph capture failed*"])
     benches = {b["name"]: b for b in json.loads((pytester.path / "out.json").read_text())["benchmarks"]}
     small = benches["test_small_mm"]
     assert small["extra_info"]["timing"] == "graph"
     # A replay skips the Python and dispatch cost of the eager call: never slower than the eager rounds.
     assert small["stats"]["median"] <= small["extra_info"]["eager_median"] * 1.05
-    assert benches["test_reads_back"]["extra_info"]["timing"] == "eager"
+    assert benches["test_reads_back"]["extra_info"]["timing"] == "queued"
+    # Launch-bound and not capturable: queued, the rounds time the device's share of the eager time only.
+    queued = benches["test_launch_bound_not_capturable"]
+    assert queued["extra_info"]["timing"] == "queued"
+    assert queued["stats"]["median"] < 0.7 * queued["extra_info"]["eager_median"]
+
+
+def test_memory_reading_leaves_out_garbage_that_only_a_reference_cycle_keeps(gpu):
+    import gc
+
+    import torch
+
+    from lmsys.perf.backend import CudaBackend
+
+    backend = CudaBackend()
+    torch.cuda.synchronize()
+    clean = torch.cuda.memory_allocated()
+    gc.disable()
+    try:
+        cycle = {"tensor": torch.empty(2**20, dtype=torch.uint8, device="cuda")}
+        cycle["self"] = cycle
+        del cycle  # 1 MiB that only the garbage collector frees
+        _, reading = backend.measure_memory(lambda: torch.empty(2**20, dtype=torch.uint8, device="cuda"))
+    finally:
+        gc.enable()
+    assert reading.allocated_before == clean
+    assert reading.peak_allocated_above_start == 2**20
 
 
 DELAY_SUITE = """

@@ -33,7 +33,7 @@ def test_main_saves_a_reference_then_reruns_each_case_with_the_delay(monkeypatch
     monkeypatch.chdir(tmp_path)
     calls = []
 
-    def fake_rerun(args, runs, cwd, env=None, timeout=None, progress=None):
+    def fake_rerun(args, runs, cwd, env=None, timeout=None, progress=None, keep=None):
         calls.append((list(args), runs, env))
         if any(arg.startswith("--benchmark-save=") for arg in args):
             storage = Path(next(a for a in args if a.startswith("--benchmark-storage=")).split("=", 1)[1])
@@ -63,7 +63,7 @@ def test_main_saves_a_reference_then_reruns_each_case_with_the_delay(monkeypatch
 
 def test_main_compares_with_a_named_baseline_when_asked(monkeypatch, capsys):
     calls = []
-    monkeypatch.setattr(detection.reruns, "rerun", lambda args, runs, cwd, env=None, timeout=None, progress=None:
+    monkeypatch.setattr(detection.reruns, "rerun", lambda args, runs, cwd, env=None, timeout=None, progress=None, keep=None:
                         calls.append(args) or [doc({"test_x": "PASS"})] * runs)
     assert detection.main(["--runs", "2", "--inject", "0.1", "--baseline", "7", "--markdown", "--", "perf_tests"]) == 0
     assert calls[0][-2:] == ["--benchmark-storage=baselines", "--benchmark-compare=7"]
@@ -73,7 +73,7 @@ def test_main_compares_with_a_named_baseline_when_asked(monkeypatch, capsys):
 def test_main_reports_each_run_and_the_table_so_far_and_can_leave_out_the_aa_case(monkeypatch, capsys):
     calls = []
 
-    def fake_rerun(args, runs, cwd, env=None, timeout=None, progress=None):
+    def fake_rerun(args, runs, cwd, env=None, timeout=None, progress=None, keep=None):
         calls.append(env)
         for index in range(runs):
             progress(index, subprocess.CompletedProcess(args, 1))
@@ -93,3 +93,31 @@ def test_no_aa_without_an_injection_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         detection.main(["--no-aa", "--inject", "--", "perf_tests"])
     assert "--no-aa leaves nothing to measure" in capsys.readouterr().err
+
+
+def test_memory_with_delays_counts_each_delay_run_for_its_delay_and_for_the_allocation(monkeypatch, capsys):
+    calls = []
+
+    def fake_rerun(args, runs, cwd, env=None, timeout=None, progress=None, keep=None):
+        calls.append((env, keep))
+        # A held allocation shows as MORE-MEMORY; only SLOWER counts as a caught delay.
+        delayed = "SLOWER+MORE-MEMORY" if float(env[detection.INJECT_DELAY]) >= 0.05 else "MORE-MEMORY"
+        return [doc({"test_x": delayed if int(env[detection.INJECT_MEMORY]) else "PASS"})] * runs
+
+    monkeypatch.setattr(detection.reruns, "rerun", fake_rerun)
+    argv = ["--runs", "2", "--inject", "0.03", "0.05", "--inject-memory", "1048576", "--memory-with-delays",
+            "--baseline", "7", "--keep", "runs", "--", "perf_tests"]
+    assert detection.main(argv) == 0
+    assert [(env[detection.INJECT_DELAY], env[detection.INJECT_MEMORY], keep) for env, keep in calls] == [
+        ("0", "0", Path("runs/aa")), ("0.03", "1048576", Path("runs/delay-3")), ("0.05", "1048576", Path("runs/delay-5"))
+    ]
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["benchmark", "A/A", "false", "alarms", "+3%", "caught", "+5%", "caught", "+1", "MiB",
+                              "caught"]
+    assert out[1].split() == ["test_x", "0/2", "0/2", "2/2", "4/4"]
+
+
+def test_memory_with_delays_needs_a_delay_and_one_size(capsys):
+    with pytest.raises(SystemExit):
+        detection.main(["--memory-with-delays", "--inject", "0.05", "--", "perf_tests"])
+    assert "--memory-with-delays needs --inject and one --inject-memory size" in capsys.readouterr().err

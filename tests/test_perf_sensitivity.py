@@ -60,18 +60,41 @@ def test_launch_noise_hides_nothing_from_the_graph_verdict(pytester, device_ms, 
     result.stdout.fnmatch_lines([f"*test_a*(graph)*{verdict}*"])
 
 
-def test_a_call_that_cannot_be_captured_is_timed_eagerly_with_a_note(pytester):
+def test_a_call_that_cannot_be_captured_is_timed_queued_with_a_note(pytester):
+    # 1 ms on the device behind 1 ms of launch cost: queued rounds time the device's 1 ms, the eager rounds 2 ms.
     write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": 1.0, "noise": 0.0, "capturable": False,
                                       "call": ", graph=True"}}, seed=1)
     result = run(pytester, "--benchmark-json=out.json")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines([
-        "test_a: timed eagerly: the CUDA graph capture failed (RuntimeError: CUDA error: operation not permitted "
-        "when stream is capturing)"
+        "test_a: timed queued (device time): the CUDA graph capture failed (RuntimeError: CUDA error: operation not "
+        "permitted when stream is capturing)"
     ])
-    info = bench_json(pytester)["test_a"]["extra_info"]
-    assert info["timing"] == "eager"
-    assert "eager_data" not in info
+    bench = bench_json(pytester)["test_a"]
+    assert bench["extra_info"]["timing"] == "queued"
+    assert bench["stats"]["median"] == pytest.approx(1e-3)
+    assert bench["extra_info"]["eager_median"] == pytest.approx(2e-3)
+
+
+@pytest.mark.parametrize(("device_ms", "outcome"), [(1.0, "passed"), (1.1, "failed")], ids=["unchanged", "device+10%"])
+def test_launch_noise_hides_nothing_from_the_queued_verdict(pytester, device_ms, outcome):
+    # As for graph replays, when the call cannot be captured: the queued rounds see the device's +10%.
+    noisy = {"noise": 0.005, "launch_ms": 2.0, "launch_noise": 0.5, "capturable": False, "call": ", graph=True"}
+    save_baseline(pytester, {"test_a": {"ms": 1.0, **noisy}})
+    write_suite(pytester, {"test_a": {"ms": device_ms, **noisy}}, seed=2)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(**{outcome: 1})
+    verdict = "PASS" if outcome == "passed" else "SLOWER "
+    result.stdout.fnmatch_lines([f"*test_a*(queued)*{verdict}*"])
+
+
+def test_a_queued_run_against_a_graph_baseline_compares_the_eager_time_only(pytester):
+    save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": 1.0, "call": ", graph=True"}})
+    write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": 1.0, "capturable": False, "call": ", graph=True"}},
+                seed=2)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*time not compared: the baseline was timed graph, this run queued*"])
 
 
 def test_a_graph_run_against_an_eager_baseline_compares_the_eager_time_only(pytester):
@@ -132,17 +155,19 @@ def test_a_noisy_benchmark_gets_more_rounds_unless_the_cap_is_zero(pytester):
 
 
 def test_an_injected_device_side_delay_is_caught(pytester, monkeypatch):
-    # In graph mode the delay is a fraction of the replays' time, not of the eager time (4 ms of it launch cost).
-    tests = {"test_a": {"ms": 1.0}, "test_b": {"ms": 2.0, "launch_ms": 4.0, "call": ", graph=True"}}
+    # In graph mode the delay is a fraction of the replays' time, not of the eager time (4 ms of it launch cost), and
+    # of the queued rounds' time when the call cannot be captured.
+    tests = {"test_a": {"ms": 1.0}, "test_b": {"ms": 2.0, "launch_ms": 4.0, "call": ", graph=True"},
+             "test_c": {"ms": 2.0, "launch_ms": 4.0, "capturable": False, "call": ", graph=True"}}
     save_baseline(pytester, tests)
     write_suite(pytester, tests, seed=2)
     monkeypatch.setenv("LMSYS_INJECT_DELAY", "0.1")
     result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
-    result.assert_outcomes(failed=2)
+    result.assert_outcomes(failed=3)
     result.stdout.fnmatch_lines([
         "lmsys perf: LMSYS_INJECT_DELAY=0.1: every benchmarked call gets a device-side delay of 10.0% of its time*",
     ])
-    for name in ("test_a", "test_b"):
+    for name in ("test_a", "test_b", "test_c"):
         info = bench_json(pytester)[name]["extra_info"]
         assert info["injected_delay"] == 0.1
         assert info["time_change"] == pytest.approx(0.1, abs=0.02)

@@ -67,7 +67,7 @@ class Backend(Protocol):
 
     def describe(self) -> dict[str, Any]: ...
     def synchronize(self) -> None: ...
-    def time_call(self, call: Callable[[], Any]) -> float: ...
+    def time_call(self, call: Callable[[], Any], lead: Callable[[], None] | None = None) -> float: ...
     def make_l2_flush(self) -> Callable[[], None]: ...
     def measure_memory(self, call: Callable[[], Any]) -> tuple[Any, MemoryReading | None]: ...
     def release_memory(self) -> None: ...
@@ -111,8 +111,8 @@ class CpuBackend:
     def synchronize(self) -> None:
         """Nothing runs asynchronously on the CPU."""
 
-    def time_call(self, call: Callable[[], Any]) -> float:
-        """Seconds that one call takes by the clock."""
+    def time_call(self, call: Callable[[], Any], lead: Callable[[], None] | None = None) -> float:
+        """Seconds that one call takes by the clock (there is no device to queue work ahead on: `lead` is unused)."""
         start = self.clock()
         call()
         return self.clock() - start
@@ -200,16 +200,21 @@ class CudaBackend:
         # Reused across rounds: each round waits for its end event before the pair is recorded again.
         return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
-    def time_call(self, call: Callable[[], Any]) -> float:
+    def time_call(self, call: Callable[[], Any], lead: Callable[[], None] | None = None) -> float:
         """Seconds of device time between events recorded before and after the call on the current stream.
 
         A device-side sleep is queued first: the start event fires when it ends, by which time the CPU has queued
         the call's first kernels, so the Python and dispatch latency before the first launch is not timed (the
         device would otherwise sit idle through it; triton's do_bench hides it behind its cache flush the same
-        way). CPU overhead that starves the device later in the call is still timed, as it should be.
+        way). CPU overhead that starves the device later in the call is still timed, as it should be. `lead` (a
+        device-side delay, make_delay) replaces that sleep: one longer than the CPU takes to queue the whole call
+        leaves only the device's time in the span (queued timing, lmsys/perf/timing.py).
         """
         start, end = self._events
-        torch.cuda._sleep(SLEEP_CYCLES)
+        if lead is None:
+            torch.cuda._sleep(SLEEP_CYCLES)
+        else:
+            lead()
         start.record()
         call()
         end.record()
@@ -223,7 +228,11 @@ class CudaBackend:
         return buffer.zero_
 
     def measure_memory(self, call: Callable[[], Any]) -> tuple[Any, MemoryReading]:
-        """Calls once under reset peak statistics; returns the call's result and the reading."""
+        """Calls once under reset peak statistics; returns the call's result and the reading.
+
+        Garbage is collected first: tensors that only a reference cycle keeps (a released CUDA graph's pool, earlier
+        results) would otherwise count as allocated before the call or not, as the collector happened to run."""
+        gc.collect()
         self.synchronize()
         torch.cuda.reset_peak_memory_stats(self.index)
         allocated = torch.cuda.memory_allocated(self.index)

@@ -40,7 +40,7 @@ REQUIRED_STATS = ("min", "max", "mean", "stddev", "median", "iqr", "rounds", "it
 MEMORY_KEY = "peak_allocated_above_start_bytes"
 # The eager rounds of a benchmark timed in a CUDA graph (its stats are the replays).
 EAGER_KEY = "eager_data"
-TIMINGS = ("eager", "graph")
+TIMINGS = ("eager", "graph", "queued")
 FORBIDDEN_NAME_CHARACTERS = '\\/:*?<>|'
 
 

@@ -26,7 +26,7 @@ FILE_NAME = "calibration.json"
 SIGMAS = 3.0
 FLOOR = 0.01
 MIN_RUNS = 2
-TIMINGS = ("eager", "graph")
+TIMINGS = ("eager", "graph", "queued")
 
 
 class CalibrationError(ValueError):

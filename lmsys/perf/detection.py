@@ -34,6 +34,11 @@ def failed(label: str | None) -> bool:
     return label is not None and Verdict(label).failed
 
 
+def slower(label: str | None) -> bool:
+    """Whether a verdict label says SLOWER or SLOWER-EAGER (the caught delays of runs that also hold memory)."""
+    return label is not None and any(part.startswith("SLOWER") for part in label.split("+"))
+
+
 def more_memory(label: str | None) -> bool:
     """Whether a verdict label says MORE-MEMORY (the caught allocations)."""
     return label is not None and MORE_MEMORY in label.split("+")
@@ -60,6 +65,23 @@ def tally(cases: list[tuple[str, list[dict], Callable[[str | None], bool]]]) -> 
         for name in names
     ]
     return pd.DataFrame(rows, columns=["benchmark", *columns])
+
+
+def _case_folder(keep: Path | None, column: str) -> Path | None:
+    """Where a case's run JSONs are kept: DIR/aa, DIR/delay-5, DIR/memory-1MiB (None without --keep)."""
+    if keep is None:
+        return None
+    name = "aa" if column.startswith("A/A") else column.removeprefix("+").removesuffix(" caught").replace(" ", "")
+    return keep / (name if name == "aa" else ("delay-" if name.endswith("%") else "memory-") + name.rstrip("%"))
+
+
+def _with_memory(results: list, held: dict) -> pd.DataFrame:
+    """The table of the cases run, plus (with --memory-with-delays) the allocation's column over all delay runs."""
+    if not held:
+        return tally(results)
+    memory = [doc for column, docs, _ in results if column != "A/A false alarms" for doc in docs]
+    column = f"+{format_bytes(int(held[INJECT_MEMORY]))} caught"
+    return tally(results + ([(column, memory, more_memory)] if memory else []))
 
 
 def _markdown(table: pd.DataFrame) -> str:
@@ -101,14 +123,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="allocations to hold during every call, in bytes (e.g. 1048576), counted when MORE-MEMORY")
     parser.add_argument("--no-aa", action="store_true",
                         help="leave out the unchanged reruns (A/A), e.g. when an earlier run measured them")
+    parser.add_argument("--memory-with-delays", action="store_true",
+                        help="hold the --inject-memory allocation in the runs of each delay instead of runs of their "
+                        "own: a run then counts for both columns (a delay caught: SLOWER; an allocation: MORE-MEMORY)")
     parser.add_argument("--baseline", help="compare with this baseline of the GPU (--benchmark-compare=VALUE) "
                         "instead of a fresh reference")
     parser.add_argument("--storage", type=Path, default=Path("baselines"),
                         help="the baselines folder, for --baseline and the calibration (default: baselines)")
     parser.add_argument("--timeout", type=float, default=reruns.RUN_TIMEOUT, help="seconds per run")
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="keep every run's pytest-benchmark JSON, in DIR/<case>/ (medians, memory, machine readings)")
     parser.add_argument("pytest_args", nargs="+", help="what to run, after --: test paths, -k, options")
     args = parser.parse_args(argv)
+    if args.memory_with_delays and not (args.inject and len(args.inject_memory) == 1):
+        parser.error("--memory-with-delays needs --inject and one --inject-memory size")
     if args.no_aa and not (args.inject or args.inject_memory):
         parser.error("--no-aa leaves nothing to measure without --inject or --inject-memory")
     if args.runs < 1 or any(not 0 < delay <= 10 for delay in args.inject) or any(n < 1 for n in args.inject_memory):
@@ -119,18 +148,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             compare = _reference(args.pytest_args, Path(folder), args.storage, args.timeout)
         cases = [] if args.no_aa else [("A/A false alarms", UNCHANGED, failed)]
-        cases += [(f"+{delay:.0%} caught", {**UNCHANGED, INJECT_DELAY: str(delay)}, failed) for delay in args.inject]
-        cases += [(f"+{format_bytes(n)} caught", {**UNCHANGED, INJECT_MEMORY: str(n)}, more_memory)
-                  for n in args.inject_memory]
+        held = {INJECT_MEMORY: str(args.inject_memory[0])} if args.memory_with_delays else {}
+        cases += [(f"+{delay:.0%} caught", {**UNCHANGED, INJECT_DELAY: str(delay), **held}, slower if held else failed)
+                  for delay in args.inject]
+        if not held:
+            cases += [(f"+{format_bytes(n)} caught", {**UNCHANGED, INJECT_MEMORY: str(n)}, more_memory)
+                      for n in args.inject_memory]
         results = []
         for column, env, counted in cases:
             print(f"{args.runs} runs: {column} ...", file=sys.stderr, flush=True)
             docs = reruns.rerun([*args.pytest_args, *compare], args.runs, Path.cwd(), env=env, timeout=args.timeout,
-                                progress=_progress(column, args.runs))
+                                progress=_progress(column, args.runs), keep=_case_folder(args.keep, column))
             results.append((column, docs, counted))
             if len(results) < len(cases):  # what is measured so far, in case the rest never finishes
-                print(tally(results).to_string(index=False), file=sys.stderr, flush=True)
-    table = tally(results)
+                print(_with_memory(results, held).to_string(index=False), file=sys.stderr, flush=True)
+    table = _with_memory(results, held)
     print(_markdown(table) if args.markdown else table.to_string(index=False))
     return 0
 

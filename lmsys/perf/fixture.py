@@ -120,6 +120,7 @@ class GpuBenchmark:
         primary = timing.GRAPH if graph else timing.EAGER
         time_tolerance = self._tolerance(primary)
         eager_tolerance = self._tolerance(timing.EAGER, eager=True) if graph else time_tolerance
+        queued_tolerance = self._tolerance(timing.QUEUED)
         flush = backend.make_l2_flush() if cold_l2 else None
         with timing.gc_paused(session.disable_gc):
             measurement = timing.run(
@@ -129,12 +130,16 @@ class GpuBenchmark:
                 eager_judge=self._judge(timing.EAGER, eager_tolerance),
                 eager_precision=session.precision(eager_tolerance), delay=session.injected_delay,
                 extra_memory=session.injected_memory,
+                queued_judge=self._judge(timing.QUEUED, queued_tolerance),
+                queued_precision=session.precision(queued_tolerance),
             )
         del flush
         measurement.extra_info["cold_l2"] = bool(cold_l2)
         if graph and measurement.timing == timing.EAGER:
-            # The capture failed: the eager rounds are the benchmark's time, judged as eager rounds.
+            # The capture failed on the CPU: the eager rounds are the benchmark's time, judged as eager rounds.
             time_tolerance = eager_tolerance
+        elif measurement.timing == timing.QUEUED:
+            time_tolerance = queued_tolerance
         self._record(measurement, flops, bytes, precision or infer_precision(args, kwargs), time_tolerance)
         return measurement.result
 

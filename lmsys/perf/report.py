@@ -43,7 +43,7 @@ def results_frame(records: list[Record], comparing: bool) -> pd.DataFrame:
     for record in records:
         peak = None if record.memory is None else record.memory.peak_allocated_above_start
         row = {"benchmark": record.name}
-        now = format_seconds(record.median) + (" (graph)" if record.timing == "graph" else "")
+        now = format_seconds(record.median) + ("" if record.timing == "eager" else f" ({record.timing})")
         eager = "" if record.eager_median is None else format_seconds(record.eager_median)
         if comparing:
             label = record.verdict.label if record.verdict else ""

@@ -8,6 +8,7 @@ subprocesses, each with a timeout.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -64,11 +65,13 @@ def rerun(
     env: dict[str, str] | None = None,
     timeout: float = RUN_TIMEOUT,
     progress: Callable[[int, subprocess.CompletedProcess], None] | None = None,
+    keep: Path | None = None,
 ) -> list[dict]:
     """Runs `python -m pytest ARGS --benchmark-json=...` `runs` times in cwd; returns each run's JSON document.
 
     A run may fail tests (exit 1: a SLOWER verdict of an injected delay, say); any other exit status, a missing
-    JSON or a timeout raises RerunError with the end of that run's output.
+    JSON or a timeout raises RerunError with the end of that run's output. With `keep` (a folder, created when
+    missing) each run's JSON is also copied there as PREFIX-run-N.json, PREFIX the folder's name.
     """
     docs = []
     with tempfile.TemporaryDirectory(prefix="lmsys-reruns-") as folder:
@@ -89,6 +92,9 @@ def rerun(
                     f"({' '.join(command)}):\n{tail}"
                 )
             docs.append(json.loads(path.read_text(encoding="utf-8")))
+            if keep is not None:
+                keep.mkdir(parents=True, exist_ok=True)
+                shutil.copy(path, keep / f"{keep.name}-run-{index}.json")
             if progress is not None:
                 progress(index, done)
     return docs

@@ -277,7 +277,7 @@ class PerfSession:
                 f"  {fullname}: {entry['timing']} median spread {entry['spread']:.2%} over {entry['runs']} runs -> "
                 f"time tolerance {tolerance:.2%}"
             )
-            if "eager_spread" in entry and entry["timing"] == "graph":
+            if "eager_spread" in entry and entry["timing"] != "eager":
                 line += f"; eager spread {entry['eager_spread']:.2%}"
             if calibration.memory_range(entry):
                 line += f"; peak memory moved by {format_bytes(calibration.memory_range(entry))}"

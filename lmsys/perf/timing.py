@@ -9,8 +9,12 @@ median's confidence interval is wider than the target (a share of the tolerance)
 a wall-time cap and MAX_ADAPTIVE_ROUNDS.
 
 In graph mode the call is also captured in a CUDA graph and the replays are timed: the replays' samples are the
-benchmark's time (device time, no CPU launch cost), the eager rounds its eager time. A capture that fails leaves
-the benchmark timed eagerly, with a note.
+benchmark's time (device time, no CPU launch cost), the eager rounds its eager time. When the capture fails, on a
+GPU the call is timed queued instead: each round starts with a device-side sleep longer than the CPU takes to queue
+the whole call (LEAD_FACTOR times an eager round's wall time), so the device runs the call's kernels back to back
+and the span between the events is the device's time again, as long as the call does not wait for the device
+(a read-back) and queues fewer launches than the driver's queue holds (about a thousand). On the CPU, and for a
+benchmark without graph=True, the eager rounds are the benchmark's time.
 """
 
 import gc
@@ -28,7 +32,10 @@ MAX_ROUNDS = 1000
 MAX_ADAPTIVE_ROUNDS = 10_000
 MAX_WARMUP_ROUNDS = 100
 WARMUP_SHARE = 0.1
-EAGER, GRAPH = "eager", "graph"
+EAGER, GRAPH, QUEUED = "eager", "graph", "queued"
+# Queued timing: the lead sleep is this many times an eager round's wall time, at most MAX_LEAD seconds.
+LEAD_FACTOR = 1.5
+MAX_LEAD = 2.0
 # The environment variable that adds a device-side delay to every benchmarked call, a fraction of the call's time:
 # a regression of known size, to measure the gate (lmsys.perf.detection).
 INJECT_DELAY = "LMSYS_INJECT_DELAY"
@@ -45,7 +52,8 @@ class Measurement:
     the rounds were timed a second time because the first comparison said SLOWER. `extra_info` holds what a
     measurement adds to the saved JSON beyond that (the world size of a multi-rank run, ...).
 
-    `timing` says what the samples are: EAGER calls or GRAPH replays; in graph mode `eager_samples` are the eager
+    `timing` says what the samples are: EAGER calls, GRAPH replays or QUEUED calls (graph mode when the capture
+    failed: device time, the call queued behind a long device-side sleep); in graph mode `eager_samples` are the eager
     rounds (CPU launch cost included) and `eager_comparison` their comparison. `machine` holds the readings of the
     GPU's state before and after (None without them); `notes` what the summary should say about the measurement.
     """
@@ -104,13 +112,16 @@ def gc_paused(pause: bool):
             gc.enable()
 
 
-def time_rounds(backend, call: Callable[[], Any], rounds: int, flush: Callable[[], None] | None) -> list[float]:
-    """Per-round seconds of `rounds` calls, each preceded by an untimed flush when one is given."""
+def time_rounds(
+    backend, call: Callable[[], Any], rounds: int, flush: Callable[[], None] | None, lead: Callable[[], None] | None = None
+) -> list[float]:
+    """Per-round seconds of `rounds` calls, each preceded by an untimed flush when one is given (and timed behind the
+    device-side delay `lead` when one is given: queued timing)."""
     samples = []
     for _ in range(rounds):
         if flush is not None:
             flush()
-        samples.append(backend.time_call(call))
+        samples.append(backend.time_call(call) if lead is None else backend.time_call(call, lead=lead))
     return samples
 
 
@@ -142,12 +153,14 @@ def sample(
     flush: Callable[[], None] | None,
     precision: Precision = Precision(),
     clock: Callable[[], float] = time.perf_counter,
+    lead: Callable[[], None] | None = None,
 ) -> tuple[list[float], float]:
-    """`adapt` over rounds of `call` timed through the backend (each after an untimed flush when one is given)."""
+    """`adapt` over rounds of `call` timed through the backend (each after an untimed flush when one is given, and
+    behind `lead` when one is given)."""
 
     def timed(n: int) -> tuple[list[float], float]:
         start = clock()
-        samples = time_rounds(backend, call, n, flush)
+        samples = time_rounds(backend, call, n, flush, lead)
         return samples, clock() - start
 
     return adapt(timed, rounds, precision)
@@ -167,16 +180,26 @@ def warm_up(backend, call: Callable[[], Any], flush, max_time: float, min_rounds
     return chosen
 
 
+def queue_lead(backend, call: Callable[[], Any], flush) -> Callable[[], None]:
+    """The device-side delay that queued timing puts before each round: LEAD_FACTOR times the wall time of one
+    eager round (the CPU's time to queue the call is within it), at most MAX_LEAD seconds."""
+    start = time.perf_counter()
+    time_rounds(backend, call, 1, flush)
+    return backend.make_delay(min(MAX_LEAD, LEAD_FACTOR * (time.perf_counter() - start)))
+
+
 def with_delay(backend, call: Callable[[], Any], flush, fraction: float, graph: bool) -> Callable[[], Any]:
     """call followed by a device-side delay of `fraction` of its time: a regression of known size, injected to
     measure the gate. The time is the median of three rounds of what the benchmark will judge: the call, or with
-    graph=True the replays of a trial capture (a launch-bound call's eager time is mostly CPU)."""
+    graph=True the replays of a trial capture, or queued rounds when it cannot be captured (a launch-bound call's
+    eager time is mostly CPU)."""
     typical = median(time_rounds(backend, call, 3, flush))
     if graph:
         try:
             replay, release = backend.capture_graph(call)
         except Exception:  # run() notes the failed capture when it captures for real
-            pass
+            if backend.is_gpu:
+                typical = median(time_rounds(backend, call, 3, flush, queue_lead(backend, call, flush)))
         else:
             typical = median(time_rounds(backend, replay, 3, flush))
             release()
@@ -212,9 +235,11 @@ def judged(measure: Callable[[], tuple], judge: Judge):
     return measured, comparison, remeasured
 
 
-def _series(backend, call, rounds, flush, precision: Precision, judge: Judge):
+def _series(backend, call, rounds, flush, precision: Precision, judge: Judge, lead=None):
     """Samples, wall seconds per round, comparison and whether a SLOWER first comparison was re-measured."""
-    (samples, wall), comparison, remeasured = judged(lambda: sample(backend, call, rounds, flush, precision), judge)
+    (samples, wall), comparison, remeasured = judged(
+        lambda: sample(backend, call, rounds, flush, precision, lead=lead), judge
+    )
     return samples, wall, comparison, remeasured
 
 
@@ -222,9 +247,10 @@ def _capture(backend, call, flush, max_time, min_rounds, notes: list[str]):
     """(replay, release, plan of the replays), or None when the capture fails (then noted)."""
     try:
         replay, release = backend.capture_graph(call)
-    except Exception as exc:  # a capture can fail in many ways (sync, CPU readback, unsupported op): time eagerly
+    except Exception as exc:  # a capture can fail in many ways (sync, CPU readback, unsupported op)
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        notes.append(f"timed eagerly: the CUDA graph capture failed ({type(exc).__name__}: {reason})")
+        how = "timed queued (device time)" if backend.is_gpu else "timed eagerly"
+        notes.append(f"{how}: the CUDA graph capture failed ({type(exc).__name__}: {reason})")
         return None
     return replay, release, warm_up(backend, replay, flush, max_time, min_rounds, None)
 
@@ -244,13 +270,16 @@ def run(
     eager_precision: Precision = Precision(),
     delay: float = 0.0,
     extra_memory: int = 0,
+    queued_judge: Judge | None = None,
+    queued_precision: Precision | None = None,
 ) -> Measurement:
     """Warm up, time the rounds, judge them (`judge` compares with the baseline, None without one); when the verdict
     is SLOWER time the rounds once more and let that decide; then one call under the memory reading.
 
     With graph=True the eager rounds are judged by `eager_judge` (with `eager_precision`) and the replays of the
     captured call by `judge`; when the capture fails the eager rounds are the benchmark's time, judged by
-    `eager_judge`. `delay` > 0 adds a device-side delay of that fraction of the call's time to every call,
+    `eager_judge`, or on a GPU the queued rounds are, judged by `queued_judge` (with `queued_precision`).
+    `delay` > 0 adds a device-side delay of that fraction of the call's time to every call,
     `extra_memory` > 0 that many bytes held on the device during every call.
     """
     if extra_memory:
@@ -261,7 +290,14 @@ def run(
     notes = []
     eager_judge = eager_judge or judge
     captured = _capture(backend, timed, flush, max_time, min_rounds, notes) if graph else None
-    if captured is None:
+    queued = graph and captured is None and backend.is_gpu
+    if queued:
+        lead = queue_lead(backend, timed, flush)
+        samples, wall, comparison, remeasured = _series(
+            backend, timed, chosen.rounds, flush, queued_precision or precision, queued_judge or judge, lead
+        )
+        eager = _series(backend, timed, chosen.rounds, flush, eager_precision, eager_judge)
+    elif captured is None:
         series = _series(backend, timed, chosen.rounds, flush, eager_precision if graph else precision,
                          eager_judge if graph else judge)
         samples, wall, comparison, remeasured = series
@@ -278,7 +314,7 @@ def run(
     after = backend.machine_state()
     measurement = Measurement(
         samples, wall, chosen.warmup_rounds, memory, result, comparison, remeasured,
-        timing=EAGER if captured is None else GRAPH,
+        timing=QUEUED if queued else EAGER if captured is None else GRAPH,
         machine=None if before is None and after is None else {"before": before, "after": after},
         notes=notes,
     )
