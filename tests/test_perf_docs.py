@@ -85,3 +85,17 @@ def test_providers_that_state_bytes_show_gb_per_second(tmp_path):
     ])
     text = docs.page(folder, tmp_path / "docs")
     assert "| large | 2 ms, 50 GB/s, 0 B | 2 ms, 50 GB/s, 0 B |" in text
+
+
+def test_times_taken_as_graph_replays_or_queued_say_so(tmp_path):
+    folder = tmp_path / "baselines" / "Fake_GPU"
+    save(folder, "0001_a.json", [
+        bench("test_opt", {"size": "small", "provider": "ours"}, 1e-3, gbps=2000.0, timing="graph"),
+        bench("test_opt", {"size": "small", "provider": "theirs"}, 2e-3, gbps=1000.0, timing="queued"),
+        bench("test_opt", {"size": "large", "provider": "ours"}, 3e-3, gbps=2000.0),
+        bench("test_step", {}, 5e-3, timing="queued"),
+    ])
+    text = docs.page(folder, None)
+    assert "| small | 1 ms (graph), 2000 GB/s | 2 ms (queued), 1000 GB/s |" in text
+    assert "| large | 3 ms, 2000 GB/s |  |" in text
+    assert "| `test_step` | 5 ms (queued) |" in text

@@ -6,6 +6,7 @@ writes docs/NVIDIA_H100_80GB_HBM3.md and, for each test with a grid of sequence 
 in docs/NVIDIA_H100_80GB_HBM3/<test>.png (lmsys.perf.providers). Every benchmark shows its newest measurement, the
 one `pytest perf_tests --benchmark-compare` compares with: the median of the rounds, TFLOP/s, the fraction of the
 GPU's datasheet peak where the baseline has one, and the peak memory allocated above what the call started with.
+A time taken as CUDA-graph replays or queued behind a device-side sleep (device time, no launch cost) says so.
 Rerun it after committing a new baseline; tests/test_perf_docs.py fails while the page is out of date.
 """
 
@@ -48,8 +49,13 @@ def _files_table(docs: list[tuple[str, dict]], newest: list[tuple[str, dict]]) -
     return pd.DataFrame(rows)
 
 
-def _cell(ms: float, tflops: float | None, gbps: float | None, mem: float | None) -> str:
-    parts = [format_seconds(ms / 1e3)]
+def _timed(seconds: float, timing: str) -> str:
+    """A median, marked when it is not an eager call's time: '100.9 us (graph)'."""
+    return format_seconds(seconds) + ("" if timing == "eager" else f" ({timing})")
+
+
+def _cell(ms: float, tflops: float | None, gbps: float | None, mem: float | None, timing: str = "eager") -> str:
+    parts = [_timed(ms / 1e3, timing)]
     if tflops is not None and pd.notna(tflops):
         parts.append(f"{tflops:.4g} TFLOP/s")
     if gbps is not None and pd.notna(gbps):
@@ -77,6 +83,7 @@ def provider_table(data: pd.DataFrame) -> pd.DataFrame:
     """One test's providers side by side (rows in_order first): a row per configuration, a column per provider, cells
     'time, TFLOP/s or GB/s, memory'."""
     tables = {value: providers.side_by_side(data, value) for value in ("ms", "tflops", "gbps", "mem")}
+    timings = {(row.test, row.configuration, row.provider): row.timing for row in data.itertuples()}
     ms = tables["ms"]
     rows = []
     for key in ms.index:
@@ -84,7 +91,8 @@ def provider_table(data: pd.DataFrame) -> pd.DataFrame:
         for provider in ms.columns:
             value = ms.loc[key, provider]
             row[provider] = "" if pd.isna(value) else _cell(
-                value, *(tables[name].loc[key, provider] for name in ("tflops", "gbps", "mem"))
+                value, *(tables[name].loc[key, provider] for name in ("tflops", "gbps", "mem")),
+                timings.get((*key, provider), "eager"),
             )
         rows.append(row)
     return pd.DataFrame(rows)
@@ -103,7 +111,7 @@ def plain_table(benchmarks: list[dict]) -> pd.DataFrame:
         wait = (info.get("spans") or {}).get("comm_wait")
         rows.append({
             "benchmark": f"`{bench['name']}`",
-            "median": format_seconds(bench["stats"]["median"]),
+            "median": _timed(bench["stats"]["median"], info.get("timing", "eager")),
             "TFLOP/s": "" if info.get("tflops") is None else f"{info['tflops']:.4g}",
             "of peak": "" if fraction is None else f"{fraction:.1%} of {info.get('precision', '')}",
             "GB/s": "" if info.get("gbps") is None else f"{info['gbps']:.4g}",

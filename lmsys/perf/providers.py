@@ -39,7 +39,8 @@ def _configuration(params: dict, seq_as: str | None = None) -> str:
 
 
 def frame(doc: dict) -> pd.DataFrame:
-    """One row per benchmark that has a provider: test, configuration, sequence length, provider and the values."""
+    """One row per benchmark that has a provider: test, configuration, sequence length, provider, the values and how
+    the time was taken (eager, graph or queued)."""
     rows = []
     for bench in doc.get("benchmarks", []):
         params = bench.get("params") or {}
@@ -58,9 +59,10 @@ def frame(doc: dict) -> pd.DataFrame:
             "tflops": info.get("tflops"),
             "gbps": info.get("gbps"),
             "mem": None if above is None else above / 2**20,
+            "timing": info.get("timing", "eager"),
         })
     return pd.DataFrame(
-        rows, columns=["test", "configuration", "family", "seq", "provider", "ms", "tflops", "gbps", "mem"]
+        rows, columns=["test", "configuration", "family", "seq", "provider", "ms", "tflops", "gbps", "mem", "timing"]
     )
 
 
