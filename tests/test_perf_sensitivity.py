@@ -47,17 +47,20 @@ def test_graph_mode_judges_device_time_and_eager_time_separately(pytester, now, 
     result.stdout.fnmatch_lines([line])
 
 
+@pytest.mark.parametrize("timing", ["graph", "queued"])
 @pytest.mark.parametrize(("device_ms", "outcome"), [(1.0, "passed"), (1.1, "failed")], ids=["unchanged", "device+10%"])
-def test_launch_noise_hides_nothing_from_the_graph_verdict(pytester, device_ms, outcome):
+def test_launch_noise_hides_nothing_from_the_device_time_verdict(pytester, device_ms, outcome, timing):
     # 1 ms of device work behind 2 ms of launch cost that varies by 50% from call to call: a +10% device regression
-    # moves the eager time by 3% (lost in that noise), the replays by 10%.
-    noisy = {"noise": 0.005, "launch_ms": 2.0, "launch_noise": 0.5, "call": ", graph=True"}
+    # moves the eager time by 3% (lost in that noise), the replays (or queued rounds, when the call cannot be
+    # captured) by 10%.
+    noisy = {"noise": 0.005, "launch_ms": 2.0, "launch_noise": 0.5, "capturable": timing == "graph",
+             "call": ", graph=True"}
     save_baseline(pytester, {"test_a": {"ms": 1.0, **noisy}})
     write_suite(pytester, {"test_a": {"ms": device_ms, **noisy}}, seed=2)
     result = run(pytester, "--benchmark-compare")
     result.assert_outcomes(**{outcome: 1})
     verdict = "PASS" if outcome == "passed" else "SLOWER "
-    result.stdout.fnmatch_lines([f"*test_a*(graph)*{verdict}*"])
+    result.stdout.fnmatch_lines([f"*test_a*({timing})*{verdict}*"])
 
 
 def test_a_call_that_cannot_be_captured_is_timed_queued_with_a_note(pytester):
@@ -74,18 +77,6 @@ def test_a_call_that_cannot_be_captured_is_timed_queued_with_a_note(pytester):
     assert bench["extra_info"]["timing"] == "queued"
     assert bench["stats"]["median"] == pytest.approx(1e-3)
     assert bench["extra_info"]["eager_median"] == pytest.approx(2e-3)
-
-
-@pytest.mark.parametrize(("device_ms", "outcome"), [(1.0, "passed"), (1.1, "failed")], ids=["unchanged", "device+10%"])
-def test_launch_noise_hides_nothing_from_the_queued_verdict(pytester, device_ms, outcome):
-    # As for graph replays, when the call cannot be captured: the queued rounds see the device's +10%.
-    noisy = {"noise": 0.005, "launch_ms": 2.0, "launch_noise": 0.5, "capturable": False, "call": ", graph=True"}
-    save_baseline(pytester, {"test_a": {"ms": 1.0, **noisy}})
-    write_suite(pytester, {"test_a": {"ms": device_ms, **noisy}}, seed=2)
-    result = run(pytester, "--benchmark-compare")
-    result.assert_outcomes(**{outcome: 1})
-    verdict = "PASS" if outcome == "passed" else "SLOWER "
-    result.stdout.fnmatch_lines([f"*test_a*(queued)*{verdict}*"])
 
 
 def test_a_queued_run_against_a_graph_baseline_compares_the_eager_time_only(pytester):
