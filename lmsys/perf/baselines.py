@@ -217,12 +217,13 @@ def newest_per_benchmark(docs: Iterable[tuple[Path, dict]]) -> dict[Path, dict[s
 
 
 def timing(bench: dict) -> str:
-    """How a baseline benchmark's stats were timed: 'eager' calls, or 'graph' replays of a CUDA graph."""
+    """How a baseline benchmark's stats were timed: 'eager' calls, 'graph' replays of a CUDA graph or 'queued' calls
+    (graph mode when the capture failed)."""
     return (bench.get("extra_info") or {}).get("timing", "eager")
 
 
 def samples(bench: dict, timed: str = "eager") -> list[float] | None:
-    """A baseline benchmark's per-round times in seconds as timed `timed` ('eager' or 'graph'): its stats when it was
+    """A baseline benchmark's per-round times in seconds as timed `timed` (a TIMINGS value): its stats when it was
     timed that way ([median] when saved without rounds), the eager rounds a graph-timed benchmark keeps beside its
     replays, or None when it has no such times."""
     if timing(bench) == timed:

@@ -43,8 +43,8 @@ def _spread(medians: list[float]) -> float:
 
 
 def noise(docs: list[dict]) -> dict[str, dict]:
-    """One entry per benchmark that every run measured, with the same timing (eager or graph) in each: the medians,
-    their relative spread, the eager medians of graph-timed benchmarks, and the peak memory above start."""
+    """One entry per benchmark that every run measured, with the same timing (eager, graph or queued) in each: the
+    medians, their relative spread, the eager medians of graph-mode benchmarks, and the peak memory above start."""
     if len(docs) < MIN_RUNS:
         raise ValueError(f"a calibration needs at least {MIN_RUNS} runs, got {len(docs)}")
     per_run = [{bench["fullname"]: bench for bench in doc.get("benchmarks", [])} for doc in docs]

@@ -146,8 +146,8 @@ class PerfSession:
             self.notes.append(text)
 
     def time_tolerance_for(self, fullname: str, timed: str, marker: dict, eager: bool = False) -> Tolerance:
-        """The time tolerance of a benchmark's samples timed `timed` ('eager' or 'graph'; eager=True: the eager rounds
-        of a graph-timed benchmark): the marker's, else the option's when given, else its calibration's, else the
+        """The time tolerance of a benchmark's samples timed `timed` ('eager', 'graph' or 'queued'; eager=True: the
+        eager rounds of a graph-mode benchmark): the marker's, else the option's when given, else its calibration's, else the
         default."""
         key, option, name, default = (
             ("eager", self.eager_tolerance, "--perf-eager-tolerance", DEFAULT_EAGER_TOLERANCE) if eager
