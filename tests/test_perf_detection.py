@@ -63,8 +63,11 @@ def test_main_saves_a_reference_then_reruns_each_case_with_the_delay(monkeypatch
 
 def test_main_compares_with_a_named_baseline_when_asked(monkeypatch, capsys):
     calls = []
-    monkeypatch.setattr(detection.reruns, "rerun", lambda args, runs, cwd, env=None, timeout=None, progress=None, keep=None:
-                        calls.append(args) or [doc({"test_x": "PASS"})] * runs)
+    def fake_rerun(args, runs, cwd, env=None, timeout=None, progress=None, keep=None):
+        calls.append(args)
+        return [doc({"test_x": "PASS"})] * runs
+
+    monkeypatch.setattr(detection.reruns, "rerun", fake_rerun)
     assert detection.main(["--runs", "2", "--inject", "0.1", "--baseline", "7", "--markdown", "--", "perf_tests"]) == 0
     assert calls[0][-2:] == ["--benchmark-storage=baselines", "--benchmark-compare=7"]
     assert "| test_x | 0/2 | 0/2 |" in capsys.readouterr().out
@@ -86,7 +89,9 @@ def test_main_reports_each_run_and_the_table_so_far_and_can_leave_out_the_aa_cas
     err = capsys.readouterr().err
     assert "+3% caught: run 2/2 done, exit 1" in err
     partial = err.split("2 runs: +5% caught")[0].splitlines()  # the +3% column alone, before the +5% case ran
-    assert [line.split() for line in partial[-3:]] == [["benchmark", "+3%", "caught"], ["test_x", "2/2"], ["all", "2/2"]]
+    assert [line.split() for line in partial[-3:]] == [
+        ["benchmark", "+3%", "caught"], ["test_x", "2/2"], ["all", "2/2"]
+    ]
 
 
 def test_no_aa_without_an_injection_is_a_usage_error(capsys):
@@ -109,7 +114,9 @@ def test_memory_with_delays_counts_each_delay_run_for_its_delay_and_for_the_allo
             "--baseline", "7", "--keep", "runs", "--", "perf_tests"]
     assert detection.main(argv) == 0
     assert [(env[detection.INJECT_DELAY], env[detection.INJECT_MEMORY], keep) for env, keep in calls] == [
-        ("0", "0", Path("runs/aa")), ("0.03", "1048576", Path("runs/delay-3")), ("0.05", "1048576", Path("runs/delay-5"))
+        ("0", "0", Path("runs/aa")),
+        ("0.03", "1048576", Path("runs/delay-3")),
+        ("0.05", "1048576", Path("runs/delay-5")),
     ]
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["benchmark", "A/A", "false", "alarms", "+3%", "caught", "+5%", "caught", "+1", "MiB",

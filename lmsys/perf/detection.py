@@ -133,7 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=reruns.RUN_TIMEOUT, help="seconds per run")
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
     parser.add_argument("--keep", type=Path, metavar="DIR",
-                        help="keep every run's pytest-benchmark JSON, in DIR/<case>/ (medians, memory, machine readings)")
+                        help="keep every run's pytest-benchmark JSON, in DIR/<case>/ (medians, memory, machine "
+                        "readings)")
     parser.add_argument("pytest_args", nargs="+", help="what to run, after --: test paths, -k, options")
     args = parser.parse_args(argv)
     if args.memory_with_delays and not (args.inject and len(args.inject_memory) == 1):

@@ -9,9 +9,9 @@ timing.py holds the loop (warmup, adaptive rounds, CUDA-graph replays, the re-me
 the tolerances it is judged with and the record it leaves: the samples go into pytest-benchmark's stats (its
 table, JSON and --benchmark-save see them); extra_info gets the timing ('eager', 'graph' or 'queued', with the
 eager rounds of a graph-mode call), the wall-clock seconds per round, the memory readings, the machine's state,
-the tolerance and its source, TFLOP/s and GB/s from `flops`/`bytes` (the work of ONE call) and their fraction of the device's
-peak in `precision` ('bf16', 'fp16', 'tf32', 'fp32'; by default the dtype of the first floating-point tensor
-argument, or bf16 when there is none). The plugin fails the test after its body has run when the verdict is
+the tolerance and its source, TFLOP/s and GB/s from `flops`/`bytes` (the work of ONE call) and their fraction of
+the device's peak in `precision` ('bf16', 'fp16', 'tf32', 'fp32'; by default the dtype of the first floating-point
+tensor argument, or bf16 when there is none). The plugin fails the test after its body has run when the verdict is
 SLOWER, SLOWER-EAGER or MORE-MEMORY.
 """
 

@@ -147,8 +147,8 @@ class PerfSession:
 
     def time_tolerance_for(self, fullname: str, timed: str, marker: dict, eager: bool = False) -> Tolerance:
         """The time tolerance of a benchmark's samples timed `timed` ('eager', 'graph' or 'queued'; eager=True: the
-        eager rounds of a graph-mode benchmark): the marker's, else the option's when given, else its calibration's, else the
-        default."""
+        eager rounds of a graph-mode benchmark): the marker's, else the option's when given, else its calibration's,
+        else the default."""
         key, option, name, default = (
             ("eager", self.eager_tolerance, "--perf-eager-tolerance", DEFAULT_EAGER_TOLERANCE) if eager
             else ("time", self.time_tolerance, "--perf-time-tolerance", DEFAULT_TIME_TOLERANCE)

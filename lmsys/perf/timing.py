@@ -113,7 +113,11 @@ def gc_paused(pause: bool):
 
 
 def time_rounds(
-    backend, call: Callable[[], Any], rounds: int, flush: Callable[[], None] | None, lead: Callable[[], None] | None = None
+    backend,
+    call: Callable[[], Any],
+    rounds: int,
+    flush: Callable[[], None] | None,
+    lead: Callable[[], None] | None = None,
 ) -> list[float]:
     """Per-round seconds of `rounds` calls, each preceded by an untimed flush when one is given (and timed behind the
     device-side delay `lead` when one is given: queued timing)."""
