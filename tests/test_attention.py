@@ -191,7 +191,7 @@ def test_autograd_function_matches_forward_and_backward(impl, is_causal, seed):
     q, k, v = make_inputs((2, 2, 70, 32), (2, 2, 70, 32), torch.float32, impl_device(impl))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     do = torch.randn_like(q)
-    o = flash_attention(q, k, v, causal=is_causal, impl=impl)
+    o = flash_attention(q, k, v, is_causal=is_causal, impl=impl)
     grads = torch.autograd.grad(o, (q, k, v), do)
     expected = reference(q, k, v, do, is_causal)
     for name, actual, exp in zip(("o", "dq", "dk", "dv"), (o, *grads), (expected[0], *expected[2:]), strict=True):
@@ -225,7 +225,7 @@ def test_saves_no_score_matrix(impl, seed):
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        flash_attention(q, k, v, causal=True, impl=impl)
+        flash_attention(q, k, v, is_causal=True, impl=impl)
     assert saved and max(saved) <= q.numel()
 
 
@@ -268,7 +268,7 @@ def test_double_backward_is_refused(impl, is_causal, seed):
     q, k, v = make_inputs((1, 2, 20, 16), (1, 2, 20, 16), torch.float32, impl_device(impl))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     do = torch.randn_like(q)
-    o = flash_attention(q, k, v, causal=is_causal, impl=impl)
+    o = flash_attention(q, k, v, is_causal=is_causal, impl=impl)
     grads = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
     expected = reference(q, k, v, do, is_causal)
     for name, actual, exp in zip(("dq", "dk", "dv"), grads, expected[2:], strict=True):

@@ -21,12 +21,12 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
 
 
 def flash_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, impl: str = "triton"
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False, impl: str = "triton"
 ) -> torch.Tensor:
     """FlashAttention-2, differentiable: `impl="triton"` (CUDA, or the Triton interpreter) or `impl="torch"`."""
     if impl not in _FLASH:
         raise ValueError(f"unknown flash attention impl {impl!r}; choose one of: {', '.join(_FLASH)}")
-    return _FLASH[impl].apply(q, k, v, causal)
+    return _FLASH[impl].apply(q, k, v, is_causal)
 
 
 def _flash_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:
