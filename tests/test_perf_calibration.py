@@ -132,7 +132,7 @@ def test_calibrate_reruns_in_fresh_processes_and_the_next_compare_uses_it(pytest
     path = pytester.path / "baselines" / MACHINE / "calibration.json"
     result.stdout.fnmatch_lines([
         "lmsys perf: calibration run 1 of 2 done (exit 0)",
-        "lmsys perf: calibration run 2 of 2 done (exit 0)",
+        "lmsys perf: calibration run 2 of 2 done (exit 0); calibration.json holds these 2 runs",
         f"calibration of 1 benchmark(s) written to {path}",
         "  test_suite.py::test_a: eager median spread *% over 2 runs -> time tolerance *%",
     ])
@@ -150,6 +150,37 @@ def test_calibrate_reruns_in_fresh_processes_and_the_next_compare_uses_it(pytest
         f"*SLOWER: test_a median * (+*%, tolerance {tolerance * 100:.3g}% (calibrated from 2 runs)*",
     ])
     result.assert_outcomes(failed=1)
+
+
+# The third process of a calibration fails collection: the calibration stops, with the first two runs kept.
+FAILS_THIRD_SUITE = """
+import os
+from pathlib import Path
+
+count = Path("runs.txt")
+count.write_text(str(int(count.read_text()) + 1) if count.exists() else "1")
+if int(count.read_text()) > 3:  # the parent's own collection was the first
+    raise RuntimeError("a run that crashes")
+
+
+def test_a(gpu_benchmark, fake):
+    gpu_benchmark(fake.work(1.0, noise=0.01, seed=os.getpid(), memory=64 * 2**20))
+"""
+
+
+def test_a_calibration_stopped_partway_keeps_the_runs_it_finished(pytester, monkeypatch):
+    tests = Path(__file__).parent
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")]))
+    save_baseline(pytester, {"test_a": {"ms": 1.0}})
+    pytester.makepyfile(test_suite=FAILS_THIRD_SUITE)
+    result = run(pytester, "--benchmark-calibrate=5", "-p", "no:xdist")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stdout.fnmatch_lines(["lmsys perf: calibration run 2 of 5 done (exit 0); calibration.json holds these 2 runs"])
+    result.stderr.fnmatch_lines([
+        "*--benchmark-calibrate=5 stopped (the calibration file holds the first 2 runs): run 3 of 5 ended with exit*"
+    ])
+    entry = calibration.read(pytester.path / "baselines" / MACHINE)["test_suite.py::test_a"]
+    assert entry["runs"] == 2
 
 
 def test_calibrate_refuses_to_also_compare_or_save(pytester):

@@ -79,7 +79,7 @@ def test_main_reports_each_run_and_the_table_so_far_and_can_leave_out_the_aa_cas
     def fake_rerun(args, runs, cwd, env=None, timeout=None, progress=None, keep=None):
         calls.append(env)
         for index in range(runs):
-            progress(index, subprocess.CompletedProcess(args, 1))
+            progress(index, subprocess.CompletedProcess(args, 1), [])
         return [doc({"test_x": "SLOWER"})] * runs
 
     monkeypatch.setattr(detection.reruns, "rerun", fake_rerun)

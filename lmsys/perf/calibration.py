@@ -2,7 +2,7 @@
 
 Pure (no pytest, no torch). `pytest perf_tests --benchmark-calibrate=N` reruns the selected benchmarks N times in
 fresh processes (reruns.py); `noise` turns those runs' pytest-benchmark JSON into one entry per benchmark, and
-`merged`/`write` keep them in the GPU's baselines folder, next to its baselines:
+`update` merges them into the GPU's baselines folder, next to its baselines, after every run from the second on:
 
     baselines/NVIDIA_H100_80GB_HBM3/calibration.json
         {"machine_id": ..., "benchmarks": {fullname: {"runs": 20, "timing": "graph", "medians": [...],

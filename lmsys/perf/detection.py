@@ -89,11 +89,11 @@ def _markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines + ["| " + " | ".join(map(str, row)) + " |" for row in table.itertuples(index=False)])
 
 
-def _progress(column: str, runs: int) -> Callable[[int, subprocess.CompletedProcess], None]:
+def _progress(column: str, runs: int) -> Callable[[int, subprocess.CompletedProcess, list[dict]], None]:
     """Prints one line per finished run to stderr: the case, the run, its exit status and how long it took."""
     started = [time.monotonic()]
 
-    def report(index: int, done: subprocess.CompletedProcess) -> None:
+    def report(index: int, done: subprocess.CompletedProcess, docs: list[dict]) -> None:
         now = time.monotonic()
         print(f"  {column}: run {index + 1}/{runs} done, exit {done.returncode}, {now - started[0]:.0f} s",
               file=sys.stderr, flush=True)

@@ -428,19 +428,28 @@ def pytest_runtestloop(session):
         return None
     config = session.config
     reporter = config.pluginmanager.get_plugin("terminalreporter")
+    earlier = set(perf.calibration)
+    kept = []
 
-    def progress(index, done):
+    def progress(index, done, docs):
+        # From the second run on, the file holds the runs so far: a calibration stopped later (a timeout, Ctrl-C, a
+        # kill) keeps what it measured.
+        line = f"lmsys perf: calibration run {index + 1} of {perf.calibrate} done (exit {done.returncode})"
+        entries = calibration.noise(docs) if len(docs) >= calibration.MIN_RUNS else {}
+        if entries:
+            path = perf.write_calibration(entries)
+            kept[:] = [len(docs)]
+            line += f"; {path.name} holds these {len(docs)} runs"
         if reporter is not None:
-            reporter.write_line(
-                f"lmsys perf: calibration run {index + 1} of {perf.calibrate} done (exit {done.returncode})"
-            )
+            reporter.write_line(line)
 
     args = reruns.child_args(config.invocation_params.args, config.invocation_params.dir)
     try:
         docs = reruns.rerun(args, perf.calibrate, config.invocation_params.dir, progress=progress)
     except reruns.RerunError as exc:
-        raise pytest.UsageError(f"--benchmark-calibrate={perf.calibrate}: {exc}") from None
-    perf.record_calibration(calibration.noise(docs))
+        held = f"the calibration file holds the first {kept[0]} runs" if kept else "nothing was written"
+        raise pytest.UsageError(f"--benchmark-calibrate={perf.calibrate} stopped ({held}): {exc}") from None
+    perf.record_calibration(calibration.noise(docs), earlier)
     return True
 
 

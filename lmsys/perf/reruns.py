@@ -64,12 +64,13 @@ def rerun(
     cwd: Path,
     env: dict[str, str] | None = None,
     timeout: float = RUN_TIMEOUT,
-    progress: Callable[[int, subprocess.CompletedProcess], None] | None = None,
+    progress: Callable[[int, subprocess.CompletedProcess, list[dict]], None] | None = None,
     keep: Path | None = None,
 ) -> list[dict]:
     """Runs `python -m pytest ARGS --benchmark-json=...` `runs` times in cwd; returns each run's JSON document.
 
-    A run may fail tests (exit 1: a SLOWER verdict of an injected delay, say); any other exit status, a missing
+    `progress(index, completed process, the JSON documents so far)` is called after each run. A run may fail tests
+    (exit 1: a SLOWER verdict of an injected delay, say); any other exit status, a missing
     JSON or a timeout raises RerunError with the end of that run's output. With `keep` (a folder, created when
     missing) each run's JSON is also copied there as PREFIX-run-N.json, PREFIX the folder's name.
     """
@@ -96,5 +97,5 @@ def rerun(
                 keep.mkdir(parents=True, exist_ok=True)
                 shutil.copy(path, keep / f"{keep.name}-run-{index}.json")
             if progress is not None:
-                progress(index, done)
+                progress(index, done, docs)
     return docs

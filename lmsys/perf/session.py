@@ -264,10 +264,16 @@ class PerfSession:
                 self.notes.append(text)
                 bench_session.config.issue_config_time_warning(PerfWarning(text), stacklevel=2)
 
-    def record_calibration(self, entries: dict[str, dict]) -> None:
-        """Merges a calibration's entries into the GPU's calibration file and notes what was written and replaced."""
-        path, everything, replaced = calibration.update(self.folder, self.machine_id, entries)
-        self.calibration = everything
+    def write_calibration(self, entries: dict[str, dict]) -> Path:
+        """Merges a calibration's entries into the GPU's calibration file (atomically); returns its path."""
+        path, self.calibration, _ = calibration.update(self.folder, self.machine_id, entries)
+        return path
+
+    def record_calibration(self, entries: dict[str, dict], earlier: set[str]) -> None:
+        """Writes a calibration's entries and notes what was written and which of the `earlier` entries (those in
+        the file before this calibration began) it replaced."""
+        path = self.write_calibration(entries)
+        replaced = sorted(set(entries) & earlier)
         self.notes.append(f"calibration of {len(entries)} benchmark(s) written to {path}")
         if replaced:
             self.notes.append(f"it replaced the earlier calibration of: {', '.join(replaced)}")
