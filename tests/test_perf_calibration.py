@@ -122,12 +122,17 @@ def test_a(gpu_benchmark, fake):
 """
 
 
-def test_calibrate_reruns_in_fresh_processes_and_the_next_compare_uses_it(pytester, monkeypatch):
+def calibrate(pytester, monkeypatch, suite: str, runs: int):
+    """Runs --benchmark-calibrate=runs over `suite` (its reruns import the fakes and lmsys through PYTHONPATH)."""
     tests = Path(__file__).parent
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")]))
     save_baseline(pytester, {"test_a": {"ms": 1.0}})
-    pytester.makepyfile(test_suite=NOISY_SUITE)
-    result = run(pytester, "--benchmark-calibrate=2", "-p", "no:xdist")
+    pytester.makepyfile(test_suite=suite)
+    return run(pytester, f"--benchmark-calibrate={runs}", "-p", "no:xdist")
+
+
+def test_calibrate_reruns_in_fresh_processes_and_the_next_compare_uses_it(pytester, monkeypatch):
+    result = calibrate(pytester, monkeypatch, NOISY_SUITE, 2)
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
     path = pytester.path / "baselines" / MACHINE / "calibration.json"
     result.stdout.fnmatch_lines([
@@ -169,11 +174,7 @@ def test_a(gpu_benchmark, fake):
 
 
 def test_a_calibration_stopped_partway_keeps_the_runs_it_finished(pytester, monkeypatch):
-    tests = Path(__file__).parent
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")]))
-    save_baseline(pytester, {"test_a": {"ms": 1.0}})
-    pytester.makepyfile(test_suite=FAILS_THIRD_SUITE)
-    result = run(pytester, "--benchmark-calibrate=5", "-p", "no:xdist")
+    result = calibrate(pytester, monkeypatch, FAILS_THIRD_SUITE, 5)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stdout.fnmatch_lines(["lmsys perf: calibration run 2 of 5 done (exit 0); calibration.json holds these 2 runs"])
     result.stderr.fnmatch_lines([
