@@ -13,8 +13,8 @@ benchmark's time (device time, no CPU launch cost), the eager rounds its eager t
 GPU the call is timed queued instead: each round starts with a device-side sleep longer than the CPU takes to queue
 the whole call (LEAD_FACTOR times an eager round's wall time), so the device runs the call's kernels back to back
 and the span between the events is the device's time again, as long as the call does not wait for the device
-(a read-back) and queues fewer launches than the driver's queue holds (about a thousand). On the CPU, and for a
-benchmark without graph=True, the eager rounds are the benchmark's time.
+(a read-back) and its launches fit in the driver's launch queue. On the CPU, and for a benchmark without
+graph=True, the eager rounds are the benchmark's time.
 """
 
 import gc
