@@ -115,8 +115,8 @@ def test_memory_with_delays_counts_each_delay_run_for_its_delay_and_for_the_allo
     assert detection.main(argv) == 0
     assert [(env[detection.INJECT_DELAY], env[detection.INJECT_MEMORY], keep) for env, keep in calls] == [
         ("0", "0", Path("runs/aa")),
-        ("0.03", "1048576", Path("runs/delay-3")),
-        ("0.05", "1048576", Path("runs/delay-5")),
+        ("0.03", "1048576", Path("runs/delay-0.03")),
+        ("0.05", "1048576", Path("runs/delay-0.05")),
     ]
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["benchmark", "A/A", "false", "alarms", "+3%", "caught", "+5%", "caught", "+1", "MiB",

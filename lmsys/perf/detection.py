@@ -67,14 +67,6 @@ def tally(cases: list[tuple[str, list[dict], Callable[[str | None], bool]]]) -> 
     return pd.DataFrame(rows, columns=["benchmark", *columns])
 
 
-def _case_folder(keep: Path | None, column: str) -> Path | None:
-    """Where a case's run JSONs are kept: DIR/aa, DIR/delay-5, DIR/memory-1MiB (None without --keep)."""
-    if keep is None:
-        return None
-    name = "aa" if column.startswith("A/A") else column.removeprefix("+").removesuffix(" caught").replace(" ", "")
-    return keep / (name if name == "aa" else ("delay-" if name.endswith("%") else "memory-") + name.rstrip("%"))
-
-
 def _with_memory(results: list, held: dict) -> pd.DataFrame:
     """The table of the cases run, plus (with --memory-with-delays) the allocation's column over all delay runs."""
     if not held:
@@ -133,8 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=reruns.RUN_TIMEOUT, help="seconds per run")
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
     parser.add_argument("--keep", type=Path, metavar="DIR",
-                        help="keep every run's pytest-benchmark JSON, in DIR/<case>/ (medians, memory, machine "
-                        "readings)")
+                        help="keep every run's pytest-benchmark JSON (medians, memory, machine readings) in "
+                        "DIR/<case>: aa, delay-0.05, memory-1048576")
     parser.add_argument("pytest_args", nargs="+", help="what to run, after --: test paths, -k, options")
     args = parser.parse_args(argv)
     if args.memory_with_delays and not (args.inject and len(args.inject_memory) == 1):
@@ -148,18 +140,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             compare = [f"--benchmark-storage={args.storage}", f"--benchmark-compare={args.baseline}"]
         else:
             compare = _reference(args.pytest_args, Path(folder), args.storage, args.timeout)
-        cases = [] if args.no_aa else [("A/A false alarms", UNCHANGED, failed)]
+        # (column, folder of its kept runs, environment, the verdicts it counts)
+        cases = [] if args.no_aa else [("A/A false alarms", "aa", UNCHANGED, failed)]
         held = {INJECT_MEMORY: str(args.inject_memory[0])} if args.memory_with_delays else {}
-        cases += [(f"+{delay:.0%} caught", {**UNCHANGED, INJECT_DELAY: str(delay), **held}, slower if held else failed)
-                  for delay in args.inject]
+        cases += [(f"+{delay:.0%} caught", f"delay-{delay:g}", {**UNCHANGED, INJECT_DELAY: str(delay), **held},
+                   slower if held else failed) for delay in args.inject]
         if not held:
-            cases += [(f"+{format_bytes(n)} caught", {**UNCHANGED, INJECT_MEMORY: str(n)}, more_memory)
+            cases += [(f"+{format_bytes(n)} caught", f"memory-{n}", {**UNCHANGED, INJECT_MEMORY: str(n)}, more_memory)
                       for n in args.inject_memory]
         results = []
-        for column, env, counted in cases:
+        for column, name, env, counted in cases:
             print(f"{args.runs} runs: {column} ...", file=sys.stderr, flush=True)
             docs = reruns.rerun([*args.pytest_args, *compare], args.runs, Path.cwd(), env=env, timeout=args.timeout,
-                                progress=_progress(column, args.runs), keep=_case_folder(args.keep, column))
+                                progress=_progress(column, args.runs), keep=None if args.keep is None else args.keep / name)
             results.append((column, docs, counted))
             if len(results) < len(cases):  # what is measured so far, in case the rest never finishes
                 print(_with_memory(results, held).to_string(index=False), file=sys.stderr, flush=True)

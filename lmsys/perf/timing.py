@@ -125,7 +125,7 @@ def time_rounds(
     for _ in range(rounds):
         if flush is not None:
             flush()
-        samples.append(backend.time_call(call) if lead is None else backend.time_call(call, lead=lead))
+        samples.append(backend.time_call(call, lead))
     return samples
 
 
