@@ -151,8 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = []
         for column, name, env, counted in cases:
             print(f"{args.runs} runs: {column} ...", file=sys.stderr, flush=True)
+            kept = None if args.keep is None else args.keep / name
             docs = reruns.rerun([*args.pytest_args, *compare], args.runs, Path.cwd(), env=env, timeout=args.timeout,
-                                progress=_progress(column, args.runs), keep=None if args.keep is None else args.keep / name)
+                                progress=_progress(column, args.runs), keep=kept)
             results.append((column, docs, counted))
             if len(results) < len(cases):  # what is measured so far, in case the rest never finishes
                 print(_with_memory(results, held).to_string(index=False), file=sys.stderr, flush=True)
