@@ -199,3 +199,7 @@ def test_reruns_are_fresh_processes_whose_json_is_returned_and_kept_when_asked(t
                         keep=tmp_path / "kept")
     assert [len(doc["benchmarks"]) for doc in docs] == [1, 1]
     assert sorted(path.name for path in (tmp_path / "kept").iterdir()) == ["kept-run-0.json", "kept-run-1.json"]
+    seen = []
+    reruns.rerun(["-q", "-p", "no:cacheprovider", "-p", "no:lmsys_perf", "test_one.py"], 1, tmp_path,
+                 keep=tmp_path / "kept", first=2, progress=lambda index, done, docs: seen.append(index))
+    assert seen == [2] and (tmp_path / "kept" / "kept-run-2.json").exists()  # a series run in parts: numbered on

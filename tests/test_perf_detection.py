@@ -33,7 +33,7 @@ def test_main_saves_a_reference_then_reruns_each_case_with_the_delay(monkeypatch
     monkeypatch.chdir(tmp_path)
     calls = []
 
-    def fake_rerun(args, runs, cwd, env=None, timeout=None, progress=None, keep=None):
+    def fake_rerun(args, runs, cwd, env=None, timeout=None, progress=None, keep=None, first=0):
         calls.append((list(args), runs, env))
         if any(arg.startswith("--benchmark-save=") for arg in args):
             storage = Path(next(a for a in args if a.startswith("--benchmark-storage=")).split("=", 1)[1])
@@ -53,9 +53,12 @@ def test_main_saves_a_reference_then_reruns_each_case_with_the_delay(monkeypatch
     out = capsys.readouterr().out
     assert "benchmark A/A false alarms +5% caught +1 MiB caught" in out
     assert "   test_x              0/3        3/3           0/3" in out
-    reference, aa, injected, allocated = calls
+    reference, *rounds = calls
     assert reference[0][:3] == ["perf_tests", "-k", "x"] and reference[1] == 1
-    assert aa[0][-1] == "--benchmark-compare" and aa[1] == 3
+    assert len(rounds) == 9 and all(runs == 1 for _, runs, _ in rounds)  # the cases take turns, a run each
+    aa, injected, allocated = rounds[:3]
+    assert rounds[3:6] == rounds[:3]
+    assert aa[0][-1] == "--benchmark-compare"
     assert aa[2] == {detection.INJECT_DELAY: "0", detection.INJECT_MEMORY: "0"}
     assert injected[2] == {detection.INJECT_DELAY: "0.05", detection.INJECT_MEMORY: "0"}
     assert allocated[2] == {detection.INJECT_DELAY: "0", detection.INJECT_MEMORY: "1048576"}
@@ -63,7 +66,7 @@ def test_main_saves_a_reference_then_reruns_each_case_with_the_delay(monkeypatch
 
 def test_main_compares_with_a_named_baseline_when_asked(monkeypatch, capsys):
     calls = []
-    def fake_rerun(args, runs, cwd, env=None, timeout=None, progress=None, keep=None):
+    def fake_rerun(args, runs, cwd, env=None, timeout=None, progress=None, keep=None, first=0):
         calls.append(args)
         return [doc({"test_x": "PASS"})] * runs
 
@@ -71,26 +74,29 @@ def test_main_compares_with_a_named_baseline_when_asked(monkeypatch, capsys):
     assert detection.main(["--runs", "2", "--inject", "0.1", "--baseline", "7", "--markdown", "--", "perf_tests"]) == 0
     assert calls[0][-2:] == ["--benchmark-storage=baselines", "--benchmark-compare=7"]
     assert "| test_x | 0/2 | 0/2 |" in capsys.readouterr().out
+    calls.clear()
+    assert detection.main(["--runs", "1", "--baseline", "newest", "--", "perf_tests"]) == 0
+    assert calls[0][-2:] == ["--benchmark-storage=baselines", "--benchmark-compare"]  # newest file per benchmark
 
 
-def test_main_reports_each_run_and_the_table_so_far_and_can_leave_out_the_aa_case(monkeypatch, capsys):
+def test_main_reports_each_run_and_the_table_after_each_round_and_can_leave_out_the_aa_case(monkeypatch, capsys):
     calls = []
 
-    def fake_rerun(args, runs, cwd, env=None, timeout=None, progress=None, keep=None):
-        calls.append(env)
-        for index in range(runs):
+    def fake_rerun(args, runs, cwd, env=None, timeout=None, progress=None, keep=None, first=0):
+        calls.append((env[detection.INJECT_DELAY], first))
+        for index in range(first, first + runs):
             progress(index, subprocess.CompletedProcess(args, 1), [])
-        return [doc({"test_x": "SLOWER"})] * runs
+        return [doc({"test_x": "SLOWER" if env[detection.INJECT_DELAY] == "0.05" or first == 0 else "PASS"})] * runs
 
     monkeypatch.setattr(detection.reruns, "rerun", fake_rerun)
     argv = ["--no-aa", "--runs", "2", "--inject", "0.03", "0.05", "--baseline", "7", "--", "perf_tests"]
     assert detection.main(argv) == 0
-    assert [env[detection.INJECT_DELAY] for env in calls] == ["0.03", "0.05"]  # no unchanged case
+    assert calls == [("0.03", 0), ("0.05", 0), ("0.03", 1), ("0.05", 1)]  # no unchanged case; rounds of both
     err = capsys.readouterr().err
     assert "+3% caught: run 2/2 done, exit 1" in err
-    partial = err.split("2 runs: +5% caught")[0].splitlines()  # the +3% column alone, before the +5% case ran
-    assert [line.split() for line in partial[-3:]] == [
-        ["benchmark", "+3%", "caught"], ["test_x", "2/2"], ["all", "2/2"]
+    partial = err.split("after 1 of 2 rounds:")[1].splitlines()  # both columns after the first round
+    assert [line.split() for line in partial[1:4]] == [
+        ["benchmark", "+3%", "caught", "+5%", "caught"], ["test_x", "1/1", "1/1"], ["all", "1/1", "1/1"]
     ]
 
 
@@ -103,7 +109,7 @@ def test_no_aa_without_an_injection_is_a_usage_error(capsys):
 def test_memory_with_delays_counts_each_delay_run_for_its_delay_and_for_the_allocation(monkeypatch, capsys):
     calls = []
 
-    def fake_rerun(args, runs, cwd, env=None, timeout=None, progress=None, keep=None):
+    def fake_rerun(args, runs, cwd, env=None, timeout=None, progress=None, keep=None, first=0):
         calls.append((env, keep))
         # A held allocation shows as MORE-MEMORY; only SLOWER counts as a caught delay.
         delayed = "SLOWER+MORE-MEMORY" if float(env[detection.INJECT_DELAY]) >= 0.05 else "MORE-MEMORY"
@@ -117,7 +123,7 @@ def test_memory_with_delays_counts_each_delay_run_for_its_delay_and_for_the_allo
         ("0", "0", Path("runs/aa")),
         ("0.03", "1048576", Path("runs/delay-0.03")),
         ("0.05", "1048576", Path("runs/delay-0.05")),
-    ]
+    ] * 2
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["benchmark", "A/A", "false", "alarms", "+3%", "caught", "+5%", "caught", "+1", "MiB",
                               "caught"]

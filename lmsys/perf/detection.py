@@ -4,8 +4,11 @@ it catches a device-side delay (or an allocation) of a chosen size injected into
     python -m lmsys.perf.detection --runs 20 --inject 0.03 0.05 --inject-memory 1048576 -- perf_tests -k anchors
 
 Each rerun is a fresh pytest process (reruns.py) comparing with a reference: --baseline NUM names one of this
-GPU's baselines, otherwise a first run saves a fresh reference into a temporary storage (with a copy of the GPU's
-calibration.json, so calibrated tolerances apply). LMSYS_INJECT_DELAY=f makes every benchmarked call queue a
+GPU's baselines, --baseline newest compares as a user's --benchmark-compare does (each benchmark with the newest
+baseline that has it), otherwise a first run saves a fresh reference into a temporary storage (with a copy of the
+GPU's calibration.json, so calibrated tolerances apply). The cases take turns (a round is one run of each), so a
+drift of the machine over the measurement (warming up, another start) falls on every case alike, and a measurement
+stopped partway has as many runs of each case. LMSYS_INJECT_DELAY=f makes every benchmarked call queue a
 device-side delay of f times its own time (torch.cuda._sleep, calibrated to the GPU's clock), LMSYS_INJECT_MEMORY=B
 hold B more bytes on the device while it runs. The table counts, per benchmark and over all, the failing verdicts
 of the A/A runs, the caught delays of each size (any failing verdict) and the caught allocations (MORE-MEMORY).
@@ -83,13 +86,11 @@ def _markdown(table: pd.DataFrame) -> str:
 
 def _progress(column: str, runs: int) -> Callable[[int, subprocess.CompletedProcess, list[dict]], None]:
     """Prints one line per finished run to stderr: the case, the run, its exit status and how long it took."""
-    started = [time.monotonic()]
+    started = time.monotonic()
 
     def report(index: int, done: subprocess.CompletedProcess, docs: list[dict]) -> None:
-        now = time.monotonic()
-        print(f"  {column}: run {index + 1}/{runs} done, exit {done.returncode}, {now - started[0]:.0f} s",
+        print(f"  {column}: run {index + 1}/{runs} done, exit {done.returncode}, {time.monotonic() - started:.0f} s",
               file=sys.stderr, flush=True)
-        started[0] = now
 
     return report
 
@@ -118,8 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--memory-with-delays", action="store_true",
                         help="hold the --inject-memory allocation in the runs of each delay instead of runs of their "
                         "own: a run then counts for both columns (a delay caught: SLOWER; an allocation: MORE-MEMORY)")
-    parser.add_argument("--baseline", help="compare with this baseline of the GPU (--benchmark-compare=VALUE) "
-                        "instead of a fresh reference")
+    parser.add_argument("--baseline", help="compare with this baseline of the GPU (--benchmark-compare=VALUE), or "
+                        "with 'newest': each benchmark's newest baseline, instead of a fresh reference")
     parser.add_argument("--storage", type=Path, default=Path("baselines"),
                         help="the baselines folder, for --baseline and the calibration (default: baselines)")
     parser.add_argument("--timeout", type=float, default=reruns.RUN_TIMEOUT, help="seconds per run")
@@ -136,7 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.runs < 1 or any(not 0 < delay <= 10 for delay in args.inject) or any(n < 1 for n in args.inject_memory):
         parser.error("--runs must be at least 1, --inject fractions in (0, 10] and --inject-memory positive")
     with tempfile.TemporaryDirectory(prefix="lmsys-detection-") as folder:
-        if args.baseline:
+        if args.baseline == "newest":
+            compare = [f"--benchmark-storage={args.storage}", "--benchmark-compare"]
+        elif args.baseline:
             compare = [f"--benchmark-storage={args.storage}", f"--benchmark-compare={args.baseline}"]
         else:
             compare = _reference(args.pytest_args, Path(folder), args.storage, args.timeout)
@@ -148,14 +151,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not held:
             cases += [(f"+{format_bytes(n)} caught", f"memory-{n}", {**UNCHANGED, INJECT_MEMORY: str(n)}, more_memory)
                       for n in args.inject_memory]
-        results = []
-        for column, name, env, counted in cases:
-            print(f"{args.runs} runs: {column} ...", file=sys.stderr, flush=True)
-            kept = None if args.keep is None else args.keep / name
-            docs = reruns.rerun([*args.pytest_args, *compare], args.runs, Path.cwd(), env=env, timeout=args.timeout,
-                                progress=_progress(column, args.runs), keep=kept)
-            results.append((column, docs, counted))
-            if len(results) < len(cases):  # what is measured so far, in case the rest never finishes
+        docs: dict[str, list[dict]] = {name: [] for _, name, _, _ in cases}
+        print(f"{args.runs} rounds of: {', '.join(column for column, _, _, _ in cases)}", file=sys.stderr, flush=True)
+        for index in range(args.runs):  # a round: one run of each case
+            for column, name, env, _ in cases:
+                kept = None if args.keep is None else args.keep / name
+                docs[name] += reruns.rerun([*args.pytest_args, *compare], 1, Path.cwd(), env=env,
+                                           timeout=args.timeout, progress=_progress(column, args.runs), keep=kept,
+                                           first=index)
+            results = [(column, docs[name], counted) for column, name, _, counted in cases]
+            if index + 1 < args.runs:  # what is measured so far, in case the rest never finishes
+                print(f"after {index + 1} of {args.runs} rounds:", file=sys.stderr)
                 print(_with_memory(results, held).to_string(index=False), file=sys.stderr, flush=True)
     table = _with_memory(results, held)
     print(_markdown(table) if args.markdown else table.to_string(index=False))

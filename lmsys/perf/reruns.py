@@ -66,18 +66,21 @@ def rerun(
     timeout: float = RUN_TIMEOUT,
     progress: Callable[[int, subprocess.CompletedProcess, list[dict]], None] | None = None,
     keep: Path | None = None,
+    first: int = 0,
 ) -> list[dict]:
     """Runs `python -m pytest ARGS --benchmark-json=...` `runs` times in cwd; returns each run's JSON document.
 
     `progress(index, completed process, the JSON documents so far)` is called after each run. A run may fail tests
     (exit 1: a SLOWER verdict of an injected delay, say); any other exit status, a missing
     JSON or a timeout raises RerunError with the end of that run's output. With `keep` (a folder, created when
-    missing) each run's JSON is also copied there as PREFIX-run-N.json, PREFIX the folder's name.
+    missing) each run's JSON is also copied there as PREFIX-run-N.json, PREFIX the folder's name. The runs are
+    numbered from `first` (in `progress`, the kept files and the errors), for a caller that runs a series in parts.
     """
     docs = []
     with tempfile.TemporaryDirectory(prefix="lmsys-reruns-") as folder:
-        for index in range(runs):
+        for index in range(first, first + runs):
             path = Path(folder) / f"run-{index}.json"
+            label = f"run {index + 1}" + (f" of {runs}" if first == 0 else "")
             command = [sys.executable, "-m", "pytest", *args, f"--benchmark-json={path}"]
             try:
                 done = subprocess.run(
@@ -85,11 +88,11 @@ def rerun(
                     timeout=timeout,
                 )
             except subprocess.TimeoutExpired:
-                raise RerunError(f"run {index + 1} of {runs} took more than {timeout:.0f} s: {' '.join(command)}")
+                raise RerunError(f"{label} took more than {timeout:.0f} s: {' '.join(command)}")
             if done.returncode not in (0, 1) or not path.exists():
                 tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
                 raise RerunError(
-                    f"run {index + 1} of {runs} ended with exit status {done.returncode} "
+                    f"{label} ended with exit status {done.returncode} "
                     f"({' '.join(command)}):\n{tail}"
                 )
             docs.append(json.loads(path.read_text(encoding="utf-8")))
