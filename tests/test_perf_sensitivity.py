@@ -42,9 +42,12 @@ def test_graph_mode_times_replays_and_keeps_the_eager_time(pytester):
 def test_graph_mode_judges_device_time_and_eager_time_separately(pytester, now, outcome, line):
     save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": 2.0, "noise": 0.01, "call": ", graph=True"}})
     write_suite(pytester, {"test_a": {**now, "call": ", graph=True"}}, seed=2)
-    result = run(pytester, "--benchmark-compare")
+    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
     result.assert_outcomes(**{outcome: 1})
     result.stdout.fnmatch_lines([line])
+    info = bench_json(pytester)["test_a"]["extra_info"]  # the JSON says what the eager verdict was judged on
+    assert info["eager_change"] == pytest.approx((now["ms"] + now["launch_ms"]) / 3.0 - 1, abs=0.02)
+    assert (info["eager_tolerance"], info["eager_tolerance_source"]) == (0.15, "default")
 
 
 @pytest.mark.parametrize("timing", ["graph", "queued"])

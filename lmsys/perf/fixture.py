@@ -297,6 +297,9 @@ class GpuBenchmark:
             bench.extra_info["verdict"] = verdict.label
             if verdict.time is not None:
                 bench.extra_info["time_change"] = verdict.time.change
+            if verdict.eager is not None:  # what a SLOWER-EAGER (or an IMPROVED of the launch cost) was judged on
+                bench.extra_info.update(eager_change=verdict.eager.change, eager_tolerance=verdict.eager.tolerance,
+                                        eager_tolerance_source=verdict.eager.source)
         session.records.append(record)
         self._node.stash[RECORD_KEY] = record
 
