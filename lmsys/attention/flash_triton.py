@@ -21,14 +21,14 @@ On Hopper, 16-bit inputs with head dim 128 and lengths that are multiples of 128
 lmsys.attention.flash_hopper instead (FA3's pipeline, which Triton's compiler does not produce); the backward is
 the same for every input.
 
-Tuning: tile sizes, warps and pipeline depth are autotuned per (length rounded up to a power of two, head dim,
-causal, dtype); the forward may load its tiles through tensor descriptors (TMA on Hopper) instead of pointers,
-whichever is faster. The choice is kept in triton's on-disk cache (``cache_results``; its key holds the kernel's
-source, the configs, triton's version and the GPU's architecture), so later processes take the same config without
-timing them again: the perf gate then compares one config's time across runs, not the autotuner's pick among
-configs a few percent apart. Under ``torch.compile`` the wrappers are ``torch.library`` custom ops, opaque to the compiler;
-eager calls skip the custom-op dispatch. Any sequence length works: boundary masks are compiled in only when a
-length is not a multiple of the tile (``EVEN_*`` heuristics). Any head dim up to 128 works (the 2.7B model's is 80): tiles are BLOCK_D wide,
+Tuning: tile sizes, warps and pipeline depth are autotuned per (length rounded up to a power of two, head dim, causal,
+dtype); the forward may load its tiles through tensor descriptors (TMA on Hopper) instead of pointers, whichever is
+faster. The choice is kept in triton's on-disk cache (``cache_results``; its key holds the kernel's source, the
+configs, triton's version and the GPU's architecture), so later processes take the same config without timing them
+again: the perf gate then compares one config's time across runs, not the autotuner's pick among configs a few percent
+apart. Under ``torch.compile`` the wrappers are ``torch.library`` custom ops, opaque to the compiler; eager calls skip
+the custom-op dispatch. Any sequence length works: boundary masks are compiled in only when a length is not a multiple
+of the tile (``EVEN_*`` heuristics). Any head dim up to 128 works (the 2.7B model's is 80): tiles are BLOCK_D wide,
 the head dim rounded up to a power of two (at least 16), and the padding columns load as zeros, which leaves every
 product over the head dim unchanged, and are never stored; a power-of-two head dim compiles without those masks.
 With ``TRITON_INTERPRET=1`` the same kernels run on the CPU (small shapes, for tests).
