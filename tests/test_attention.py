@@ -7,12 +7,12 @@ CUDA under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1) on
 float16 only: the interpreter's `tl.dot` does not support bfloat16 (triton-lang/triton#11584).
 """
 
+import dataclasses
+import inspect
 import math
 import os
 import subprocess
 import sys
-
-import inspect
 
 import pytest
 import torch
@@ -31,9 +31,11 @@ from lmsys.attention import (
     flash_hopper,
     flash_torch,
     flash_triton,
+    launcher,
     naive_attention,
 )
 from lmsys.attention.checks import check_inputs
+from lmsys.model import ModelConfig, TransformerLM
 
 # The Triton interpreter (triton 3.6) converts one-element arrays to scalars in a way NumPy deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
@@ -462,9 +464,11 @@ def _config_id(config):
 
 
 def _force_config(monkeypatch, kernel, config):
-    """Make the autotuned `kernel` run `config` alone (a single config is launched without tuning or pruning)."""
+    """Make the autotuned `kernel` run `config` alone (a single config is launched without tuning or pruning), and
+    forget the launches the launcher kept (they hold the configs chosen before)."""
     monkeypatch.setattr(kernel, "configs", [config])
     monkeypatch.setattr(kernel, "cache", {})
+    monkeypatch.setattr(launcher, "_launches", {})
 
 
 # Ragged lengths, causal and not, 3-D and 4-D: every boundary mask variant of a kernel.
@@ -541,22 +545,37 @@ def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, tmp_path)
     assert "STACK:0 " in usage and "LOCAL:0" in usage, usage
 
 
+def _packed_qkv(batch, heads, n, d, dtype, device):
+    """q, k, v as the model makes them: (batch, heads, n, d) views of one (batch, n, 3, heads, d) projection."""
+    qkv = torch.randn(batch, n, 3, heads, d, dtype=dtype, device=device)
+    return qkv.permute(2, 0, 3, 1, 4).unbind(0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
-    "q_shape, k_shape, is_causal",
+    "q_shape, k_shape, is_causal, layout",
     [
-        ((2, 3, 1024, 128), (2, 3, 1024, 128), True),
-        ((2, 3, 1024, 128), (2, 3, 1024, 128), False),
-        ((3, 128, 128), (3, 128, 128), True),
-        ((1, 2, 256, 128), (1, 2, 640, 128), False),
+        ((2, 3, 1024, 128), (2, 3, 1024, 128), True, "contiguous"),
+        ((2, 3, 1024, 128), (2, 3, 1024, 128), False, "contiguous"),
+        ((3, 128, 128), (3, 128, 128), True, "contiguous"),
+        ((1, 2, 256, 128), (1, 2, 640, 128), False, "contiguous"),
+        ((2, 3, 1024, 128), (2, 3, 1024, 128), True, "transposed"),
+        ((1, 2, 256, 128), (1, 2, 640, 128), False, "transposed"),
+        ((3, 384, 128), (3, 384, 128), True, "transposed"),
+        ((2, 3, 512, 128), (2, 3, 512, 128), True, "packed"),
     ],
 )
-def test_hopper_forward_gpu(gpu, q_shape, k_shape, is_causal, dtype, seed):
-    """The Gluon forward (and the Triton backward after it) against float64, on inputs it takes."""
+def test_hopper_forward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, seed):
+    """The Gluon forward (and the Triton backward after it) against float64, on inputs it takes: contiguous, the
+    (B, H, T, D) views of (B, T, H, D) tensors, and the model's q, k, v split off one packed projection."""
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon forward is for Hopper (compute capability 9.0)")
-    q, k, v = make_inputs(q_shape, k_shape, dtype, gpu)
+    if layout == "packed":
+        q, k, v = _packed_qkv(q_shape[0], q_shape[1], q_shape[2], q_shape[3], dtype, gpu)
+    else:
+        q = _strided(q_shape, layout, dtype, gpu)
+        k, v = (_strided(k_shape, layout, dtype, gpu) for _ in range(2))
     assert flash_hopper.applies(q, k, v)
     check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
 
@@ -566,11 +585,12 @@ def test_hopper_forward_gpu(gpu, q_shape, k_shape, is_causal, dtype, seed):
     "why, make",
     [
         ("ragged length", lambda gpu: make_inputs((1, 2, 1000, 128), (1, 2, 1000, 128), torch.bfloat16, gpu)),
-        ("head dim 64", lambda gpu: make_inputs((1, 2, 1024, 64), (1, 2, 1024, 64), torch.bfloat16, gpu)),
         ("head dim 80", lambda gpu: make_inputs((1, 2, 1024, 80), (1, 2, 1024, 80), torch.bfloat16, gpu)),
         ("fp32", lambda gpu: make_inputs((1, 2, 1024, 128), (1, 2, 1024, 128), torch.float32, gpu)),
-        ("not contiguous", lambda gpu: tuple(
-            x.transpose(1, 2) for x in make_inputs((1, 1024, 2, 128), (1, 1024, 2, 128), torch.bfloat16, gpu))),
+        ("head dim not unit-stride", lambda gpu: tuple(
+            x.transpose(-1, -2) for x in make_inputs((1, 2, 128, 1024), (1, 2, 128, 1024), torch.bfloat16, gpu))),
+        ("batches apart", lambda gpu: tuple(torch.randn(2, 3, 1024, 128, dtype=torch.bfloat16, device=gpu)[:, :2]
+                                            for _ in range(3))),
     ],
 )
 def test_hopper_forward_declines_what_it_does_not_take(gpu, why, make):
@@ -578,60 +598,120 @@ def test_hopper_forward_declines_what_it_does_not_take(gpu, why, make):
     assert not flash_hopper.applies(q, k, v), why
 
 
-class _TunedForEveryKey(dict):
-    """An autotuner cache that has `config` for every key (the interpreter has one config and never tunes)."""
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        (lambda: torch.empty(2, 3, 256, 128), ((2 * 3 * 256, 128), 128, 3 * 256, 256, 0)),
+        (lambda: torch.empty(2, 256, 128), ((2 * 256, 128), 128, 256, 256, 0)),
+        (lambda: torch.empty(2, 256, 3, 128).transpose(1, 2), ((2 * 256, 3 * 128), 3 * 128, 256, 0, 128)),
+        (lambda: _packed_qkv(2, 3, 256, 128, torch.float32, "cpu")[2], ((2 * 256, 3 * 128), 9 * 128, 256, 0, 128)),
+        (lambda: torch.empty(2, 3, 256, 256)[..., :128], ((2 * 3 * 256, 128), 256, 3 * 256, 256, 0)),
+        (lambda: torch.empty(2, 4, 256, 128)[:, :3], None),  # batches 4 heads apart, not 3
+        (lambda: torch.empty(2, 3, 128, 256).transpose(-1, -2), None),  # the head dim is not unit-stride
+        (lambda: torch.empty(1, 1, 256, 130)[..., 1:129], None),  # 4 bytes off a 16-byte boundary
+    ],
+    ids=["contiguous", "3-D", "transposed", "packed-v", "padded-rows", "batches-apart", "strided-d", "misaligned"],
+)
+def test_hopper_view_of_each_layout(make, expected):
+    """The 2-D view the Gluon forward's descriptors span, and where each head starts in it (rows of batch b, head h
+    from row b * RB + h * RH, columns from h * CH)."""
+    assert flash_hopper._view(make()) == expected
 
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
 
-    def get(self, key, default=None):
-        return self.config
+@pytest.mark.gpu
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_model_attention_runs_the_hopper_forward(gpu, train, monkeypatch, seed):
+    """The model's heads (q and k out of RoPE, v a view of the packed projection) take the Gluon forward, and the
+    model's logits and gradients match those of the same model with SDPA."""
+    if torch.cuda.get_device_capability(gpu) != (9, 0):
+        pytest.skip("the Gluon forward is for Hopper (compute capability 9.0)")
+    calls = []
+    hopper_forward = flash_hopper.forward
+    monkeypatch.setattr(flash_hopper, "forward", lambda *a: calls.append(a) or hopper_forward(*a))
+    config = ModelConfig(vocab_size=512, context_length=256, d_model=256, num_layers=2, num_heads=2, d_ff=512,
+                         attention="flash_triton")
+    ours = TransformerLM(config).to(gpu, torch.bfloat16)
+    reference = TransformerLM(dataclasses.replace(config, attention="sdpa")).to(gpu, torch.bfloat16)
+    reference.load_state_dict(ours.state_dict())
+    tokens = torch.randint(0, config.vocab_size, (2, 256), device=gpu)
+    with torch.set_grad_enabled(train):
+        logits = ours(tokens)
+        expected = reference(tokens)
+    assert len(calls) == config.num_layers
+    q, k, v = calls[0][:3]
+    assert not v.is_contiguous()  # the model's v is a view of the packed projection, taken as it is
+    torch.testing.assert_close(logits.float(), expected.float(), atol=0.05, rtol=0.05)
+    if train:
+        logits.float().square().mean().backward()
+        expected.float().square().mean().backward()
+        for (name, a), b in zip(ours.named_parameters(), reference.parameters(), strict=True):
+            error = (a.grad.float() - b.grad.float()).norm() / b.grad.float().norm()
+            assert error < 0.05, f"{name}: gradient {error:.3f} off SDPA's (relative to its norm)"
+
+
+def _flat(source):
+    return " ".join(source.split())
 
 
 @pytest.mark.parametrize("kernel_name", ["_flash_fwd_kernel", "_flash_bwd_kernel"])
-def test_triton_still_has_the_layout_the_fast_launch_relies_on(kernel_name):
-    """_launch reaches past triton's wrappers: autotuner (`.cache`, `.configs`, `.fn`) -> heuristics (`.values`, `.fn`)
-    -> JIT function. If a triton upgrade moves any of these, this fails and names it (and the fast path needs a look),
-    rather than every launch silently taking the slow path or breaking."""
+def test_triton_still_has_what_the_direct_launch_relies_on(kernel_name):
+    """lmsys.attention.launcher reaches into triton: the autotuner's `best_config`, the heuristics' `values`, the JIT
+    function returning the compiled kernel it launched, and the launch call it makes. If a triton upgrade moves any of
+    these, this fails and names it (and the launcher needs a look), rather than launches going wrong."""
+    from triton.compiler.compiler import CompiledKernel
     from triton.runtime.autotuner import Autotuner, Heuristics
     from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
+    from triton.runtime.jit import JITFunction, create_function_from_signature
 
     kernel = getattr(flash_triton, kernel_name)
     assert isinstance(kernel, Autotuner), f"{kernel_name} is a {type(kernel)}, not triton's Autotuner"
-    assert isinstance(kernel.cache, dict) and kernel.configs, "the autotuner's cache or configs moved"
     assert isinstance(kernel.fn, Heuristics), f"{kernel_name}.fn is a {type(kernel.fn)}, not triton's Heuristics"
     assert set(kernel.fn.values) == {"EVEN_M", "EVEN_N"}, "the heuristics' rules moved"
     jit = InterpretedFunction if flash_triton._INTERPRET else JITFunction  # what triton.jit makes in this session
     assert isinstance(kernel.fn.fn, jit), f"{kernel_name}.fn.fn is a {type(kernel.fn.fn)}, not a {jit.__name__}"
-    # The key of `_tuned_config`: the values of the autotuner's `key` arguments, then the tensors' dtypes.
-    assert kernel.keys == ["N_BUCKET", "HEAD_DIM", "CAUSAL"]
-    source = inspect.getsource(Autotuner.run)
-    assert "_args[key] for key in self.keys" in source and "str(arg.dtype)" in source, (
-        "triton's Autotuner.run builds its cache key differently: update _tuned_config")
-    # The rules the fast path evaluates are the ones triton's wrapper evaluates.
-    rows = "BLOCK_M" if kernel_name == "_flash_fwd_kernel" else "BLOCK_BIG"
-    for n_q, even in ((256, True), (100, False)):
-        assert kernel.fn.values["EVEN_M"]({"N_Q": n_q, "N_K": 128, rows: 64, "BLOCK_N": 64}) is even
+    autotune = _flat(inspect.getsource(Autotuner.run))
+    assert "self.best_config = config" in autotune and "ret = self.fn.run( *args, **kwargs, **config.all_kwargs(), )" \
+        in autotune and "return ret" in autotune, "triton's Autotuner.run no longer keeps or passes its config so"
+    assert "heur({**dict(zip(self.arg_names, args)), **kwargs})" in _flat(inspect.getsource(Heuristics.run)), (
+        "triton's Heuristics.run evaluates its rules on other arguments")
+    run = _flat(inspect.getsource(JITFunction.run))
+    assert ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata, "
+            "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound_args.values())") in run, (
+        "triton's JITFunction.run launches differently: update lmsys.attention.launcher")
+    assert run.endswith("return kernel"), "triton's JITFunction.run no longer returns the compiled kernel"
+    # bound_args holds every parameter, constexprs included, in the kernel's order: the launcher passes them so.
+    assert "for name in sig.parameters.keys()" in inspect.getsource(create_function_from_signature)
+    assert list(inspect.signature(CompiledKernel.launch_metadata).parameters) == ["self", "grid", "stream", "args"]
+    assert isinstance(CompiledKernel.run, property)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_launches_after_tuning_skip_the_autotuner(is_causal, monkeypatch, seed):
-    """Once the autotuner has a config for a key, later launches go straight to the JIT function under that config
-    (on a GPU this also checks that we spell triton's cache key as it does) and give the same results."""
+def test_launches_after_the_first_skip_triton(is_causal, monkeypatch, seed):
+    """On a GPU, the second launch of each kernel with the same shapes goes straight to the compiled kernel (no
+    triton wrapper runs) and gives the same results as the first. Under the interpreter every launch goes through
+    triton (there is no compiled kernel to keep)."""
+    monkeypatch.setattr(launcher, "_launches", {})
     calls = []
-    for kernel in (flash_triton._flash_fwd_kernel, flash_triton._flash_bwd_kernel):
-        monkeypatch.setattr(kernel, "cache", {} if HAS_CUDA else _TunedForEveryKey(kernel.configs[0]))
-        tune_and_run = kernel.run
-        monkeypatch.setattr(kernel, "run", lambda *a, run=tune_and_run, **kw: calls.append(run) or run(*a, **kw))
-    # Ragged lengths: the EVEN_* flags the fast path computes itself must be False here.
-    q, k, v = make_inputs((2, 3, 100, 32), (2, 3, 100, 32), torch.float16, TRITON_DEVICE)
-    check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
-    assert len(calls) == (2 if HAS_CUDA else 0)  # the first launch of each kernel tunes (on a GPU)
-    q, k, v = make_inputs((2, 3, 100, 32), (2, 3, 100, 32), torch.float16, TRITON_DEVICE)
-    check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
-    assert len(calls) == (2 if HAS_CUDA else 0)
+    for kernel in (flash_triton._flash_fwd_kernel, flash_triton._flash_bwd_preprocess_kernel,
+                   flash_triton._flash_bwd_kernel):
+        through_triton = kernel.run
+        monkeypatch.setattr(kernel, "run", lambda *a, run=through_triton, **kw: calls.append(run) or run(*a, **kw))
+    # Ragged lengths and a head dim below the tile: the EVEN_* flags the launcher evaluates must be False here.
+    for _ in range(2):
+        q, k, v = make_inputs((2, 3, 100, 24), (2, 3, 100, 24), torch.float16, TRITON_DEVICE)
+        check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
+    assert len(calls) == (3 if HAS_CUDA else 6)
+    assert len(launcher._launches) == (3 if HAS_CUDA else 0)
+
+
+def test_launcher_keys_tell_apart_what_triton_specializes_on():
+    """Tensors differing in dtype or in 16-byte alignment, and ints differing at all, make different keys; the
+    tensors' addresses beyond that do not."""
+    x = torch.zeros(64, dtype=torch.float16)
+    assert launcher._spec(x) == launcher._spec(torch.zeros(64, dtype=torch.float16))
+    assert launcher._spec(x) != launcher._spec(x.float())
+    assert launcher._spec(x) != launcher._spec(x[1:])  # 2 bytes off a 16-byte boundary
+    assert launcher._spec(16) != launcher._spec(17)
 
 
 @pytest.mark.gpu

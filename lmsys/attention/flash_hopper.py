@@ -17,11 +17,12 @@ mask, key tiles above the diagonal are never loaded and only the diagonal tiles 
 mask. The launch order is the Triton forward's (lmsys.attention.launch_order): heads in groups that keep their keys
 and values in L2, heaviest query block first.
 
-Scope: CUDA tensors of compute capability 9.0, bf16 or fp16, head dim 128, contiguous, both lengths multiples of
-128. `applies()` says whether inputs qualify; `flash_triton.forward` uses this kernel for them and its own forward
-for everything else. There is no interpreter for Gluon (and under TRITON_INTERPRET=1 Gluon cannot compile at all):
-tests/test_attention.py compiles the kernel for sm_90 in a process without the interpreter on any machine, and
-checks it against float64 on the GPU.
+Scope: CUDA tensors of compute capability 9.0, bf16 or fp16, head dim 128, both lengths multiples of 128, each of q, k
+and v either with its heads one after another (contiguous) or side by side in its rows (the (batch, heads, seq, d) view
+of a (batch, seq, heads, d) projection, which the model passes; `_view`). The output is contiguous. `applies()` says
+whether inputs qualify; `flash_triton.forward` uses this kernel for them and its own forward for everything else. There
+is no interpreter for Gluon (and under TRITON_INTERPRET=1 Gluon cannot compile at all): tests/test_attention.py compiles
+the kernel for sm_90 in a process without the interpreter on any machine, and checks it against float64 on the GPU.
 """
 
 import functools
@@ -39,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from lmsys.attention import launch_order
+from lmsys.attention import launch_order, launcher
 
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
 BLOCK_N = 128  # keys per tile
@@ -57,6 +58,25 @@ def _is_hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
+def _view(x):
+    """The 2-D view that the kernel's tensor descriptor spans, for a (batch, heads, seq, d) or (batch, seq, d) input,
+    and where each head starts in it: ((rows, columns), row stride, RB, RH, CH), head (b, h) starting at row
+    b * RB + h * RH and column h * CH; or None when no 2-D view with one row stride holds the input. Two layouts have
+    one: heads one after the other (contiguous, or rows padded), a (B*H*N, d) view; and heads side by side in a row
+    (the transposed view of a (B, N, H, d) projection, as the model makes them), a (B*N, H*d) view. Either way the
+    batches must follow one another at the row stride, and TMA needs 16-byte aligned rows and base."""
+    x4 = x.unsqueeze(1) if x.dim() == 3 else x
+    batch, heads, n, d = x4.shape
+    stride_b, stride_h, stride_n, stride_d = x4.stride()
+    if stride_d != 1 or stride_n < d or (stride_n * x4.element_size()) % 16 or x4.data_ptr() % 16:
+        return None
+    if (heads == 1 or stride_h == n * stride_n) and (batch == 1 or stride_b == heads * n * stride_n):
+        return (batch * heads * n, d), stride_n, heads * n, n, 0
+    if d <= stride_h and (heads - 1) * stride_h + d <= stride_n and (batch == 1 or stride_b == n * stride_n):
+        return (batch * n, (heads - 1) * stride_h + d), stride_n, n, 0, stride_h
+    return None
+
+
 def applies(q, k, v) -> bool:
     """Whether this kernel runs these (batch, heads, seq, d) or (batch, seq, d) inputs."""
     return (
@@ -66,7 +86,7 @@ def applies(q, k, v) -> bool:
         and q.shape[-1] in HEAD_DIMS
         and q.shape[-2] % BLOCK_M == 0
         and k.shape[-2] % BLOCK_N == 0
-        and all(x.is_contiguous() for x in (q, k, v))
+        and all(_view(x) is not None for x in (q, k, v))
     )
 
 
@@ -85,20 +105,23 @@ def _softmax_step(s, m_i, l_i, qk_scale, rows, j, BLOCK_N: gl.constexpr, MASK: g
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-              q_row, kv_row, n_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HALF_M: gl.constexpr):
+              q_row, q_col, k_row, k_col, v_row, v_col, n_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              HALF_M: gl.constexpr):
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, 0], q_bar, q_smem.index(1))
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, q_col], q_bar, q_smem.index(1))
     for j in range(n_tiles):
         slot = j % NUM_STAGES
         # A fresh mbarrier counts as having completed the phase of parity 1: the first round passes at once.
         phase = ((j // NUM_STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(slot), phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, k_col], k_ready.index(slot),
+                                        k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [v_row + j * BLOCK_N, v_col], v_ready.index(slot),
+                                        v_smem.index(slot))
 
 
 @gluon.jit
@@ -129,7 +152,7 @@ def _consumer_loop(o, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_ready, k_emp
 
 @gluon.jit
 def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-              q_row, row0, lse_row, n_full, n_tiles, qk_scale,
+              o_row, row0, lse_row, n_full, n_tiles, qk_scale,
               CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
     rows_per_wg: gl.constexpr = q_smem.shape[0]
     warps: gl.constexpr = gl.num_warps()
@@ -179,20 +202,24 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, 
     gl.store(lse_ptr + lse_row + gl.arange(0, rows_per_wg, layout=row_layout), (m_i + gl.log2(l_i)) * LN2)
     q_smem.store(o.to(o_desc.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [q_row, 0], q_smem)
+    tma.async_copy_shared_to_global(o_desc, [o_row, 0], q_smem)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, N_Q, N_K, BH, GROUP_HEADS, qk_scale,
+def _flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, N_Q, N_K, H, BH, GROUP_HEADS, qk_scale,
+                             Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH,
                              HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
                              NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]  # rows per consumer warpgroup
     BLOCK_M: gl.constexpr = 2 * HALF_M
     dtype: gl.constexpr = q_desc.dtype
     off_bh, start_m = launch_order.program_position(N_Q, BH, GROUP_HEADS, BLOCK_M, CAUSAL)
-    q_row = off_bh * N_Q + start_m * BLOCK_M  # row in the (B*H*N, D) view
-    kv_row = off_bh * N_K
+    b = off_bh // H
+    h = off_bh % H
+    # Where head (b, h) starts in each input's 2-D view (_view): row b * RB + h * RH, column h * CH.
+    q_row = b * Q_RB + h * Q_RH + start_m * BLOCK_M
+    o_row = off_bh * N_Q + start_m * BLOCK_M  # the output is contiguous: a (B*H*N, D) view
     if CAUSAL:
         n_full = (start_m * BLOCK_M) // BLOCK_N  # key tiles strictly below the diagonal block
         n_tiles = ((start_m + 1) * BLOCK_M) // BLOCK_N
@@ -219,12 +246,13 @@ def _flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, N_Q, N_K, BH, 
     lse_row = off_bh * N_Q + row0
     gl.warp_specialize([
         (_consumer, (o_desc, LSE, q_smem.index(0), k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                     q_row, row0, lse_row, n_full, n_tiles, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+                     o_row, row0, lse_row, n_full, n_tiles, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
         (_consumer, (o_desc, LSE, q_smem.index(1), k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                     q_row + HALF_M, row0 + HALF_M, lse_row + HALF_M, n_full, n_tiles, qk_scale, CAUSAL, BLOCK_N,
+                     o_row + HALF_M, row0 + HALF_M, lse_row + HALF_M, n_full, n_tiles, qk_scale, CAUSAL, BLOCK_N,
                      HEAD_DIM, NUM_STAGES)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                     q_row, kv_row, n_tiles, BLOCK_N, NUM_STAGES, HALF_M)),
+                     q_row, h * Q_CH, b * K_RB + h * K_RH, h * K_CH, b * V_RB + h * V_RH, h * V_CH, n_tiles, BLOCK_N,
+                     NUM_STAGES, HALF_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -232,25 +260,33 @@ def _gl_dtype(dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
 
 
-def _descriptor(x2, rows, dtype):
-    return TensorDescriptor.from_tensor(x2, [rows, x2.shape[1]], gl.NVMMASharedLayout.get_default_for(
-        [rows, x2.shape[1]], dtype))
+@functools.cache
+def _smem_layout(rows, d, dtype):
+    return gl.NVMMASharedLayout.get_default_for([rows, d], dtype)
+
+
+def _descriptor(x, view, rows):
+    """A TMA descriptor over the 2-D view `view` (_view's first two items) of x, tiles of `rows` x d."""
+    (n_rows, n_cols), stride = view[:2]
+    d = x.shape[-1]
+    return TensorDescriptor(x, [n_rows, n_cols], [stride, 1], [rows, d], _smem_layout(rows, d, _gl_dtype(x.dtype)))
 
 
 def forward(q, k, v, is_causal):
-    """(o, lse) for inputs that `applies()` accepts (checked by the caller): output in q's dtype, natural-log
-    log-sum-exp in fp32 of q's shape without d."""
+    """(o, lse) for inputs that `applies()` accepts (checked by the caller): output in q's dtype, contiguous,
+    natural-log log-sum-exp in fp32 of q's shape without d."""
     d, n_q, n_k = q.shape[-1], q.shape[-2], k.shape[-2]
+    heads = q.shape[1] if q.dim() == 4 else 1
     bh = q.numel() // (n_q * d)
-    o = torch.empty_like(q)
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    # 2-D (B*H*N, D) views: a tile never crosses a head, since both lengths are multiples of the tiles.
-    q2, k2, v2, o2 = (x.view(-1, d) for x in (q, k, v, o))
-    dtype = _gl_dtype(q.dtype)
-    _flash_fwd_hopper_kernel[(n_q // BLOCK_M * bh,)](
-        _descriptor(q2, BLOCK_M // 2, dtype), _descriptor(k2, BLOCK_N, dtype), _descriptor(v2, BLOCK_N, dtype),
-        _descriptor(o2, BLOCK_M // 2, dtype), lse, n_q, n_k, bh, launch_order.group_heads(k, bh),
-        LOG2E / math.sqrt(d),
+    # Tiles never cross a head: both lengths are multiples of the tiles.
+    views = [_view(x) for x in (q, k, v, o)]
+    launcher.launch(
+        _flash_fwd_hopper_kernel, (n_q // BLOCK_M * bh,),
+        (_descriptor(q, views[0], BLOCK_M // 2), _descriptor(k, views[1], BLOCK_N),
+         _descriptor(v, views[2], BLOCK_N), _descriptor(o, views[3], BLOCK_M // 2), lse, n_q, n_k, heads, bh,
+         launch_order.group_heads(k, bh), LOG2E / math.sqrt(d), *views[0][2:], *views[1][2:], *views[2][2:]),
         HEAD_DIM=d, CAUSAL=is_causal, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
     )

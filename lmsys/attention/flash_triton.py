@@ -23,15 +23,16 @@ the same for every input.
 
 Tuning: tile sizes, warps and pipeline depth are autotuned per (length rounded up to a power of two, head dim, causal,
 dtype); the forward may load its tiles through tensor descriptors (TMA on Hopper) instead of pointers, whichever is
-faster. The choice is kept in triton's on-disk cache (``cache_results``; its key holds the kernel's source, the
-configs, triton's version and the GPU's architecture), so later processes take the same config without timing them
-again: the perf gate then compares one config's time across runs, not the autotuner's pick among configs a few percent
-apart. Under ``torch.compile`` the wrappers are ``torch.library`` custom ops, opaque to the compiler; eager calls skip
-the custom-op dispatch. Any sequence length works: boundary masks are compiled in only when a length is not a multiple
-of the tile (``EVEN_*`` heuristics). Any head dim up to 128 works (the 2.7B model's is 80): tiles are BLOCK_D wide,
-the head dim rounded up to a power of two (at least 16), and the padding columns load as zeros, which leaves every
-product over the head dim unchanged, and are never stored; a power-of-two head dim compiles without those masks.
-With ``TRITON_INTERPRET=1`` the same kernels run on the CPU (small shapes, for tests).
+faster. The choice is kept in triton's on-disk cache (``cache_results``; its key holds the kernel's source, the configs,
+triton's version and the GPU's architecture), so later processes take the same config without timing them again: the
+perf gate then compares one config's time across runs, not the autotuner's pick among configs a few percent apart. Under
+``torch.compile`` the wrappers are ``torch.library`` custom ops, opaque to the compiler; eager calls skip the custom-op
+dispatch, and every launch after the first of its kind skips triton's wrappers (lmsys.attention.launcher). Any sequence
+length works: boundary masks are compiled in only when a length is not a multiple of the tile (``EVEN_*`` heuristics).
+Any head dim up to 128 works (the 2.7B model's is 80): tiles are BLOCK_D wide, the head dim rounded up to a power of two
+(at least 16), and the padding columns load as zeros, which leaves every product over the head dim unchanged, and are
+never stored; a power-of-two head dim compiles without those masks. With ``TRITON_INTERPRET=1`` the same kernels run on
+the CPU (small shapes, for tests).
 """
 
 import functools
@@ -41,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmsys.attention import flash_hopper, launch_order
+from lmsys.attention import flash_hopper, launch_order, launcher
 from lmsys.attention.checks import check_inputs, refuse_double_backward
 
 # Any head dim up to 128: the kernels' tiles are BLOCK_D = _block_d(d) wide, zero-padded past d.
@@ -79,8 +80,8 @@ _SMALL_PROBLEM = 2048
 
 def _even_flags(rows: str, cols: str) -> dict:
     """The kernels' EVEN_* heuristics: whether the query (key) length is a multiple of the tile's `rows` (`cols`), so
-    that no load needs a bounds mask. Triton's heuristics wrapper evaluates them on the slow path, `_launch` on the
-    fast one."""
+    that no load needs a bounds mask (evaluated by triton's heuristics wrapper, once per distinct launch: see
+    lmsys.attention.launcher)."""
     return {"EVEN_M": lambda a: a["N_Q"] % a[rows] == 0, "EVEN_N": lambda a: a["N_K"] % a[cols] == 0}
 
 
@@ -532,35 +533,6 @@ def _check(q, k, v, is_causal):
         )
 
 
-def _tuned_config(kernel, tuning_key, args):
-    """The config triton's autotuner chose for this key, or None: its cache key is the values of the kernel's `key`
-    arguments followed by the dtypes of its tensor arguments."""
-    return kernel.cache.get((*tuning_key, *(str(a.dtype) for a in args if isinstance(a, torch.Tensor))))
-
-
-def _launch(kernel, grid, args, tuning_key, lengths, **kwargs):
-    """Launch the autotuned `kernel` on `args` (positional) and `kwargs` (constexprs).
-
-    `grid(meta)` gives the launch grid for a config's meta-parameters; `lengths` ({"N_Q": ..., "N_K": ...}) is what
-    the kernel's heuristics (`_even_flags`) read besides the config. The first call per tuning key goes through
-    triton's autotuner, which times the configs and caches the winner. Later calls find it in that cache and launch
-    the JIT function under it directly, with the heuristics evaluated here: the autotuner and heuristics wrappers
-    rebuild dicts of every argument on each call, a third of a launch's CPU time, which is what a small problem
-    costs. This leans on triton's layout (autotuner -> heuristics `.values` -> JIT function, the cache key of
-    `_tuned_config`); tests/test_attention.py checks it. A cache key triton spells differently only means the slow
-    path.
-    """
-    config = _tuned_config(kernel, tuning_key, args)
-    if config is None:
-        kernel[grid](*args, **kwargs)
-        return
-    meta = config.all_kwargs()
-    heuristics = kernel.fn
-    values = {**lengths, **meta}
-    flags = {name: rule(values) for name, rule in heuristics.values.items()}
-    heuristics.fn[grid(meta)](*args, **kwargs, **meta, **flags)
-
-
 def _fwd_impl(q, k, v, is_causal):
     if HOPPER_FORWARD and flash_hopper.applies(q, k, v):
         return flash_hopper.forward(q, k, v, is_causal)
@@ -574,14 +546,12 @@ def _fwd_impl(q, k, v, is_causal):
     tma_ok = (q.is_cuda or _INTERPRET) and _tma_ok(q4, k4, v4)
     if tma_ok and q.is_cuda:
         triton.set_allocator(_scratch)
-    bucket = _autotune_key(n_q, n_k)
-    _launch(
+    launcher.launch(
         _flash_fwd_kernel,
         lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * batch * heads,),
-        (q4, k4, v4, o4, lse, n_q, n_k, heads, batch * heads, launch_order.group_heads(k4, batch * heads), bucket,
-         LOG2E.value / math.sqrt(head_dim), *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o4.stride()[:3]),
-        (bucket, head_dim, is_causal),
-        {"N_Q": n_q, "N_K": n_k},
+        (q4, k4, v4, o4, lse, n_q, n_k, heads, batch * heads, launch_order.group_heads(k4, batch * heads),
+         _autotune_key(n_q, n_k), LOG2E.value / math.sqrt(head_dim), *q4.stride()[:3], *k4.stride()[:3],
+         *v4.stride()[:3], *o4.stride()[:3]),
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
         TMA_OK=tma_ok,
     )
@@ -609,20 +579,18 @@ def _bwd_impl(q, k, v, o, lse, do, is_causal):
     lse = lse.reshape(q4.shape[:-1]).contiguous()  # (B, H, T): the kernel indexes it as one row per head
     delta = torch.empty_like(lse)
     pre_block = 64
-    _flash_bwd_preprocess_kernel[(triton.cdiv(n_q, pre_block), batch * heads)](
-        o4, do4, delta, n_q, heads, *o4.stride()[:3], *do4.stride()[:3], HEAD_DIM=head_dim,
-        BLOCK_D=_block_d(head_dim), BLOCK_M=pre_block,
+    launcher.launch(
+        _flash_bwd_preprocess_kernel, (triton.cdiv(n_q, pre_block), batch * heads),
+        (o4, do4, delta, n_q, heads, *o4.stride()[:3], *do4.stride()[:3]),
+        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=pre_block,
     )
     sm_scale = 1.0 / math.sqrt(head_dim)
-    bucket = _autotune_key(n_q, n_k)
-    _launch(
+    launcher.launch(
         _flash_bwd_kernel,
         lambda meta: (triton.cdiv(max(n_q, n_k), meta["BLOCK_BIG"]), batch * heads),
-        (q4, k4, v4, do4, dq4, dk4, dv4, lse, delta, n_q, n_k, heads, bucket, sm_scale * LOG2E.value, sm_scale,
-         *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *do4.stride()[:3],
+        (q4, k4, v4, do4, dq4, dk4, dv4, lse, delta, n_q, n_k, heads, _autotune_key(n_q, n_k),
+         sm_scale * LOG2E.value, sm_scale, *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *do4.stride()[:3],
          *dq4.stride()[:3], *dk4.stride()[:3], *dv4.stride()[:3]),
-        (bucket, head_dim, is_causal),
-        {"N_Q": n_q, "N_K": n_k},
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
     )
     return dq4.view(q.shape), dk4.view(k.shape), dv4.view(v.shape)
