@@ -14,6 +14,8 @@ Configurations, from the CS336 seeds (GPU sizes; the CPU runs one small point of
 - `test_attention_anchors`: (batch, heads, seq, d) reference points (ANCHOR_SHAPES), e.g. (4, 16, 8192, 128) causal.
 - `test_attention_leaderboard`: the CS336 leaderboard, q, k, v of shape (16, 16384, 64), bf16, causal, forward +
   backward, every provider under torch.compile.
+- `test_attention_launch_cost`: the CPU's time per call (host timing) of flash_triton and SDPA at (1, 1, 4096, 64)
+  causal bf16, forward and forward + backward; all of it in the default subset.
 Modes: "fwd" (no autograd graph), "bwd" (the forward runs once, untimed; each call is one backward through the
 kept graph) and "fwd_bwd". Gradients are taken with a random dO through `torch.autograd.grad`, so nothing
 accumulates into `.grad` across rounds.
@@ -177,3 +179,22 @@ def test_attention_leaderboard(gpu_benchmark, fresh_compiler, device, seed, prov
     """
     shape = (16, 16384, 64) if HAS_CUDA else (2, 256, 64)
     run_case(gpu_benchmark, device, provider, shape, True, torch.bfloat16, "fwd_bwd", compile_all=True)
+
+
+# The CPU's cost of one call (host timing: README, "Launch cost (host timing)"), at a size where the GPU's work (about
+# 0.1 ms of forward + backward on an H100) is less than it: what a model with many small attention layers pays per
+# layer.
+# `sdpa` is the plain call, SDPA picking its backend; the restricted backends pay for sdpa_kernel's context too.
+LAUNCH_SHAPE = (1, 1, 4096, 64)
+LAUNCH_PROVIDERS = ("flash_triton", "sdpa", "sdpa_flash", "sdpa_cudnn")
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwd_bwd"])
+@pytest.mark.parametrize("provider", LAUNCH_PROVIDERS)
+def test_attention_launch_cost(gpu_benchmark, device, seed, provider, mode):
+    """CPU time per causal call through autograd, bf16 (1, 1, 4096, 64) (CPU: fp32 (1, 1, 128, 32))."""
+    shape, dtype = (LAUNCH_SHAPE, torch.bfloat16) if HAS_CUDA else ((1, 1, 128, 32), torch.float32)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
+    attend = attention_for(provider, q, k, v, True)
+    fn, args = timed_call(attend, q, k, v, True, mode)
+    gpu_benchmark(fn, *args, host=True)

@@ -54,6 +54,7 @@ class FakeGpu:
         self.capturing = False
         self.replaying = False
         self.queued = False
+        self.hosting = False
         self.captures = 0
         self.held = 0
         # What machine_state() returns: a healthy GPU unless a test says otherwise (None: no NVML).
@@ -79,6 +80,18 @@ class FakeGpu:
             call()
         finally:
             self.queued = False
+        return self.now - start
+
+    def time_host(self, call, lead=None) -> float:
+        """The CPU's time to issue the call: its launch cost only (the device works behind the lead)."""
+        if lead is not None:
+            lead()
+        start = self.now
+        self.hosting = True
+        try:
+            call()
+        finally:
+            self.hosting = False
         return self.now - start
 
     def make_l2_flush(self):
@@ -128,8 +141,14 @@ class FakeGpu:
 
     def make_delay(self, seconds: float):
         def delay():
-            if not self.capturing:
+            if not (self.capturing or self.hosting):
                 self.now += seconds
+
+        return delay
+
+    def make_host_delay(self, seconds: float):
+        def delay():
+            self.now += seconds
 
         return delay
 
@@ -147,8 +166,8 @@ class FakeGpu:
     def work(self, ms: float, noise: float = 0.0, memory: int = 0, seed: int = 0, slow_calls: int = 0, slow_ms: float = 0,
              launch_ms: float = 0.0, launch_noise: float = 0.0, capturable: bool = True):
         """A function for gpu_benchmark: each call takes `ms` milliseconds times (1 + noise * N(0, 1)) of device time
-        on the clock plus `launch_ms` times (1 + launch_noise * N(0, 1)) of CPU launch cost (not in a graph replay
-        nor in a queued round)
+        on the clock (not in host timing) plus `launch_ms` times (1 + launch_noise * N(0, 1)) of CPU launch cost
+        (not in a graph replay nor in a queued round)
         and allocates `memory` bytes at its peak; its first `slow_calls` calls take `slow_ms` instead. Capturing it
         in a graph fails unless capturable."""
         rng = random.Random(seed)
@@ -162,7 +181,9 @@ class FakeGpu:
                 return calls
             calls += 1
             base = slow_ms if calls <= slow_calls else ms
-            self.now += max(base * 1e-3 * (1 + noise * rng.gauss(0.0, 1.0)), 0.0)
+            device = max(base * 1e-3 * (1 + noise * rng.gauss(0.0, 1.0)), 0.0)
+            if not self.hosting:
+                self.now += device
             if launch_ms and not (self.replaying or self.queued):
                 self.now += launch_ms * 1e-3 * max(1 + launch_noise * rng.gauss(0.0, 1.0), 0.0)
             self.allocated = max(self.allocated, memory + self.held)

@@ -183,3 +183,26 @@ def test_machine_readings_on_cuda(pytester, gpu):
         return
     after = bench["extra_info"]["machine"]["after"]
     assert after["sm_clock_mhz"] > 0 and after["memory_clock_mhz"] > 0 and isinstance(after["throttle"], list)
+
+
+def test_host_timing_takes_the_cpus_time_to_issue_a_call(gpu):
+    """A call that queues 20 ms of device work and spins the CPU for 1 ms: host timing says about 1 ms, device
+    timing at least 20 ms."""
+    import torch
+
+    from lmsys.perf import timing
+    from lmsys.perf.backend import CudaBackend
+
+    backend = CudaBackend()
+    sleep = backend.make_delay(0.02)
+
+    def call():
+        sleep()
+        timing.spin(0.001)
+
+    lead = backend.make_delay(0.05)
+    host = sorted(backend.time_host(call, lead) for _ in range(5))[2]
+    device = sorted(backend.time_call(call) for _ in range(5))[2]
+    assert 0.001 <= host < 0.005
+    assert device >= 0.019
+    torch.cuda.synchronize()

@@ -106,6 +106,50 @@ def test_graph_argument_must_be_a_bool(pytester):
     result.stdout.fnmatch_lines(["*gpu_benchmark: graph must be True or False, got 'yes'*"])
 
 
+@pytest.mark.parametrize(
+    ("now", "outcome", "line"),
+    [
+        ({"ms": 1.0, "launch_ms": 0.2}, "passed", "*test_a*200 us (host)*PASS*"),
+        ({"ms": 1.5, "launch_ms": 0.2}, "passed", "*test_a*200 us (host)*PASS*"),
+        ({"ms": 1.0, "launch_ms": 0.3}, "failed", "*SLOWER: test_a median 300 us vs baseline 200 us (+50.0%, "
+                                                  "tolerance 15% (default)*"),
+    ],
+    ids=["unchanged", "device-slower", "launch-slower"],
+)
+def test_host_timing_judges_the_cpu_cost_of_a_call_alone(pytester, now, outcome, line):
+    # 1 ms of device work behind 0.2 ms of launch cost: host timing sees the 0.2 ms only, judged with the eager
+    # tolerance (the CPU's part of a call).
+    save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": 0.2, "noise": 0.0, "call": ", host=True"}})
+    write_suite(pytester, {"test_a": {**now, "noise": 0.0, "call": ", host=True"}}, seed=2)
+    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result.assert_outcomes(**{outcome: 1})
+    result.stdout.fnmatch_lines([line])
+    bench = bench_json(pytester)["test_a"]
+    assert bench["extra_info"]["timing"] == "host"
+    assert bench["stats"]["median"] == pytest.approx(now["launch_ms"] * 1e-3)
+
+
+def test_an_injected_delay_in_host_timing_is_the_cpus(pytester, monkeypatch):
+    tests = {"test_a": {"ms": 1.0, "launch_ms": 0.2, "noise": 0.0, "call": ", host=True"}}
+    save_baseline(pytester, tests)
+    write_suite(pytester, tests, seed=2)
+    monkeypatch.setenv("LMSYS_INJECT_DELAY", "0.2")
+    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result.assert_outcomes(failed=1)
+    assert bench_json(pytester)["test_a"]["extra_info"]["time_change"] == pytest.approx(0.2, abs=0.01)
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (", host=1", "gpu_benchmark: host must be True or False, got 1"),
+    (", host=True, graph=True", "gpu_benchmark: graph=True times the device, host=True the CPU; choose one"),
+])
+def test_host_argument_must_be_a_bool_and_not_with_graph(pytester, call, message):
+    write_suite(pytester, {"test_a": {"ms": 1.0, "call": call}}, seed=1)
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([f"*{message}*"])
+
+
 class Clock:
     """A wall clock for timing.sample that a fake backend advances."""
 

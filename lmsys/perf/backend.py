@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from lmsys.perf import machine
+from lmsys.perf import machine, timing
 
 # About 0.5 ms on a GPU clocked near 2 GHz: longer than the launch latency of a Python call into a few kernels.
 SLEEP_CYCLES = 1_000_000
@@ -68,12 +68,14 @@ class Backend(Protocol):
     def describe(self) -> dict[str, Any]: ...
     def synchronize(self) -> None: ...
     def time_call(self, call: Callable[[], Any], lead: Callable[[], None] | None = None) -> float: ...
+    def time_host(self, call: Callable[[], Any], lead: Callable[[], None] | None = None) -> float: ...
     def make_l2_flush(self) -> Callable[[], None]: ...
     def measure_memory(self, call: Callable[[], Any]) -> tuple[Any, MemoryReading | None]: ...
     def release_memory(self) -> None: ...
     def for_rank(self) -> Callable[[], Any]: ...
     def capture_graph(self, call: Callable[[], Any]) -> tuple[Callable[[], None], Callable[[], None]]: ...
     def make_delay(self, seconds: float) -> Callable[[], None]: ...
+    def make_host_delay(self, seconds: float) -> Callable[[], None]: ...
     def holding(self, nbytes: int) -> AbstractContextManager: ...
     def machine_state(self) -> dict[str, Any] | None: ...
 
@@ -117,6 +119,10 @@ class CpuBackend:
         call()
         return self.clock() - start
 
+    def time_host(self, call: Callable[[], Any], lead: Callable[[], None] | None = None) -> float:
+        """On the CPU the host's time is the call's time."""
+        return self.time_call(call, lead)
+
     def make_l2_flush(self) -> Callable[[], None]:
         """No cache flush on the CPU: cold_l2 is ignored there."""
         return lambda: None
@@ -138,14 +144,12 @@ class CpuBackend:
         raise RuntimeError("CUDA graphs need a CUDA device")
 
     def make_delay(self, seconds: float) -> Callable[[], None]:
+        """A function that keeps the CPU busy for `seconds` (the CPU is the device here)."""
+        return self.make_host_delay(seconds)
+
+    def make_host_delay(self, seconds: float) -> Callable[[], None]:
         """A function that keeps the CPU busy for `seconds` (a sleep would give the CPU away and come back late)."""
-
-        def spin():
-            end = time.perf_counter() + seconds
-            while time.perf_counter() < end:
-                pass
-
-        return spin
+        return partial(timing.spin, seconds)
 
     def holding(self, nbytes: int) -> AbstractContextManager:
         """The CPU has no memory reading, so nothing is held."""
@@ -220,6 +224,20 @@ class CudaBackend:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
+
+    def time_host(self, call: Callable[[], Any], lead: Callable[[], None] | None = None) -> float:
+        """Seconds the CPU takes to issue the call, by perf_counter from the call to its return; the device is
+        drained afterwards, untimed. `lead` (a device-side delay longer than the call takes the CPU) is queued first,
+        so that no launch waits for the device; without it a short device-side sleep is."""
+        if lead is None:
+            torch.cuda._sleep(SLEEP_CYCLES)
+        else:
+            lead()
+        start = time.perf_counter()
+        call()
+        elapsed = time.perf_counter() - start
+        torch.cuda.synchronize(self.index)
+        return elapsed
 
     def make_l2_flush(self) -> Callable[[], None]:
         """A function that evicts the L2 cache by writing a buffer twice its size; the buffer lives as long as it."""
@@ -304,6 +322,10 @@ class CudaBackend:
         """A function that queues `seconds` of device-side work (a spinning kernel) on the current stream."""
         cycles = max(1, round(seconds * self._sleep_cycles_per_second))
         return lambda: torch.cuda._sleep(cycles)
+
+    def make_host_delay(self, seconds: float) -> Callable[[], None]:
+        """A function that keeps the CPU busy for `seconds` (host timing's injected delay)."""
+        return partial(timing.spin, seconds)
 
     @contextmanager
     def holding(self, nbytes: int):

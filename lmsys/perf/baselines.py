@@ -40,7 +40,7 @@ REQUIRED_STATS = ("min", "max", "mean", "stddev", "median", "iqr", "rounds", "it
 MEMORY_KEY = "peak_allocated_above_start_bytes"
 # The eager rounds of a benchmark timed in a CUDA graph (its stats are the replays).
 EAGER_KEY = "eager_data"
-TIMINGS = ("eager", "graph", "queued")
+TIMINGS = ("eager", "graph", "queued", "host")
 FORBIDDEN_NAME_CHARACTERS = '\\/:*?<>|'
 
 
@@ -217,8 +217,8 @@ def newest_per_benchmark(docs: Iterable[tuple[Path, dict]]) -> dict[Path, dict[s
 
 
 def timing(bench: dict) -> str:
-    """How a baseline benchmark's stats were timed: 'eager' calls, 'graph' replays of a CUDA graph or 'queued' calls
-    (graph mode when the capture failed)."""
+    """How a baseline benchmark's stats were timed: 'eager' calls, 'graph' replays of a CUDA graph, 'queued' calls
+    (graph mode when the capture failed) or 'host' (the CPU's time to issue a call)."""
     return (bench.get("extra_info") or {}).get("timing", "eager")
 
 

@@ -31,7 +31,7 @@ SIGMAS = 3.0
 # machine's baseline; 2.5% failed none and still caught +3% and +5% (README, "Measuring the gate").
 FLOOR = 0.025
 MIN_RUNS = 2
-TIMINGS = ("eager", "graph", "queued")
+TIMINGS = baselines.TIMINGS
 
 
 class CalibrationError(ValueError):
@@ -43,7 +43,7 @@ def _spread(medians: list[float]) -> float:
 
 
 def noise(docs: list[dict]) -> dict[str, dict]:
-    """One entry per benchmark that every run measured, with the same timing (eager, graph or queued) in each: the
+    """One entry per benchmark that every run measured, with the same timing (eager, graph, queued or host) in each: the
     medians, their relative spread, the eager medians of graph-mode benchmarks, and the peak memory above start."""
     if len(docs) < MIN_RUNS:
         raise ValueError(f"a calibration needs at least {MIN_RUNS} runs, got {len(docs)}")
@@ -69,12 +69,10 @@ def noise(docs: list[dict]) -> dict[str, dict]:
     return entries
 
 
-def time_tolerance(entry: dict, timing: str, eager: bool = False) -> float | None:
-    """The time tolerance a calibration entry gives for samples of `timing` (the eager rounds of a graph-timed
-    benchmark when eager=True), or None when the entry did not measure those."""
-    if eager:
-        spread = entry.get("eager_spread")
-    elif entry["timing"] == timing:
+def time_tolerance(entry: dict, timing: str) -> float | None:
+    """The time tolerance a calibration entry gives for samples of `timing` ('eager' for the eager rounds of a
+    graph-timed benchmark too), or None when the entry did not measure those."""
+    if entry["timing"] == timing:
         spread = entry["spread"]
     else:
         spread = entry.get("eager_spread") if timing == "eager" else None

@@ -2,13 +2,13 @@
 with a memory high-water mark, throughput against the device's peak, and a verdict against the baseline.
 
     result = gpu_benchmark(fn, *args, flops=None, bytes=None, cold_l2=False, warmup_rounds=None, precision=None,
-                           graph=False, **kwargs)
+                           graph=False, host=False, **kwargs)
 
 What one call measures and how it is judged is written once, in the README ("How a regression is decided");
 timing.py holds the loop (warmup, adaptive rounds, CUDA-graph replays, the re-measurement of a SLOWER), this module
 the tolerances it is judged with and the record it leaves: the samples go into pytest-benchmark's stats (its
-table, JSON and --benchmark-save see them); extra_info gets the timing ('eager', 'graph' or 'queued', with the
-eager rounds of a graph-mode call), the wall-clock seconds per round, the memory readings, the machine's state,
+table, JSON and --benchmark-save see them); extra_info gets the timing ('eager', 'graph', 'queued' or 'host', with
+the eager rounds of a graph-mode call), the wall-clock seconds per round, the memory readings, the machine's state,
 the tolerance and its source, TFLOP/s and GB/s from `flops`/`bytes` (the work of ONE call) and their fraction of
 the device's peak in `precision` ('bf16', 'fp16', 'tf32', 'fp32'; by default the dtype of the first floating-point
 tensor argument, or bf16 when there is none). The plugin fails the test after its body has run when the verdict is
@@ -34,7 +34,7 @@ def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _check_arguments(flops, nbytes, warmup_rounds, precision, graph) -> None:
+def _check_arguments(flops, nbytes, warmup_rounds, precision, graph, host=False) -> None:
     for name, value in (("flops", flops), ("bytes", nbytes)):
         if value is not None and not _is_count(value):
             raise ValueError(f"gpu_benchmark: {name} must be a non-negative int (the work of one call), got {value!r}")
@@ -44,6 +44,10 @@ def _check_arguments(flops, nbytes, warmup_rounds, precision, graph) -> None:
         raise ValueError(f"gpu_benchmark: precision must be one of {flops_formulas.PRECISIONS}, got {precision!r}")
     if not isinstance(graph, bool):
         raise ValueError(f"gpu_benchmark: graph must be True or False, got {graph!r}")
+    if not isinstance(host, bool):
+        raise ValueError(f"gpu_benchmark: host must be True or False, got {host!r}")
+    if graph and host:
+        raise ValueError("gpu_benchmark: graph=True times the device, host=True the CPU; choose one")
 
 
 def _dtype_precision(dtype: torch.dtype) -> str | None:
@@ -108,17 +112,17 @@ class GpuBenchmark:
 
     def __call__(
         self, fn, *args, flops=None, bytes=None, cold_l2=False, warmup_rounds=None, precision=None, graph=False,
-        **kwargs,
+        host=False, **kwargs,
     ):
         """Benchmarks fn(*args, **kwargs) and returns the result of its last call."""
-        _check_arguments(flops, bytes, warmup_rounds, precision, graph)
+        _check_arguments(flops, bytes, warmup_rounds, precision, graph, host)
         self._claim()
         call = functools.partial(fn, *args, **kwargs)
         if self._benchmark.disabled:
             return call()
         session, backend = self._session, self._session.backend
-        primary = timing.GRAPH if graph else timing.EAGER
-        time_tolerance = self._tolerance(primary)
+        primary = timing.GRAPH if graph else timing.HOST if host else timing.EAGER
+        time_tolerance = self._tolerance(primary, eager=host)
         eager_tolerance = self._tolerance(timing.EAGER, eager=True) if graph else time_tolerance
         queued_tolerance = self._tolerance(timing.QUEUED)
         flush = backend.make_l2_flush() if cold_l2 else None
@@ -131,7 +135,7 @@ class GpuBenchmark:
                 eager_precision=session.precision(eager_tolerance), delay=session.injected_delay,
                 extra_memory=session.injected_memory,
                 queued_judge=self._judge(timing.QUEUED, queued_tolerance),
-                queued_precision=session.precision(queued_tolerance),
+                queued_precision=session.precision(queued_tolerance), host=host,
             )
         del flush
         measurement.extra_info["cold_l2"] = bool(cold_l2)
@@ -316,6 +320,6 @@ def gpu_benchmark(request, benchmark) -> GpuBenchmark:
     """Benchmark a function with device-synchronized timing, memory high-water marks and a baseline verdict.
 
     Usage: ``out = gpu_benchmark(fn, *args, flops=..., bytes=..., cold_l2=False, warmup_rounds=None, graph=False,
-    **kwargs)``.
+    host=False, **kwargs)``.
     """
     return GpuBenchmark(benchmark, request.node)

@@ -146,9 +146,9 @@ class PerfSession:
             self.notes.append(text)
 
     def time_tolerance_for(self, fullname: str, timed: str, marker: dict, eager: bool = False) -> Tolerance:
-        """The time tolerance of a benchmark's samples timed `timed` ('eager', 'graph' or 'queued'; eager=True: the
-        eager rounds of a graph-mode benchmark): the marker's, else the option's when given, else its calibration's,
-        else the default."""
+        """The time tolerance of a benchmark's samples timed `timed` ('eager', 'graph', 'queued' or 'host'; eager=True:
+        the CPU's part, the eager rounds of a graph-mode benchmark or host timing, judged with the eager tolerance): the
+        marker's, else the option's when given, else its calibration's, else the default."""
         key, option, name, default = (
             ("eager", self.eager_tolerance, "--perf-eager-tolerance", DEFAULT_EAGER_TOLERANCE) if eager
             else ("time", self.time_tolerance, "--perf-time-tolerance", DEFAULT_TIME_TOLERANCE)
@@ -158,7 +158,7 @@ class PerfSession:
         if option is not None:
             return Tolerance(option, name)
         entry = self.calibration.get(fullname)
-        value = None if entry is None else calibration.time_tolerance(entry, timed, eager)
+        value = None if entry is None else calibration.time_tolerance(entry, timed)
         if value is not None:
             return Tolerance(value, f"calibrated from {entry['runs']} runs")
         return Tolerance(default, "default")

@@ -15,6 +15,10 @@ the whole call (LEAD_FACTOR times an eager round's wall time), so the device run
 and the span between the events is the device's time again, as long as the call does not wait for the device
 (a read-back) and its launches fit in the driver's launch queue. On the CPU, and for a benchmark without
 graph=True, the eager rounds are the benchmark's time.
+
+With host=True the benchmark's time is the CPU's: each round is queued behind the same kind of device-side sleep, so
+no launch waits for the device, and timed by the CPU's clock from the call to its return (the device is drained
+afterwards, untimed). That is what launching the call costs the CPU: Python, dispatch and the launches.
 """
 
 import gc
@@ -32,7 +36,7 @@ MAX_ROUNDS = 1000
 MAX_ADAPTIVE_ROUNDS = 10_000
 MAX_WARMUP_ROUNDS = 100
 WARMUP_SHARE = 0.1
-EAGER, GRAPH, QUEUED = "eager", "graph", "queued"
+EAGER, GRAPH, QUEUED, HOST = "eager", "graph", "queued", "host"
 # Queued timing: the lead sleep is this many times an eager round's wall time, at most MAX_LEAD seconds.
 LEAD_FACTOR = 1.5
 MAX_LEAD = 2.0
@@ -118,14 +122,16 @@ def time_rounds(
     rounds: int,
     flush: Callable[[], None] | None,
     lead: Callable[[], None] | None = None,
+    host: bool = False,
 ) -> list[float]:
     """Per-round seconds of `rounds` calls, each preceded by an untimed flush when one is given (and timed behind the
-    device-side delay `lead` when one is given: queued timing)."""
+    device-side delay `lead` when one is given: queued timing; by the CPU's clock with host=True)."""
+    time_call = backend.time_host if host else backend.time_call
     samples = []
     for _ in range(rounds):
         if flush is not None:
             flush()
-        samples.append(backend.time_call(call, lead))
+        samples.append(time_call(call, lead))
     return samples
 
 
@@ -158,13 +164,14 @@ def sample(
     precision: Precision = Precision(),
     clock: Callable[[], float] = time.perf_counter,
     lead: Callable[[], None] | None = None,
+    host: bool = False,
 ) -> tuple[list[float], float]:
     """`adapt` over rounds of `call` timed through the backend (each after an untimed flush when one is given, and
-    behind `lead` when one is given)."""
+    behind `lead` when one is given; by the CPU's clock with host=True)."""
 
     def timed(n: int) -> tuple[list[float], float]:
         start = clock()
-        samples = time_rounds(backend, call, n, flush, lead)
+        samples = time_rounds(backend, call, n, flush, lead, host)
         return samples, clock() - start
 
     return adapt(timed, rounds, precision)
@@ -192,11 +199,34 @@ def queue_lead(backend, call: Callable[[], Any], flush) -> Callable[[], None]:
     return backend.make_delay(min(MAX_LEAD, LEAD_FACTOR * (time.perf_counter() - start)))
 
 
-def with_delay(backend, call: Callable[[], Any], flush, fraction: float, graph: bool) -> Callable[[], Any]:
+def spin(seconds: float) -> None:
+    """Keeps the CPU busy for `seconds` (a sleep would give the CPU away and come back late)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def with_delay(backend, call: Callable[[], Any], flush, fraction: float, graph: bool, host: bool = False
+               ) -> Callable[[], Any]:
     """call followed by a device-side delay of `fraction` of its time: a regression of known size, injected to
     measure the gate. The time is the median of three rounds of what the benchmark will judge: the call, or with
     graph=True the replays of a trial capture, or queued rounds when it cannot be captured (a launch-bound call's
-    eager time is mostly CPU)."""
+    eager time is mostly CPU). With host=True the delay is the CPU's (make_host_delay), a fraction of the host time."""
+    if host:
+        lead = queue_lead(backend, call, flush) if backend.is_gpu else None
+        delay = backend.make_host_delay(fraction * median(time_rounds(backend, call, 3, flush, lead, host=True)))
+    else:
+        delay = _device_delay(backend, call, flush, fraction, graph)
+
+    def delayed():
+        result = call()
+        delay()
+        return result
+
+    return delayed
+
+
+def _device_delay(backend, call: Callable[[], Any], flush, fraction: float, graph: bool) -> Callable[[], None]:
     typical = median(time_rounds(backend, call, 3, flush))
     if graph:
         try:
@@ -207,14 +237,7 @@ def with_delay(backend, call: Callable[[], Any], flush, fraction: float, graph: 
         else:
             typical = median(time_rounds(backend, replay, 3, flush))
             release()
-    delay = backend.make_delay(fraction * typical)
-
-    def delayed():
-        result = call()
-        delay()
-        return result
-
-    return delayed
+    return backend.make_delay(fraction * typical)
 
 
 def with_allocation(backend, call: Callable[[], Any], nbytes: int) -> Callable[[], Any]:
@@ -239,10 +262,10 @@ def judged(measure: Callable[[], tuple], judge: Judge):
     return measured, comparison, remeasured
 
 
-def _series(backend, call, rounds, flush, precision: Precision, judge: Judge, lead=None):
+def _series(backend, call, rounds, flush, precision: Precision, judge: Judge, lead=None, host=False):
     """Samples, wall seconds per round, comparison and whether a SLOWER first comparison was re-measured."""
     (samples, wall), comparison, remeasured = judged(
-        lambda: sample(backend, call, rounds, flush, precision, lead=lead), judge
+        lambda: sample(backend, call, rounds, flush, precision, lead=lead, host=host), judge
     )
     return samples, wall, comparison, remeasured
 
@@ -276,6 +299,7 @@ def run(
     extra_memory: int = 0,
     queued_judge: Judge | None = None,
     queued_precision: Precision | None = None,
+    host: bool = False,
 ) -> Measurement:
     """Warm up, time the rounds, judge them (`judge` compares with the baseline, None without one); when the verdict
     is SLOWER time the rounds once more and let that decide; then one call under the memory reading.
@@ -283,19 +307,26 @@ def run(
     With graph=True the eager rounds are judged by `eager_judge` (with `eager_precision`) and the replays of the
     captured call by `judge`; when the capture fails the eager rounds are the benchmark's time, judged by
     `eager_judge`, or on a GPU the queued rounds are, judged by `queued_judge` (with `queued_precision`).
-    `delay` > 0 adds a device-side delay of that fraction of the call's time to every call,
-    `extra_memory` > 0 that many bytes held on the device during every call.
+    With host=True the rounds are timed by the CPU's clock behind a device-side sleep (host timing) and judged by
+    `judge`. `delay` > 0 adds a device-side delay of that fraction of the call's time to every call (a CPU spin with
+    host=True), `extra_memory` > 0 that many bytes held on the device during every call.
     """
     if extra_memory:
         call = with_allocation(backend, call, extra_memory)
     before = backend.machine_state()
     chosen = warm_up(backend, call, flush, max_time, min_rounds, warmup_rounds)
-    timed = with_delay(backend, call, flush, delay, graph) if delay else call
+    timed = with_delay(backend, call, flush, delay, graph, host) if delay else call
     notes = []
     eager_judge = eager_judge or judge
     captured = _capture(backend, timed, flush, max_time, min_rounds, notes) if graph else None
     queued = graph and captured is None and backend.is_gpu
-    if queued:
+    eager = None
+    if host:
+        lead = queue_lead(backend, timed, flush) if backend.is_gpu else None
+        samples, wall, comparison, remeasured = _series(
+            backend, timed, chosen.rounds, flush, precision, judge, lead, host=True
+        )
+    elif queued:
         lead = queue_lead(backend, timed, flush)
         samples, wall, comparison, remeasured = _series(
             backend, timed, chosen.rounds, flush, queued_precision or precision, queued_judge or judge, lead
@@ -305,7 +336,6 @@ def run(
         series = _series(backend, timed, chosen.rounds, flush, eager_precision if graph else precision,
                          eager_judge if graph else judge)
         samples, wall, comparison, remeasured = series
-        eager = None
     else:
         replay, release, replay_plan = captured
         try:
@@ -318,7 +348,7 @@ def run(
     after = backend.machine_state()
     measurement = Measurement(
         samples, wall, chosen.warmup_rounds, memory, result, comparison, remeasured,
-        timing=QUEUED if queued else EAGER if captured is None else GRAPH,
+        timing=HOST if host else QUEUED if queued else EAGER if captured is None else GRAPH,
         machine=None if before is None and after is None else {"before": before, "after": after},
         notes=notes,
     )
