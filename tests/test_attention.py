@@ -8,6 +8,7 @@ float16 only: the interpreter's `tl.dot` does not support bfloat16 (triton-lang/
 """
 
 import dataclasses
+import functools
 import inspect
 import math
 import os
@@ -589,8 +590,9 @@ def test_hopper_forward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, see
         ("fp32", lambda gpu: make_inputs((1, 2, 1024, 128), (1, 2, 1024, 128), torch.float32, gpu)),
         ("head dim not unit-stride", lambda gpu: tuple(
             x.transpose(-1, -2) for x in make_inputs((1, 2, 128, 1024), (1, 2, 128, 1024), torch.bfloat16, gpu))),
-        ("batches apart", lambda gpu: tuple(torch.randn(2, 3, 1024, 128, dtype=torch.bfloat16, device=gpu)[:, :2]
-                                            for _ in range(3))),
+        ("heads past the row", lambda gpu: tuple(
+            torch.randn(2**18, dtype=torch.bfloat16, device=gpu).as_strided((1, 2, 1024, 128), (0, 64, 128, 1))
+            for _ in range(3))),
     ],
 )
 def test_hopper_forward_declines_what_it_does_not_take(gpu, why, make):
@@ -601,20 +603,23 @@ def test_hopper_forward_declines_what_it_does_not_take(gpu, why, make):
 @pytest.mark.parametrize(
     "make, expected",
     [
-        (lambda: torch.empty(2, 3, 256, 128), ((2 * 3 * 256, 128), 128, 3 * 256, 256, 0)),
-        (lambda: torch.empty(2, 256, 128), ((2 * 256, 128), 128, 256, 256, 0)),
-        (lambda: torch.empty(2, 256, 3, 128).transpose(1, 2), ((2 * 256, 3 * 128), 3 * 128, 256, 0, 128)),
-        (lambda: _packed_qkv(2, 3, 256, 128, torch.float32, "cpu")[2], ((2 * 256, 3 * 128), 9 * 128, 256, 0, 128)),
-        (lambda: torch.empty(2, 3, 256, 256)[..., :128], ((2 * 3 * 256, 128), 256, 3 * 256, 256, 0)),
-        (lambda: torch.empty(2, 4, 256, 128)[:, :3], None),  # batches 4 heads apart, not 3
+        (lambda: torch.empty(2, 3, 256, 128), ((2 * 3 * 256, 128), 128, 3 * 256, 256, 0, 0)),
+        (lambda: torch.empty(2, 256, 128), ((2 * 256, 128), 128, 256, 0, 0, 0)),
+        (lambda: torch.empty(2, 256, 3, 128).transpose(1, 2), ((2 * 256, 3 * 128), 3 * 128, 256, 0, 0, 128)),
+        (lambda: _packed_qkv(2, 3, 256, 128, torch.float32, "cpu")[2], ((2 * 256, 3 * 128), 9 * 128, 256, 0, 0, 128)),
+        (lambda: torch.empty(256, 3, 128).transpose(0, 1), ((256, 3 * 128), 3 * 128, 0, 0, 128, 0)),
+        (lambda: torch.empty(2, 3, 256, 256)[..., :128], ((2 * 3 * 256, 128), 256, 3 * 256, 256, 0, 0)),
+        (lambda: torch.empty(2, 4, 256, 128)[:, :3], ((256 + 4 * 256 + 2 * 256, 128), 128, 4 * 256, 256, 0, 0)),
         (lambda: torch.empty(2, 3, 128, 256).transpose(-1, -2), None),  # the head dim is not unit-stride
         (lambda: torch.empty(1, 1, 256, 130)[..., 1:129], None),  # 4 bytes off a 16-byte boundary
+        (lambda: torch.empty(2**16).as_strided((1, 2, 256, 128), (0, 64, 128, 1)), None),  # heads past the row
     ],
-    ids=["contiguous", "3-D", "transposed", "packed-v", "padded-rows", "batches-apart", "strided-d", "misaligned"],
+    ids=["contiguous", "3-D", "transposed", "packed-v", "3-D-transposed", "padded-rows", "batches-apart", "strided-d",
+         "misaligned", "overlapping-heads"],
 )
 def test_hopper_view_of_each_layout(make, expected):
-    """The 2-D view the Gluon forward's descriptors span, and where each head starts in it (rows of batch b, head h
-    from row b * RB + h * RH, columns from h * CH)."""
+    """The 2-D view the Gluon forward's descriptors span, and where each head starts in it (batch b, head h from row
+    b * RB + h * RH, column b * CB + h * CH)."""
     assert flash_hopper._view(make()) == expected
 
 
@@ -811,3 +816,22 @@ def test_triton_without_interpreter_rejects_cpu_tensors():
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, result.stderr
     assert "the Triton attention kernels need CUDA tensors, got tensors on cpu" in result.stderr
+
+
+def test_a_launch_key_that_does_not_fix_the_launch_is_an_error(monkeypatch):
+    """With CHECK, two launches under one key whose arguments or grids differ raise, naming the kernel: the caller's
+    key left something out (here the batch, which sets the grid)."""
+    monkeypatch.setattr(launcher, "_launches", {})
+    monkeypatch.setattr(launcher, "_checked", {})
+    kernel = flash_triton._flash_bwd_preprocess_kernel
+    for batch in (1, 2):
+        o = torch.randn(batch, 2, 64, 16, device=TRITON_DEVICE)
+        delta = torch.empty(batch, 2, 64, device=TRITON_DEVICE)
+        args = (o, o, delta, 64, 2, *o.stride()[:3], *o.stride()[:3])
+        launch = functools.partial(launcher.launch, kernel, (1, batch * 2), args, ("no batch here",), HEAD_DIM=16,
+                                   BLOCK_D=16, BLOCK_M=64)
+        if batch == 1:
+            launch()
+        else:
+            with pytest.raises(AssertionError, match="launcher key .* of _flash_bwd_preprocess_kernel does not fix"):
+                launch()

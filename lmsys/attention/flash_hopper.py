@@ -60,21 +60,31 @@ def _is_hopper(device: torch.device) -> bool:
 
 def _view(x):
     """The 2-D view that the kernel's tensor descriptor spans, for a (batch, heads, seq, d) or (batch, seq, d) input,
-    and where each head starts in it: ((rows, columns), row stride, RB, RH, CH), head (b, h) starting at row
-    b * RB + h * RH and column h * CH; or None when no 2-D view with one row stride holds the input. Two layouts have
-    one: heads one after the other (contiguous, or rows padded), a (B*H*N, d) view; and heads side by side in a row
-    (the transposed view of a (B, N, H, d) projection, as the model makes them), a (B*N, H*d) view. Either way the
-    batches must follow one another at the row stride, and TMA needs 16-byte aligned rows and base."""
+    and where each head starts in it: ((rows, columns), row stride, RB, RH, CB, CH), head (b, h) starting at row
+    b * RB + h * RH and column b * CB + h * CH; or None when no such view holds the input. The rows are the sequence's
+    (one row stride); the batch and head dims each step whole rows (their stride a multiple of the row stride:
+    contiguous heads, rows padded or not) or columns within a row (the transposed view of a (B, T, H, d) projection,
+    as the model makes them, or of a (T, B, d) tensor), all of a row's heads within the row stride. TMA needs 16-byte
+    aligned rows and base."""
     x4 = x.unsqueeze(1) if x.dim() == 3 else x
     batch, heads, n, d = x4.shape
     stride_b, stride_h, stride_n, stride_d = x4.stride()
     if stride_d != 1 or stride_n < d or (stride_n * x4.element_size()) % 16 or x4.data_ptr() % 16:
         return None
-    if (heads == 1 or stride_h == n * stride_n) and (batch == 1 or stride_b == heads * n * stride_n):
-        return (batch * heads * n, d), stride_n, heads * n, n, 0
-    if d <= stride_h and (heads - 1) * stride_h + d <= stride_n and (batch == 1 or stride_b == n * stride_n):
-        return (batch * n, (heads - 1) * stride_h + d), stride_n, n, 0, stride_h
-    return None
+    rows, cols, steps = n, d, []
+    for size, stride in ((batch, stride_b), (heads, stride_h)):
+        if size == 1:
+            steps += [0, 0]
+        elif stride % stride_n == 0:
+            rows += (size - 1) * (stride // stride_n)
+            steps += [stride // stride_n, 0]
+        else:
+            cols += (size - 1) * stride
+            steps += [0, stride]
+    if cols > stride_n:
+        return None
+    rb, cb, rh, ch = steps
+    return (rows, cols), stride_n, rb, rh, cb, ch
 
 
 def applies(q, k, v) -> bool:
@@ -208,7 +218,7 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, 
 
 @gluon.jit
 def _flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, N_Q, N_K, H, BH, GROUP_HEADS, qk_scale,
-                             Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH,
+                             Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH,
                              HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
                              NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]  # rows per consumer warpgroup
@@ -217,7 +227,7 @@ def _flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, N_Q, N_K, H, B
     off_bh, start_m = launch_order.program_position(N_Q, BH, GROUP_HEADS, BLOCK_M, CAUSAL)
     b = off_bh // H
     h = off_bh % H
-    # Where head (b, h) starts in each input's 2-D view (_view): row b * RB + h * RH, column h * CH.
+    # Where head (b, h) starts in each input's 2-D view (_view): row b * RB + h * RH, column b * CB + h * CH.
     q_row = b * Q_RB + h * Q_RH + start_m * BLOCK_M
     o_row = off_bh * N_Q + start_m * BLOCK_M  # the output is contiguous: a (B*H*N, D) view
     if CAUSAL:
@@ -251,8 +261,8 @@ def _flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, N_Q, N_K, H, B
                      o_row + HALF_M, row0 + HALF_M, lse_row + HALF_M, n_full, n_tiles, qk_scale, CAUSAL, BLOCK_N,
                      HEAD_DIM, NUM_STAGES)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                     q_row, h * Q_CH, b * K_RB + h * K_RH, h * K_CH, b * V_RB + h * V_RH, h * V_CH, n_tiles, BLOCK_N,
-                     NUM_STAGES, HALF_M)),
+                     q_row, b * Q_CB + h * Q_CH, b * K_RB + h * K_RH, b * K_CB + h * K_CH, b * V_RB + h * V_RH,
+                     b * V_CB + h * V_CH, n_tiles, BLOCK_N, NUM_STAGES, HALF_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -287,6 +297,8 @@ def forward(q, k, v, is_causal):
         (_descriptor(q, views[0], BLOCK_M // 2), _descriptor(k, views[1], BLOCK_N),
          _descriptor(v, views[2], BLOCK_N), _descriptor(o, views[3], BLOCK_M // 2), lse, n_q, n_k, heads, bh,
          launch_order.group_heads(k, bh), LOG2E / math.sqrt(d), *views[0][2:], *views[1][2:], *views[2][2:]),
+        # _view checked the alignment; o and lse are new.
+        (q.dtype, q.shape, n_k, *views),
         HEAD_DIM=d, CAUSAL=is_causal, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
     )

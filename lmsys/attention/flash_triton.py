@@ -546,15 +546,20 @@ def _fwd_impl(q, k, v, is_causal):
     tma_ok = (q.is_cuda or _INTERPRET) and _tma_ok(q4, k4, v4)
     if tma_ok and q.is_cuda:
         triton.set_allocator(_scratch)
+    q_strides, k_strides, v_strides = q4.stride(), k4.stride(), v4.stride()
     launcher.launch(
         _flash_fwd_kernel,
         lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * batch * heads,),
         (q4, k4, v4, o4, lse, n_q, n_k, heads, batch * heads, launch_order.group_heads(k4, batch * heads),
-         _autotune_key(n_q, n_k), LOG2E.value / math.sqrt(head_dim), *q4.stride()[:3], *k4.stride()[:3],
-         *v4.stride()[:3], *o4.stride()[:3]),
+         _autotune_key(n_q, n_k), LOG2E.value / math.sqrt(head_dim), *q_strides[:3], *k_strides[:3],
+         *v_strides[:3], *o4.stride()[:3]),
+        # o4 and lse are new (aligned, contiguous): the rest of the launch follows from these.
+        (q.dtype, q4.shape, n_k, q_strides, k_strides, v_strides, launcher.aligned(q4, k4, v4)),
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
         TMA_OK=tma_ok,
     )
+    if q.dim() == 4:  # a view costs microseconds of CPU, which a small problem notices
+        return o4, lse
     return o4.view(q.shape), lse.view(q.shape[:-1])
 
 
@@ -576,12 +581,16 @@ def _bwd_impl(q, k, v, o, lse, do, is_causal):
     n_k = k4.shape[2]
     dq4 = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
     dk4, dv4 = (torch.empty(k4.shape, dtype=k.dtype, device=k.device) for _ in range(2))
-    lse = lse.reshape(q4.shape[:-1]).contiguous()  # (B, H, T): the kernel indexes it as one row per head
+    if lse.shape != q4.shape[:-1] or not lse.is_contiguous():  # (B, H, T): the kernel indexes it as one row per head
+        lse = lse.reshape(q4.shape[:-1]).contiguous()
     delta = torch.empty_like(lse)
     pre_block = 64
+    o_strides, do_strides = o4.stride(), do4.stride()
+    aligned = launcher.aligned(q4, k4, v4, o4, do4, lse)
     launcher.launch(
         _flash_bwd_preprocess_kernel, (triton.cdiv(n_q, pre_block), batch * heads),
-        (o4, do4, delta, n_q, heads, *o4.stride()[:3], *do4.stride()[:3]),
+        (o4, do4, delta, n_q, heads, *o_strides[:3], *do_strides[:3]),
+        (q.dtype, o4.shape, o_strides, do_strides, aligned),  # delta is new
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=pre_block,
     )
     sm_scale = 1.0 / math.sqrt(head_dim)
@@ -589,10 +598,14 @@ def _bwd_impl(q, k, v, o, lse, do, is_causal):
         _flash_bwd_kernel,
         lambda meta: (triton.cdiv(max(n_q, n_k), meta["BLOCK_BIG"]), batch * heads),
         (q4, k4, v4, do4, dq4, dk4, dv4, lse, delta, n_q, n_k, heads, _autotune_key(n_q, n_k),
-         sm_scale * LOG2E.value, sm_scale, *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *do4.stride()[:3],
+         sm_scale * LOG2E.value, sm_scale, *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *do_strides[:3],
          *dq4.stride()[:3], *dk4.stride()[:3], *dv4.stride()[:3]),
+        # dq4, dk4, dv4 and delta are new; lse is (B, H, T) contiguous.
+        (q.dtype, q4.shape, k4.shape, q4.stride(), k4.stride(), v4.stride(), do_strides, aligned),
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
     )
+    if q.dim() == 4:
+        return dq4, dk4, dv4
     return dq4.view(q.shape), dk4.view(k.shape), dv4.view(v.shape)
 
 
