@@ -567,11 +567,13 @@ def _packed_qkv(batch, heads, n, d, dtype, device):
         ((2, 3, 512, 128), (2, 3, 512, 128), True, "packed"),
     ],
 )
-def test_hopper_forward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, seed):
+def test_hopper_forward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, monkeypatch, seed):
     """The Gluon forward (and the Triton backward after it) against float64, on inputs it takes: contiguous, the
-    (B, H, T, D) views of (B, T, H, D) tensors, and the model's q, k, v split off one packed projection."""
+    (B, H, T, D) views of (B, T, H, D) tensors, and the model's q, k, v split off one packed projection. (Small
+    problems, which it would leave to the Triton forward for speed.)"""
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon forward is for Hopper (compute capability 9.0)")
+    monkeypatch.setattr(flash_hopper, "MIN_PROGRAMS_PER_SM", 0)
     if layout == "packed":
         q, k, v = _packed_qkv(q_shape[0], q_shape[1], q_shape[2], q_shape[3], dtype, gpu)
     else:
@@ -586,6 +588,8 @@ def test_hopper_forward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, see
     "why, make",
     [
         ("ragged length", lambda gpu: make_inputs((1, 2, 1000, 128), (1, 2, 1000, 128), torch.bfloat16, gpu)),
+        ("fewer blocks than multiprocessors", lambda gpu: make_inputs((1, 4096, 128), (1, 4096, 128), torch.bfloat16,
+                                                                     gpu)),
         ("head dim 80", lambda gpu: make_inputs((1, 2, 1024, 80), (1, 2, 1024, 80), torch.bfloat16, gpu)),
         ("fp32", lambda gpu: make_inputs((1, 2, 1024, 128), (1, 2, 1024, 128), torch.float32, gpu)),
         ("head dim not unit-stride", lambda gpu: tuple(
@@ -595,7 +599,11 @@ def test_hopper_forward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, see
             for _ in range(3))),
     ],
 )
-def test_hopper_forward_declines_what_it_does_not_take(gpu, why, make):
+def test_hopper_forward_declines_what_it_does_not_take(gpu, why, make, monkeypatch):
+    if torch.cuda.get_device_capability(gpu) != (9, 0):
+        pytest.skip("the Gluon forward is for Hopper (compute capability 9.0)")
+    # Each case small, declined for its own reason alone.
+    monkeypatch.setattr(flash_hopper, "MIN_PROGRAMS_PER_SM", 1 if why.startswith("fewer blocks") else 0)
     q, k, v = make(gpu)
     assert not flash_hopper.applies(q, k, v), why
 
@@ -633,12 +641,13 @@ def test_model_attention_runs_the_hopper_forward(gpu, train, monkeypatch, seed):
     calls = []
     hopper_forward = flash_hopper.forward
     monkeypatch.setattr(flash_hopper, "forward", lambda *a: calls.append(a) or hopper_forward(*a))
-    config = ModelConfig(vocab_size=512, context_length=256, d_model=256, num_layers=2, num_heads=2, d_ff=512,
+    # Head dim 128, and 4 x 4 heads of 2048 tokens: 256 query blocks, enough to fill an H100's 132 multiprocessors.
+    config = ModelConfig(vocab_size=512, context_length=2048, d_model=512, num_layers=2, num_heads=4, d_ff=1024,
                          attention="flash_triton")
     ours = TransformerLM(config).to(gpu, torch.bfloat16)
     reference = TransformerLM(dataclasses.replace(config, attention="sdpa")).to(gpu, torch.bfloat16)
     reference.load_state_dict(ours.state_dict())
-    tokens = torch.randint(0, config.vocab_size, (2, 256), device=gpu)
+    tokens = torch.randint(0, config.vocab_size, (4, 2048), device=gpu)
     with torch.set_grad_enabled(train):
         logits = ours(tokens)
         expected = reference(tokens)

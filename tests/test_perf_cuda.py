@@ -62,6 +62,8 @@ def test_cuda_backend_end_to_end(pytester, gpu):
 GRAPH_SUITE = """
 import torch
 
+from lmsys.perf.timing import spin
+
 
 def test_small_mm(gpu_benchmark):
     a = torch.randn(256, 256, device="cuda")
@@ -86,6 +88,7 @@ def test_launch_bound_not_capturable(gpu_benchmark):
     def launches():
         for _ in range(100):
             x.add_(1)
+        spin(0.001)  # 1 ms more of CPU: launch-bound on any host (a fast one queues 100 launches in 0.3 ms)
         torch.cuda.current_stream().query()  # not permitted while capturing; no wait for the device
 
     gpu_benchmark(launches, graph=True)

@@ -492,10 +492,19 @@ def _flash_bwd_kernel(
 # ------------------------------------------------------------------------------------------------ wrappers
 
 
-def _as_4d(x):
-    """(batch, seq, d) -> (batch, 1, seq, d) view; 4-D passes through. The last dim must be unit-stride."""
-    x = x.unsqueeze(1) if x.dim() == 3 else x
+def _unit_stride(x):
+    """x, or a contiguous copy when its last dim is not unit-stride (the kernels read rows as contiguous vectors)."""
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _dims(x):
+    """(batch, heads, seq, d) and the batch, head and row strides of x read as 4-D, a 3-D x being one head. No view is
+    made: a view costs microseconds of CPU, which a small problem notices."""
+    if x.dim() == 4:
+        return x.shape, x.stride()[:3]
+    batch, n, d = x.shape
+    stride_b, stride_n, _ = x.stride()
+    return (batch, 1, n, d), (stride_b, 0, stride_n)
 
 
 def _tma_ok(*tensors):
@@ -536,31 +545,29 @@ def _check(q, k, v, is_causal):
 def _fwd_impl(q, k, v, is_causal):
     if HOPPER_FORWARD and flash_hopper.applies(q, k, v):
         return flash_hopper.forward(q, k, v, is_causal)
-    q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
-    batch, heads, n_q, head_dim = q4.shape
-    n_k = k4.shape[2]
-    o4 = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(q4.shape[:-1], dtype=torch.float32, device=q.device)
+    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+    (batch, heads, n_q, head_dim), q_strides = _dims(q)
+    n_k = k.shape[-2]
+    k_strides, v_strides = _dims(k)[1], _dims(v)[1]
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     # The interpreter runs tensor descriptors too (zero-filling out of bounds as TMA does), for tests that force a
     # config with USE_TMA; its own config has none.
-    tma_ok = (q.is_cuda or _INTERPRET) and _tma_ok(q4, k4, v4)
+    tma_ok = (q.is_cuda or _INTERPRET) and _tma_ok(q, k, v)
     if tma_ok and q.is_cuda:
         triton.set_allocator(_scratch)
-    q_strides, k_strides, v_strides = q4.stride(), k4.stride(), v4.stride()
     launcher.launch(
         _flash_fwd_kernel,
         lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * batch * heads,),
-        (q4, k4, v4, o4, lse, n_q, n_k, heads, batch * heads, launch_order.group_heads(k4, batch * heads),
-         _autotune_key(n_q, n_k), LOG2E.value / math.sqrt(head_dim), *q_strides[:3], *k_strides[:3],
-         *v_strides[:3], *o4.stride()[:3]),
-        # o4 and lse are new (aligned, contiguous): the rest of the launch follows from these.
-        (q.dtype, q4.shape, n_k, q_strides, k_strides, v_strides, launcher.aligned(q4, k4, v4)),
+        (q, k, v, o, lse, n_q, n_k, heads, batch * heads, launch_order.group_heads(k, batch * heads),
+         _autotune_key(n_q, n_k), LOG2E.value / math.sqrt(head_dim), *q_strides, *k_strides, *v_strides,
+         *_dims(o)[1]),
+        # o and lse are new (aligned, contiguous): the rest of the launch follows from these.
+        (q.dtype, q.shape, n_k, q_strides, k_strides, v_strides, launcher.aligned(q, k, v)),
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
         TMA_OK=tma_ok,
     )
-    if q.dim() == 4:  # a view costs microseconds of CPU, which a small problem notices
-        return o4, lse
-    return o4.view(q.shape), lse.view(q.shape[:-1])
+    return o, lse
 
 
 @torch.library.custom_op("lmsys::flash_attn_fwd", mutates_args=())
@@ -576,37 +583,34 @@ def _(q, k, v, is_causal):
 
 
 def _bwd_impl(q, k, v, o, lse, do, is_causal):
-    q4, k4, v4, o4, do4 = _as_4d(q), _as_4d(k), _as_4d(v), _as_4d(o), _as_4d(do)
-    batch, heads, n_q, head_dim = q4.shape
-    n_k = k4.shape[2]
-    dq4 = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
-    dk4, dv4 = (torch.empty(k4.shape, dtype=k.dtype, device=k.device) for _ in range(2))
-    if lse.shape != q4.shape[:-1] or not lse.is_contiguous():  # (B, H, T): the kernel indexes it as one row per head
-        lse = lse.reshape(q4.shape[:-1]).contiguous()
+    q, k, v, o, do = _unit_stride(q), _unit_stride(k), _unit_stride(v), _unit_stride(o), _unit_stride(do)
+    (batch, heads, n_q, head_dim), q_strides = _dims(q)
+    n_k = k.shape[-2]
+    k_strides, v_strides, o_strides, do_strides = _dims(k)[1], _dims(v)[1], _dims(o)[1], _dims(do)[1]
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk, dv = (torch.empty(k.shape, dtype=k.dtype, device=k.device) for _ in range(2))
+    if lse.shape != q.shape[:-1] or not lse.is_contiguous():  # the kernels index it as one row per head
+        lse = lse.reshape(q.shape[:-1]).contiguous()
     delta = torch.empty_like(lse)
     pre_block = 64
-    o_strides, do_strides = o4.stride(), do4.stride()
-    aligned = launcher.aligned(q4, k4, v4, o4, do4, lse)
+    aligned = launcher.aligned(q, k, v, o, do, lse)
     launcher.launch(
         _flash_bwd_preprocess_kernel, (triton.cdiv(n_q, pre_block), batch * heads),
-        (o4, do4, delta, n_q, heads, *o_strides[:3], *do_strides[:3]),
-        (q.dtype, o4.shape, o_strides, do_strides, aligned),  # delta is new
+        (o, do, delta, n_q, heads, *o_strides, *do_strides),
+        (q.dtype, o.shape, o_strides, do_strides, aligned),  # delta is new
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=pre_block,
     )
     sm_scale = 1.0 / math.sqrt(head_dim)
     launcher.launch(
         _flash_bwd_kernel,
         lambda meta: (triton.cdiv(max(n_q, n_k), meta["BLOCK_BIG"]), batch * heads),
-        (q4, k4, v4, do4, dq4, dk4, dv4, lse, delta, n_q, n_k, heads, _autotune_key(n_q, n_k),
-         sm_scale * LOG2E.value, sm_scale, *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *do_strides[:3],
-         *dq4.stride()[:3], *dk4.stride()[:3], *dv4.stride()[:3]),
-        # dq4, dk4, dv4 and delta are new; lse is (B, H, T) contiguous.
-        (q.dtype, q4.shape, k4.shape, q4.stride(), k4.stride(), v4.stride(), do_strides, aligned),
+        (q, k, v, do, dq, dk, dv, lse, delta, n_q, n_k, heads, _autotune_key(n_q, n_k), sm_scale * LOG2E.value,
+         sm_scale, *q_strides, *k_strides, *v_strides, *do_strides, *_dims(dq)[1], *_dims(dk)[1], *_dims(dv)[1]),
+        # dq, dk, dv and delta are new; lse is contiguous, one row per head.
+        (q.dtype, q.shape, k.shape, q_strides, k_strides, v_strides, do_strides, aligned),
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
     )
-    if q.dim() == 4:
-        return dq4, dk4, dv4
-    return dq4.view(q.shape), dk4.view(k.shape), dv4.view(v.shape)
+    return dq, dk, dv
 
 
 @torch.library.custom_op("lmsys::flash_attn_bwd", mutates_args=())
