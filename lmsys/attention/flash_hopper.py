@@ -311,7 +311,7 @@ def forward(q, k, v, is_causal):
          _descriptor(v, views[2], BLOCK_N), _descriptor(o, views[3], BLOCK_M // 2), lse, n_q, n_k, heads, bh,
          launch_order.group_heads(k, bh), LOG2E / math.sqrt(d), *views[0][2:], *views[1][2:], *views[2][2:]),
         # _view checked the alignment; o and lse are new.
-        (q.dtype, q.shape, n_k, *views),
+        (q.device, q.dtype, q.shape, n_k, *views),
         HEAD_DIM=d, CAUSAL=is_causal, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
     )

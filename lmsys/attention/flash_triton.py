@@ -563,7 +563,7 @@ def _fwd_impl(q, k, v, is_causal):
          _autotune_key(n_q, n_k), LOG2E.value / math.sqrt(head_dim), *q_strides, *k_strides, *v_strides,
          *_dims(o)[1]),
         # o and lse are new (aligned, contiguous): the rest of the launch follows from these.
-        (q.dtype, q.shape, n_k, q_strides, k_strides, v_strides, launcher.aligned(q, k, v)),
+        (q.device, q.dtype, q.shape, n_k, q_strides, k_strides, v_strides, launcher.aligned(q, k, v)),
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
         TMA_OK=tma_ok,
     )
@@ -597,7 +597,7 @@ def _bwd_impl(q, k, v, o, lse, do, is_causal):
     launcher.launch(
         _flash_bwd_preprocess_kernel, (triton.cdiv(n_q, pre_block), batch * heads),
         (o, do, delta, n_q, heads, *o_strides, *do_strides),
-        (q.dtype, o.shape, o_strides, do_strides, aligned),  # delta is new
+        (q.device, q.dtype, o.shape, o_strides, do_strides, aligned),  # delta is new
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=pre_block,
     )
     sm_scale = 1.0 / math.sqrt(head_dim)
@@ -607,7 +607,7 @@ def _bwd_impl(q, k, v, o, lse, do, is_causal):
         (q, k, v, do, dq, dk, dv, lse, delta, n_q, n_k, heads, _autotune_key(n_q, n_k), sm_scale * LOG2E.value,
          sm_scale, *q_strides, *k_strides, *v_strides, *do_strides, *_dims(dq)[1], *_dims(dk)[1], *_dims(dv)[1]),
         # dq, dk, dv and delta are new; lse is contiguous, one row per head.
-        (q.dtype, q.shape, k.shape, q_strides, k_strides, v_strides, do_strides, aligned),
+        (q.device, q.dtype, q.shape, k.shape, q_strides, k_strides, v_strides, do_strides, aligned),
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
     )
     return dq, dk, dv

@@ -8,7 +8,7 @@ compiles and launches), and keeps what triton chose (the compiled kernel, the gr
 constexpr arguments); a later call with the same key hands its arguments straight to the compiled kernel's launcher.
 
 The caller names the launch with a key: a hashable that, with the constexprs, fixes everything triton specializes the
-kernel on and the grid. Triton looks at each tensor's dtype and whether its address is 16-byte aligned, and at each
+kernel on and the grid, and the device (triton compiles per device). Triton looks at each tensor's dtype and whether its address is 16-byte aligned, and at each
 int argument (whether it is 1 or a multiple of 16); the caller's key holds the shapes and strides those ints and the
 grid come from, the dtype, and the alignment of the tensors it did not allocate itself (the caching allocator aligns
 its blocks to 512 bytes). So a hit launches the kernel triton itself would have launched, on the grid it would have
