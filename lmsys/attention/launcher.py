@@ -8,12 +8,13 @@ compiles and launches), and keeps what triton chose (the compiled kernel, the gr
 constexpr arguments); a later call with the same key hands its arguments straight to the compiled kernel's launcher.
 
 The caller names the launch with a key: a hashable that, with the constexprs, fixes everything triton specializes the
-kernel on and the grid, and the device (triton compiles per device). Triton looks at each tensor's dtype and whether its address is 16-byte aligned, and at each
-int argument (whether it is 1 or a multiple of 16); the caller's key holds the shapes and strides those ints and the
-grid come from, the dtype, and the alignment of the tensors it did not allocate itself (the caching allocator aligns
-its blocks to 512 bytes). So a hit launches the kernel triton itself would have launched, on the grid it would have
-used. `CHECK = True` (the test suite sets it) verifies that on every call: it records each key's arguments as triton
-sees them and its grid, and raises when a later call with the same key differs, naming the kernel.
+kernel on and the grid, and the device (triton compiles per device). Triton looks at each tensor's dtype and whether its
+address is 16-byte aligned, and at each int argument (whether it is 1 or a multiple of 16); the caller's key holds the
+shapes and strides those ints and the grid come from, the dtype, and the alignment of the tensors it did not allocate
+itself (the caching allocator aligns its blocks to 512 bytes). So a hit launches the kernel triton itself would have
+launched, on the grid it would have used. `CHECK = True` (the test suite sets it) verifies that on every call: it
+records each key's arguments as triton sees them and its grid, and raises when a later call with the same key differs,
+naming the kernel.
 
 This leans on triton's internals (3.6): the JIT function returns the compiled kernel it launched, the autotuner
 keeps its choice in `best_config`, the heuristics wrapper its rules in `values`, and the JIT function launches with
@@ -137,6 +138,7 @@ def _first_launch(kernel, grid, args, constexprs):
     values = {**constexprs, **meta, **flags}
     names = jit.arg_names[len(args):]
     shape = _grid(grid, jit, args, values)
-    if not (isinstance(jit, JITFunction) and hasattr(compiled, "packed_metadata")) or any(n not in values for n in names):
+    usable = isinstance(jit, JITFunction) and hasattr(compiled, "packed_metadata")
+    if not usable or any(name not in values for name in names):
         compiled = None
     return compiled, shape, tuple(values.get(name) for name in names), values
