@@ -99,9 +99,10 @@ def _view(x):
     return (rows, cols), stride_n, rb, rh, cb, ch
 
 
-def applies(q, k, v) -> bool:
-    """Whether this kernel runs these (batch, heads, seq, d) or (batch, seq, d) inputs."""
-    return (
+def views(q, k, v):
+    """The 2-D views (`_view`) of q, k and v when this kernel runs these (batch, heads, seq, d) or (batch, seq, d)
+    inputs, else None."""
+    takes = (
         q.is_cuda
         and _is_hopper(q.device)
         and q.dtype in (torch.bfloat16, torch.float16)
@@ -109,8 +110,14 @@ def applies(q, k, v) -> bool:
         and q.shape[-2] % BLOCK_M == 0
         and k.shape[-2] % BLOCK_N == 0
         and q.numel() // (q.shape[-1] * BLOCK_M) >= MIN_PROGRAMS_PER_SM * _sm_count(q.device)
-        and all(_view(x) is not None for x in (q, k, v))
     )
+    found = (_view(q), _view(k), _view(v)) if takes else (None,)
+    return None if None in found else found
+
+
+def applies(q, k, v) -> bool:
+    """Whether this kernel runs these (batch, heads, seq, d) or (batch, seq, d) inputs."""
+    return views(q, k, v) is not None
 
 
 @gluon.jit
@@ -295,23 +302,23 @@ def _descriptor(x, view, rows):
     return TensorDescriptor(x, [n_rows, n_cols], [stride, 1], [rows, d], _smem_layout(rows, d, _gl_dtype(x.dtype)))
 
 
-def forward(q, k, v, is_causal):
-    """(o, lse) for inputs that `applies()` accepts (checked by the caller): output in q's dtype, contiguous,
-    natural-log log-sum-exp in fp32 of q's shape without d."""
+def forward(q, k, v, is_causal, qkv_views):
+    """(o, lse) for inputs that this kernel takes, `qkv_views` being what `views()` found for them: output in q's
+    dtype, contiguous, natural-log log-sum-exp in fp32 of q's shape without d."""
     d, n_q, n_k = q.shape[-1], q.shape[-2], k.shape[-2]
     heads = q.shape[1] if q.dim() == 4 else 1
     bh = q.numel() // (n_q * d)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     # Tiles never cross a head: both lengths are multiples of the tiles.
-    views = [_view(x) for x in (q, k, v, o)]
+    found = (*qkv_views, _view(o))
     launcher.launch(
         _flash_fwd_hopper_kernel, (n_q // BLOCK_M * bh,),
-        (_descriptor(q, views[0], BLOCK_M // 2), _descriptor(k, views[1], BLOCK_N),
-         _descriptor(v, views[2], BLOCK_N), _descriptor(o, views[3], BLOCK_M // 2), lse, n_q, n_k, heads, bh,
-         launch_order.group_heads(k, bh), LOG2E / math.sqrt(d), *views[0][2:], *views[1][2:], *views[2][2:]),
+        (_descriptor(q, found[0], BLOCK_M // 2), _descriptor(k, found[1], BLOCK_N),
+         _descriptor(v, found[2], BLOCK_N), _descriptor(o, found[3], BLOCK_M // 2), lse, n_q, n_k, heads, bh,
+         launch_order.group_heads(k, bh), LOG2E / math.sqrt(d), *found[0][2:], *found[1][2:], *found[2][2:]),
         # _view checked the alignment; o and lse are new.
-        (q.device, q.dtype, q.shape, n_k, *views),
+        (q.device, q.dtype, q.shape, n_k, *found),
         HEAD_DIM=d, CAUSAL=is_causal, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
     )

@@ -543,8 +543,9 @@ def _check(q, k, v, is_causal):
 
 
 def _fwd_impl(q, k, v, is_causal):
-    if HOPPER_FORWARD and flash_hopper.applies(q, k, v):
-        return flash_hopper.forward(q, k, v, is_causal)
+    hopper = flash_hopper.views(q, k, v) if HOPPER_FORWARD else None
+    if hopper is not None:
+        return flash_hopper.forward(q, k, v, is_causal, hopper)
     q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
     (batch, heads, n_q, head_dim), q_strides = _dims(q)
     n_k = k.shape[-2]

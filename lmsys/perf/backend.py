@@ -215,24 +215,25 @@ class CudaBackend:
         leaves only the device's time in the span (queued timing, lmsys/perf/timing.py).
         """
         start, end = self._events
-        if lead is None:
-            torch.cuda._sleep(SLEEP_CYCLES)
-        else:
-            lead()
+        self._queue_lead(lead)
         start.record()
         call()
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
 
-    def time_host(self, call: Callable[[], Any], lead: Callable[[], None] | None = None) -> float:
-        """Seconds the CPU takes to issue the call, by perf_counter from the call to its return; the device is
-        drained afterwards, untimed. `lead` (a device-side delay longer than the call takes the CPU) is queued first,
-        so that no launch waits for the device; without it a short device-side sleep is."""
+    @staticmethod
+    def _queue_lead(lead: Callable[[], None] | None) -> None:
         if lead is None:
             torch.cuda._sleep(SLEEP_CYCLES)
         else:
             lead()
+
+    def time_host(self, call: Callable[[], Any], lead: Callable[[], None] | None = None) -> float:
+        """Seconds the CPU takes to issue the call, by perf_counter from the call to its return; the device is
+        drained afterwards, untimed. `lead` (a device-side delay longer than the call takes the CPU) is queued first,
+        so that no launch waits for the device; without it a short device-side sleep is."""
+        self._queue_lead(lead)
         start = time.perf_counter()
         call()
         elapsed = time.perf_counter() - start

@@ -213,7 +213,7 @@ def with_delay(backend, call: Callable[[], Any], flush, fraction: float, graph: 
     graph=True the replays of a trial capture, or queued rounds when it cannot be captured (a launch-bound call's
     eager time is mostly CPU). With host=True the delay is the CPU's (make_host_delay), a fraction of the host time."""
     if host:
-        lead = queue_lead(backend, call, flush) if backend.is_gpu else None
+        lead = queue_lead(backend, call, flush)
         delay = backend.make_host_delay(fraction * median(time_rounds(backend, call, 3, flush, lead, host=True)))
     else:
         delay = _device_delay(backend, call, flush, fraction, graph)
@@ -322,7 +322,7 @@ def run(
     queued = graph and captured is None and backend.is_gpu
     eager = None
     if host:
-        lead = queue_lead(backend, timed, flush) if backend.is_gpu else None
+        lead = queue_lead(backend, timed, flush)
         samples, wall, comparison, remeasured = _series(
             backend, timed, chosen.rounds, flush, precision, judge, lead, host=True
         )
