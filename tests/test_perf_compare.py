@@ -129,6 +129,17 @@ def test_judge_combines_time_and_memory():
     assert compare.judge(slower, None).failed is True
 
 
+def test_a_baseline_whose_time_could_not_be_compared_fails_uncompared():
+    same = compare.compare_memory(100 * MIB, 100 * MIB, 0.01, MIB)
+    why = "the baseline was timed eager, this run graph"
+    alone = compare.judge(None, None, uncompared=why)
+    assert alone.label == compare.UNCOMPARED and alone.failed
+    assert compare.judge(None, same, uncompared=why).label == compare.UNCOMPARED
+    assert alone.message("test_x") == (
+        f"UNCOMPARED: test_x time not compared: {why}; save a baseline of this timing (--benchmark-save) to gate it"
+    )
+
+
 def test_failure_message_names_the_benchmark_and_the_change():
     slower = compare.compare_time([1.23e-3] * 5, [1.02e-3] * 5, 0.05)
     fatter = compare.compare_memory(110 * MIB, 100 * MIB, 0.01, MIB)

@@ -82,21 +82,38 @@ def test_a_call_that_cannot_be_captured_is_timed_queued_with_a_note(pytester):
     assert bench["extra_info"]["eager_median"] == pytest.approx(2e-3)
 
 
-def test_a_queued_run_against_a_graph_baseline_compares_the_eager_time_only(pytester):
+def test_a_queued_run_against_a_graph_baseline_fails_uncompared(pytester):
+    # A capture that fails now times the device queued; the graph baseline's time cannot be compared with that, and a
+    # gate that passed here would pass without having compared: the test fails and says what to do.
     save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": 1.0, "call": ", graph=True"}})
     write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": 1.0, "capturable": False, "call": ", graph=True"}},
                 seed=2)
     result = run(pytester, "--benchmark-compare")
-    result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*time not compared: the baseline was timed graph, this run queued*"])
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*UNCOMPARED: test_a time not compared: the baseline was timed graph, this run queued; save a baseline of "
+        "this timing (--benchmark-save) to gate it*"
+    ])
 
 
-def test_a_graph_run_against_an_eager_baseline_compares_the_eager_time_only(pytester):
+def test_a_graph_run_against_an_eager_baseline_fails_uncompared_after_comparing_the_eager_time(pytester):
     save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": 1.0}})
     write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": 1.0, "call": ", graph=True"}}, seed=2)
+    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*UNCOMPARED: test_a time not compared: the baseline was timed eager, this run graph*"])
+    extra = bench_json(pytester)["test_a"]["extra_info"]
+    assert extra["verdict"] == "UNCOMPARED"
+    assert "eager_change" in extra  # the eager rounds had a baseline to compare with, and were compared
+
+
+def test_a_new_graph_baseline_gates_the_run_again(pytester):
+    save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": 1.0}})
+    write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": 1.0, "call": ", graph=True"}}, seed=2)
+    run(pytester, "--benchmark-save=graph").assert_outcomes(passed=1)
     result = run(pytester, "--benchmark-compare")
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["test_a: time not compared: the baseline was timed eager, this run graph"])
+    result.stdout.fnmatch_lines(["*test_a*(graph)*PASS*"])
 
 
 def test_graph_argument_must_be_a_bool(pytester):
@@ -285,3 +302,46 @@ def test_one_mib_more_is_always_caught_and_an_unchanged_peak_never(pytester, now
     result = run(pytester, "--benchmark-compare")
     result.assert_outcomes(**{"failed" if verdict == "MORE-MEMORY" else "passed": 1})
     result.stdout.fnmatch_lines([f"*test_a*{verdict}*"])
+
+
+# The launch cost on another host: the fake host's probe and the work's launch cost move together, as a slower CPU
+# moves both; a slower launch path on the same host moves the launch cost alone.
+@pytest.mark.parametrize(
+    ("launch_ms", "host_launch", "outcome", "line"),
+    [
+        (1.5, 7.5e-6, "passed", "*a tiny launch takes 1.50x as long here (7.50 vs 5.00 us)*"),
+        (1.5, 5e-6, "failed", "SLOWER-EAGER: test_a eager median 2.5* ms vs baseline 1.99* ms (+25.*"),
+        (1.0, 3e-6, "failed", "SLOWER-EAGER: test_a eager median 2.00* ms vs baseline 1.59* ms (scaled x0.60 to this host) (+25.*"),
+    ],
+    ids=["slower-host", "slower-launch-path", "faster-host-same-launch-cost"],
+)
+def test_the_eager_time_of_a_graph_benchmark_is_judged_for_this_host(pytester, launch_ms, host_launch, outcome, line):
+    save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": 1.0, "call": ", graph=True"}})
+    write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": launch_ms, "call": ", graph=True"}}, seed=2,
+                host_launch=host_launch)
+    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result.assert_outcomes(**{outcome: 1})
+    result.stdout.fnmatch_lines([line])
+    extra = bench_json(pytester)["test_a"]["extra_info"]
+    assert extra["host_launch_s"] == host_launch
+    assert extra["host_scale"] == pytest.approx(host_launch / 5e-6)
+    assert extra["time_change"] == pytest.approx(0.0, abs=0.03)  # the device time is never scaled
+
+
+def test_host_timing_is_judged_for_this_host(pytester):
+    save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": 0.1, "call": ", host=True"}})
+    write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": 0.2, "call": ", host=True"}}, seed=2, host_launch=1e-5)
+    run(pytester, "--benchmark-compare").assert_outcomes(passed=1)
+    write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": 0.2, "call": ", host=True"}}, seed=2)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["SLOWER: test_a median 200* us vs baseline 100* us*"])
+
+
+def test_a_baseline_without_a_host_probe_is_compared_unscaled(pytester):
+    save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": 1.0, "call": ", graph=True"}}, host_launch=None)
+    write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": 1.5, "call": ", graph=True"}}, seed=2,
+                host_launch=7.5e-6)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["SLOWER-EAGER: test_a*"])

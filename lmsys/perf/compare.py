@@ -25,7 +25,10 @@ TOLERANCE_KEYS = ("time", "memory", "eager")
 PASS, IMPROVED, SLOWER, MORE_MEMORY, NEW = "PASS", "IMPROVED", "SLOWER", "MORE-MEMORY", "NEW"
 # The eager time (CPU launch cost included) of a benchmark timed in a CUDA graph, slower beyond its own tolerance.
 SLOWER_EAGER = "SLOWER-EAGER"
-FAILING = (SLOWER, SLOWER_EAGER, MORE_MEMORY)
+# A baseline exists but its time cannot be compared with this run's (timed another way): a gate that passed here
+# would pass without having compared.
+UNCOMPARED = "UNCOMPARED"
+FAILING = (SLOWER, SLOWER_EAGER, MORE_MEMORY, UNCOMPARED)
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,8 @@ class TimeComparison:
     verdict: str
     # where the tolerance came from: "default", "--perf-time-tolerance", "marker", "calibrated from 20 runs", ...
     source: str = "default"
+    # the ratio the baseline's CPU time was scaled by to this host's launch speed (baselines.host_scaled_samples)
+    host_scale: float | None = None
 
     @property
     def change(self) -> float:
@@ -67,14 +72,15 @@ class MemoryComparison:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The outcome for one benchmark: a label (PASS, IMPROVED, SLOWER, SLOWER-EAGER, MORE-MEMORY, NEW, or several
-    joined by '+'), the time comparison (the graph replays' time in graph mode), the memory comparison, and in graph
-    mode the comparison of the eager time."""
+    """The outcome for one benchmark: a label (PASS, IMPROVED, SLOWER, SLOWER-EAGER, MORE-MEMORY, UNCOMPARED, NEW,
+    or several joined by '+'), the time comparison (the graph replays' time in graph mode), the memory comparison, in
+    graph mode the comparison of the eager time, and why the time could not be compared (UNCOMPARED)."""
 
     label: str
     time: TimeComparison | None = None
     memory: MemoryComparison | None = None
     eager: TimeComparison | None = None
+    uncompared: str | None = None
 
     @property
     def failed(self) -> bool:
@@ -88,9 +94,14 @@ class Verdict:
             if t is not None and t.verdict == SLOWER:
                 lines.append(
                     f"{label}: {name} {what} {format_seconds(t.median)} vs baseline "
-                    f"{format_seconds(t.baseline_median)} ({t.change:+.1%}, tolerance {format_tolerance(t)}; "
+                    f"{format_seconds(t.baseline_median)}{scaled(t)} ({t.change:+.1%}, tolerance {format_tolerance(t)}; "
                     f"{CONFIDENCE:.0%} lower bound of the ratio {t.ratio_low:.3f} > {1 + t.tolerance:.3f})"
                 )
+        if self.uncompared is not None:
+            lines.append(
+                f"{UNCOMPARED}: {name} time not compared: {self.uncompared}; save a baseline of this timing "
+                "(--benchmark-save) to gate it"
+            )
         if self.memory is not None and self.memory.verdict == MORE_MEMORY:
             m = self.memory
             change = "" if m.change is None else f"{m.change:+.1%}, "
@@ -100,6 +111,12 @@ class Verdict:
                 f"{'' if m.source == 'default' else ', ' + m.source})"
             )
         return "\n".join(lines) if lines else f"{self.label}: {name}"
+
+
+def scaled(comparison: TimeComparison) -> str:
+    """' (scaled x1.18 to this host)' after a baseline time whose CPU part was scaled (by 0.5% or more), else ''."""
+    scale = comparison.host_scale
+    return "" if scale is None or f"{scale:.2f}" == "1.00" else f" (scaled x{scale:.2f} to this host)"
 
 
 def format_tolerance(comparison: TimeComparison) -> str:
@@ -198,15 +215,21 @@ def compare_memory(
 
 
 def judge(
-    time: TimeComparison | None, memory: MemoryComparison | None, eager: TimeComparison | None = None
+    time: TimeComparison | None,
+    memory: MemoryComparison | None,
+    eager: TimeComparison | None = None,
+    uncompared: str | None = None,
 ) -> Verdict:
     """Combine the comparisons (any may be absent) into one verdict; none present is NEW. `eager` is the eager time
-    of a benchmark timed in a CUDA graph: its SLOWER is labelled SLOWER-EAGER."""
-    if time is None and memory is None and eager is None:
+    of a benchmark timed in a CUDA graph: its SLOWER is labelled SLOWER-EAGER. `uncompared` says why a benchmark that
+    has a baseline got no time comparison: UNCOMPARED, which fails."""
+    if time is None and memory is None and eager is None and uncompared is None:
         return Verdict(NEW)
     parts = [c.verdict for c in (time, memory) if c is not None]
     if eager is not None:
         parts.append(SLOWER_EAGER if eager.verdict == SLOWER else eager.verdict)
+    if uncompared is not None:
+        parts.append(UNCOMPARED)
     failing = [p for p in parts if p in FAILING]
     if failing:
         label = "+".join(failing)
@@ -214,7 +237,7 @@ def judge(
         label = IMPROVED
     else:
         label = PASS
-    return Verdict(label, time, memory, eager)
+    return Verdict(label, time, memory, eager, uncompared)
 
 
 def check_tolerances(args: tuple, kwargs: dict) -> dict[str, float]:
