@@ -12,8 +12,6 @@ import random
 
 from lmsys.perf.backend import MemoryReading
 
-# The fake host's probe: seconds per tiny launch (write_suite's host_launch; None: a backend without the probe).
-HOST_LAUNCH = 5e-6
 # What the fake device holds before a benchmarked call (inputs, other tests' leftovers).
 ALLOCATED_BEFORE = 512 * 2**20
 
@@ -59,7 +57,6 @@ class FakeGpu:
         self.hosting = False
         self.captures = 0
         self.held = 0
-        self.host_launch = HOST_LAUNCH
         # What machine_state() returns: a healthy GPU unless a test says otherwise (None: no NVML).
         self.machine = {"sm_clock_mhz": 1980, "memory_clock_mhz": 2619, "max_sm_clock_mhz": 1980,
                         "temperature_c": 40, "power_w": 300.0, "throttle": [], "processes": [1], "other_processes": 0}
@@ -166,10 +163,6 @@ class FakeGpu:
     def machine_state(self):
         return None if self.machine is None else dict(self.machine)
 
-    def host_launch_seconds(self):
-        """The host probe: `host_launch`, set by the suite (write_suite), like the launch cost of its work."""
-        return self.host_launch
-
     def work(self, ms: float, noise: float = 0.0, memory: int = 0, seed: int = 0, slow_calls: int = 0, slow_ms: float = 0,
              launch_ms: float = 0.0, launch_noise: float = 0.0, capturable: bool = True):
         """A function for gpu_benchmark: each call takes `ms` milliseconds times (1 + noise * N(0, 1)) of device time
@@ -209,12 +202,11 @@ MACHINE = "Fake_GPU_80GB"
 MIB = 2**20
 
 
-def write_suite(pytester, tests: dict, seed: int, gpu: str = GPU, host_launch: float | None = HOST_LAUNCH) -> None:
+def write_suite(pytester, tests: dict, seed: int, gpu: str = GPU) -> None:
     """An inner suite: one test per entry, benchmarking fake.work(**spec); 'marker' and 'call' (extra keyword
-    arguments of the gpu_benchmark call, as source text) are taken out of the spec. `host_launch` is the fake host's
-    probe (a slower host: raise it with the work's launch_ms)."""
+    arguments of the gpu_benchmark call, as source text) are taken out of the spec."""
     pytester.makeini("[pytest]\n")
-    pytester.makeconftest(INNER_CONFTEST.format(name=gpu) + f"\nFAKE.host_launch = {host_launch!r}\n")
+    pytester.makeconftest(INNER_CONFTEST.format(name=gpu))
     lines = ["import pytest", ""]
     for index, (name, spec) in enumerate(tests.items()):
         spec = {"noise": 0.01, "memory": 64 * MIB, **spec}
@@ -236,9 +228,9 @@ def run(pytester, *args, **kwargs):
     return pytester.runpytest_inprocess(*RUN_ARGS, *args, **kwargs)
 
 
-def save_baseline(pytester, tests: dict, name: str = "base", gpu: str = GPU, host_launch: float | None = HOST_LAUNCH):
+def save_baseline(pytester, tests: dict, name: str = "base", gpu: str = GPU):
     """Writes the suite (seed 1) and saves it as a baseline named `name`; the run must pass."""
-    write_suite(pytester, tests, seed=1, gpu=gpu, host_launch=host_launch)
+    write_suite(pytester, tests, seed=1, gpu=gpu)
     result = run(pytester, f"--benchmark-save={name}")
     assert result.ret == 0, result.stdout.str()
     return result

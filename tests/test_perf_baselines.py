@@ -89,47 +89,6 @@ def test_read_baseline_rejects_impossible_times(tmp_path, changes, problem):
         baselines.read_baseline(path)
 
 
-@pytest.mark.parametrize("probe", [0.0, -1e-6, "fast", float("nan")])
-def test_read_baseline_rejects_an_impossible_host_probe(tmp_path, probe):
-    entry = bench()
-    entry["extra_info"][baselines.HOST_PROBE_KEY] = probe
-    path = tmp_path / "0001_a.json"
-    path.write_text(json.dumps(doc(entry)))
-    with pytest.raises(baselines.BaselineError, match="has a host_launch_s that is not a positive number of seconds"):
-        baselines.read_baseline(path)
-
-
-def timed(timing: str, median: float, eager=None, probe=4e-6) -> dict:
-    entry = bench(data=(median,))
-    entry["stats"]["median"] = median
-    entry["extra_info"].update(timing=timing, host_launch_s=probe)
-    if eager is not None:
-        entry["extra_info"][baselines.EAGER_KEY] = list(eager)
-    return entry
-
-
-def test_the_cpu_part_of_a_baseline_is_scaled_by_the_ratio_of_host_probes():
-    # Graph-timed, 1 ms on the device; eager rounds of 3 ms (2 ms of it the host's) and one faster than the device.
-    graph = timed("graph", 1e-3, eager=[3e-3, 0.9e-3])
-    scaled, ratio = baselines.host_scaled_samples(graph, "eager", 6e-6)
-    assert ratio == pytest.approx(1.5)
-    assert scaled == pytest.approx([4e-3, 0.9e-3])  # 1 ms + 2 ms x 1.5; the device's part is not scaled
-    assert baselines.host_scaled_samples(graph, "graph", 6e-6) == ([1e-3], None)  # device time: never scaled
-    host, ratio = baselines.host_scaled_samples(timed("host", 2e-4), "host", 2e-6)
-    assert (host, ratio) == (pytest.approx([1e-4]), pytest.approx(0.5))  # host timing is all the CPU's
-    queued = timed("queued", 1e-3, eager=[2e-3])
-    assert baselines.host_scaled_samples(queued, "eager", 8e-6)[0] == pytest.approx([3e-3])
-
-
-def test_a_baseline_without_a_host_probe_or_timed_eager_is_compared_as_stored():
-    eager = timed("eager", 1e-3)
-    assert baselines.host_scaled_samples(eager, "eager", 8e-6) == ([1e-3], None)  # its time includes the device's
-    old = timed("graph", 1e-3, eager=[3e-3])
-    del old["extra_info"][baselines.HOST_PROBE_KEY]
-    assert baselines.host_scaled_samples(old, "eager", 8e-6) == ([3e-3], None)
-    assert baselines.host_scaled_samples(timed("graph", 1e-3, eager=[3e-3]), "eager", None) == ([3e-3], None)
-
-
 def test_read_baseline_rejects_malformed_rounds(tmp_path):
     path = tmp_path / "0001_a.json"
     path.write_text(json.dumps(doc(bench(data=[1e-3, -1.0]))))

@@ -209,19 +209,3 @@ def test_host_timing_takes_the_cpus_time_to_issue_a_call(gpu):
     assert 0.001 <= host < 0.005
     assert device >= 0.019
     torch.cuda.synchronize()
-
-
-def test_the_host_probe_times_launches_not_the_device(gpu):
-    """The probe's launches are queued behind a device-side sleep: a device kept busy by 50 ms of queued work does not
-    slow it down, and it is the CPU time of a launch (microseconds, not the sleep's milliseconds)."""
-    import torch
-
-    from lmsys.perf.backend import CudaBackend
-
-    backend = CudaBackend()
-    idle = backend.host_launch_seconds()
-    backend.make_delay(0.05)()
-    busy = backend.host_launch_seconds()
-    torch.cuda.synchronize()
-    assert 1e-7 < idle < 1e-4 and 1e-7 < busy < 1e-4
-    assert busy < 3 * idle

@@ -11,7 +11,6 @@ CUDA is initialized lazily, on the first use of the name or a measurement: a pyt
 
 import gc
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -22,10 +21,6 @@ from typing import Any, Protocol
 import torch
 
 from lmsys.perf import machine, timing
-
-# The host probe (host_launch_seconds): batches of this many launches of a one-element in-place add, the median of
-# this many batches; on a GPU each batch is issued behind a device-side sleep longer than the batch takes the CPU.
-PROBE_LAUNCHES, PROBE_BATCHES, PROBE_LEAD_SECONDS = 100, 11, 0.005
 
 # About 0.5 ms on a GPU clocked near 2 GHz: longer than the launch latency of a Python call into a few kernels.
 SLEEP_CYCLES = 1_000_000
@@ -83,7 +78,6 @@ class Backend(Protocol):
     def make_host_delay(self, seconds: float) -> Callable[[], None]: ...
     def holding(self, nbytes: int) -> AbstractContextManager: ...
     def machine_state(self) -> dict[str, Any] | None: ...
-    def host_launch_seconds(self) -> float | None: ...
 
 
 def _cpu_model() -> str:
@@ -165,12 +159,6 @@ class CpuBackend:
         """No readings on the CPU."""
         return None
 
-    def host_launch_seconds(self) -> float:
-        """The host probe: the CPU's time per tiny op (torch's dispatch on a one-element tensor), the median of
-        PROBE_BATCHES batches of PROBE_LAUNCHES."""
-        x = torch.zeros(1)
-        return _probe(lambda: x.add_(1.0), lambda: None, lambda: None)
-
 
 class CudaBackend:
     """The current CUDA device: CUDA events around each round, an L2 flush by overwriting a buffer twice the L2's size,
@@ -251,14 +239,6 @@ class CudaBackend:
         elapsed = time.perf_counter() - start
         torch.cuda.synchronize(self.index)
         return elapsed
-
-    def host_launch_seconds(self) -> float:
-        """The host probe: the CPU's time to issue one tiny kernel (an in-place add on a one-element tensor), the
-        median of PROBE_BATCHES batches of PROBE_LAUNCHES, each batch queued behind a device-side sleep so no launch
-        waits for the device. How fast this host launches, measured beside every benchmark: the gate scales a
-        baseline's CPU time by the ratio of the probes (README, "Launch cost on another host")."""
-        x = torch.zeros(1, device=self.index)
-        return _probe(lambda: x.add_(1.0), self.make_delay(PROBE_LEAD_SECONDS), self.synchronize)
 
     def make_l2_flush(self) -> Callable[[], None]:
         """A function that evicts the L2 cache by writing a buffer twice its size; the buffer lives as long as it."""
@@ -374,18 +354,6 @@ class CudaBackend:
         """Clocks, temperature, power, throttle reasons and other processes (NVML), or None without NVML."""
         reader = self._machine[0]
         return None if reader is None else reader.read()
-
-
-def _probe(op: Callable[[], Any], lead: Callable[[], None], drain: Callable[[], None]) -> float:
-    per_launch = []
-    for _ in range(PROBE_BATCHES):
-        lead()
-        start = time.perf_counter()
-        for _ in range(PROBE_LAUNCHES):
-            op()
-        per_launch.append((time.perf_counter() - start) / PROBE_LAUNCHES)
-        drain()
-    return statistics.median(per_launch)
 
 
 def detect_backend(clock: Callable[[], float]) -> CpuBackend | CudaBackend:

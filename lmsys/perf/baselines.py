@@ -40,8 +40,6 @@ REQUIRED_STATS = ("min", "max", "mean", "stddev", "median", "iqr", "rounds", "it
 MEMORY_KEY = "peak_allocated_above_start_bytes"
 # The eager rounds of a benchmark timed in a CUDA graph (its stats are the replays).
 EAGER_KEY = "eager_data"
-# The host probe beside a benchmark (seconds per tiny launch, Backend.host_launch_seconds)
-HOST_PROBE_KEY = "host_launch_s"
 TIMINGS = ("eager", "graph", "queued", "host")
 FORBIDDEN_NAME_CHARACTERS = '\\/:*?<>|'
 
@@ -137,8 +135,6 @@ def _problem(doc) -> str | None:
             return f"benchmark {bench['fullname']!r} has an 'extra_info' that is not an object"
         if MEMORY_KEY in extra and not (_is_number(extra[MEMORY_KEY]) and extra[MEMORY_KEY] >= 0):
             return f"benchmark {bench['fullname']!r} has a {MEMORY_KEY} that is not a non-negative number"
-        if HOST_PROBE_KEY in extra and not (_is_number(extra[HOST_PROBE_KEY]) and extra[HOST_PROBE_KEY] > 0):
-            return f"benchmark {bench['fullname']!r} has a {HOST_PROBE_KEY} that is not a positive number of seconds"
         if extra.get("timing", "eager") not in TIMINGS:
             return f"benchmark {bench['fullname']!r} has a timing that is not one of {TIMINGS}"
         eager = extra.get(EAGER_KEY)
@@ -236,25 +232,6 @@ def samples(bench: dict, timed: str = "eager") -> list[float] | None:
     if timed == "eager":
         return (bench.get("extra_info") or {}).get(EAGER_KEY)
     return None
-
-
-def host_scaled_samples(bench: dict, timed: str, host_launch: float | None) -> tuple[list[float] | None, float | None]:
-    """A baseline benchmark's samples timed `timed` (samples()), the CPU's part scaled to this host: for host timing
-    and for the eager rounds kept beside a graph- or queued-timed benchmark, each round's time above the baseline's
-    device median (0 for host timing) is multiplied by r = host_launch / the baseline's probe (HOST_PROBE_KEY).
-    Returns (samples, r); r is None, and the samples as stored, when a probe is missing or the time is the device's."""
-    reference = samples(bench, timed)
-    probe = (bench.get("extra_info") or {}).get(HOST_PROBE_KEY)
-    if reference is None or host_launch is None or probe is None:
-        return reference, None
-    if timed == "host":
-        device = 0.0
-    elif timed == "eager" and timing(bench) in ("graph", "queued"):
-        device = float(bench["stats"]["median"])
-    else:
-        return reference, None
-    ratio = host_launch / probe
-    return [device + (t - device) * ratio if t > device else t for t in reference], ratio
 
 
 def peak_memory(bench: dict) -> int | None:

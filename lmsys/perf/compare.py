@@ -44,8 +44,6 @@ class TimeComparison:
     verdict: str
     # where the tolerance came from: "default", "--perf-time-tolerance", "marker", "calibrated from 20 runs", ...
     source: str = "default"
-    # the ratio the baseline's CPU time was scaled by to this host's launch speed (baselines.host_scaled_samples)
-    host_scale: float | None = None
 
     @property
     def change(self) -> float:
@@ -94,7 +92,7 @@ class Verdict:
             if t is not None and t.verdict == SLOWER:
                 lines.append(
                     f"{label}: {name} {what} {format_seconds(t.median)} vs baseline "
-                    f"{format_seconds(t.baseline_median)}{scaled(t)} ({t.change:+.1%}, tolerance {format_tolerance(t)}; "
+                    f"{format_seconds(t.baseline_median)} ({t.change:+.1%}, tolerance {format_tolerance(t)}; "
                     f"{CONFIDENCE:.0%} lower bound of the ratio {t.ratio_low:.3f} > {1 + t.tolerance:.3f})"
                 )
         if self.uncompared is not None:
@@ -111,12 +109,6 @@ class Verdict:
                 f"{'' if m.source == 'default' else ', ' + m.source})"
             )
         return "\n".join(lines) if lines else f"{self.label}: {name}"
-
-
-def scaled(comparison: TimeComparison) -> str:
-    """' (scaled x1.18 to this host)' after a baseline time whose CPU part was scaled (by 0.5% or more), else ''."""
-    scale = comparison.host_scale
-    return "" if scale is None or f"{scale:.2f}" == "1.00" else f" (scaled x{scale:.2f} to this host)"
 
 
 def format_tolerance(comparison: TimeComparison) -> str:

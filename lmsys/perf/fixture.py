@@ -15,7 +15,6 @@ tensor argument, or bf16 when there is none). The plugin fails the test after it
 SLOWER, SLOWER-EAGER or MORE-MEMORY.
 """
 
-import dataclasses
 import functools
 import re
 from statistics import median
@@ -29,9 +28,6 @@ from lmsys import flops as flops_formulas
 from lmsys.perf import baselines, compare, machine, multirank, timing
 from lmsys.perf.backend import CudaBackend
 from lmsys.perf.session import RECORD_KEY, SESSION_KEY, Record, Tolerance
-
-# A baseline's CPU time scaled to this host by 5% or more is noted beside the verdict.
-HOST_NOTE_RATIO = 0.05
 
 
 def _is_count(value) -> bool:
@@ -86,9 +82,6 @@ class GpuBenchmark:
         self._benchmark = benchmark
         self._session = node.config.stash[SESSION_KEY]
         self._node = node
-        # The host probe beside this benchmark, and the ratio a baseline's CPU time was scaled by (_judge).
-        self._host_launch: float | None = None
-        self._host_scale: float | None = None
 
     @property
     def extra_info(self) -> dict:
@@ -110,19 +103,12 @@ class GpuBenchmark:
         bench._mode = "gpu_benchmark(...)"
 
     def _judge(self, timed: str, tolerance: Tolerance) -> timing.Judge:
-        """samples timed `timed` -> their comparison with the baseline's samples timed alike (None without), the
-        CPU's part of those scaled to this host (baselines.host_scaled_samples)."""
+        """samples timed `timed` -> their comparison with the baseline's samples timed alike (None without)."""
         baseline = self._session.baseline(self._benchmark.fullname)
-        if baseline is None:
-            return lambda samples: None
-        reference, ratio = baselines.host_scaled_samples(baseline, timed, self._host_launch)
+        reference = None if baseline is None else baselines.samples(baseline, timed)
         if reference is None:
             return lambda samples: None
-        if ratio is not None:
-            self._host_scale = ratio
-        return lambda samples: dataclasses.replace(
-            compare.compare_time(samples, reference, tolerance.value, source=tolerance.source), host_scale=ratio
-        )
+        return lambda samples: compare.compare_time(samples, reference, tolerance.value, source=tolerance.source)
 
     def __call__(
         self, fn, *args, flops=None, bytes=None, cold_l2=False, warmup_rounds=None, precision=None, graph=False,
@@ -136,8 +122,6 @@ class GpuBenchmark:
             return call()
         session, backend = self._session, self._session.backend
         primary = timing.GRAPH if graph else timing.HOST if host else timing.EAGER
-        probe = getattr(backend, "host_launch_seconds", None)
-        self._host_launch = probe() if probe is not None else None
         time_tolerance = self._tolerance(primary, eager=host)
         eager_tolerance = self._tolerance(timing.EAGER, eager=True) if graph else time_tolerance
         queued_tolerance = self._tolerance(timing.QUEUED)
@@ -291,15 +275,9 @@ class GpuBenchmark:
             timing=measurement.timing,
             tolerance=tolerance,
             eager_median=None if eager is None else median(eager),
-            baseline_eager_median=_eager_median(baseline, measurement.eager_comparison),
+            baseline_eager_median=_eager_median(baseline),
             notes=list(measurement.notes),
         )
-        if self._host_scale is not None and abs(self._host_scale - 1) >= HOST_NOTE_RATIO:
-            base_probe = baseline_info[baselines.HOST_PROBE_KEY]
-            record.notes.append(
-                f"the baseline's CPU time scaled to this host: a tiny launch takes {self._host_scale:.2f}x as long "
-                f"here ({self._host_launch * 1e6:.2f} vs {base_probe * 1e6:.2f} us)"
-            )
         readings = measurement.machine or {}
         record.notes += machine.problems(
             readings.get("before"), readings.get("after"), (baseline_info.get("machine") or {}).get("after")
@@ -314,10 +292,6 @@ class GpuBenchmark:
         )
         if eager is not None:
             bench.extra_info.update({baselines.EAGER_KEY: eager, "eager_median": record.eager_median})
-        if self._host_launch is not None:
-            bench.extra_info[baselines.HOST_PROBE_KEY] = self._host_launch
-        if self._host_scale is not None:
-            bench.extra_info["host_scale"] = self._host_scale
         if measurement.machine is not None:
             bench.extra_info["machine"] = measurement.machine
         if record.notes:
@@ -335,10 +309,7 @@ class GpuBenchmark:
         self._node.stash[RECORD_KEY] = record
 
 
-def _eager_median(baseline: dict | None, compared: compare.TimeComparison | None) -> float | None:
-    """The baseline's eager median as compared (scaled to this host), else as stored."""
-    if compared is not None:
-        return compared.baseline_median
+def _eager_median(baseline: dict | None) -> float | None:
     if baseline is None:
         return None
     eager = baselines.samples(baseline, timing.EAGER)
