@@ -302,4 +302,3 @@ def test_one_mib_more_is_always_caught_and_an_unchanged_peak_never(pytester, now
     result = run(pytester, "--benchmark-compare")
     result.assert_outcomes(**{"failed" if verdict == "MORE-MEMORY" else "passed": 1})
     result.stdout.fnmatch_lines([f"*test_a*{verdict}*"])
-
