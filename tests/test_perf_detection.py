@@ -1,5 +1,6 @@
 """lmsys.perf.detection: the A/A false-alarm and injected-delay detection table, from the reruns' JSON."""
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -106,7 +107,8 @@ def test_no_aa_without_an_injection_is_a_usage_error(capsys):
     assert "--no-aa leaves nothing to measure" in capsys.readouterr().err
 
 
-def test_memory_with_delays_counts_each_delay_run_for_its_delay_and_for_the_allocation(monkeypatch, capsys):
+def test_memory_with_delays_counts_each_delay_run_for_its_delay_and_for_the_allocation(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)
     calls = []
 
     def fake_rerun(args, runs, cwd, env=None, timeout=None, progress=None, keep=None, first=0):
@@ -134,3 +136,64 @@ def test_memory_with_delays_needs_a_delay_and_one_size(capsys):
     with pytest.raises(SystemExit):
         detection.main(["--memory-with-delays", "--inject", "0.05", "--", "perf_tests"])
     assert "--memory-with-delays needs --inject and one --inject-memory size" in capsys.readouterr().err
+
+
+def keeping_rerun(calls: list):
+    """A fake reruns.rerun that keeps each run's JSON as the real one does (DIR/<case>/<case>-run-N.json); an A/A run
+    passes, a delayed run is SLOWER. Saving the reference is recorded as ('reference', args)."""
+    def fake(args, runs, cwd, env=None, timeout=None, progress=None, keep=None, first=0):
+        if any(arg.startswith("--benchmark-save=") for arg in args):
+            calls.append(("reference", list(args)))
+            storage = Path(next(a for a in args if a.startswith("--benchmark-storage=")).split("=", 1)[1])
+            (storage / "GPU").mkdir(parents=True)
+            return [doc({})]
+        docs = [doc({"test_x": "SLOWER" if float(env[detection.INJECT_DELAY]) else "PASS"}) for _ in range(runs)]
+        for index, one in zip(range(first, first + runs), docs):
+            calls.append((keep.name, index))
+            keep.mkdir(parents=True, exist_ok=True)
+            (keep / f"{keep.name}-run-{index}.json").write_text(json.dumps(one))
+        return docs
+
+    return fake
+
+
+def test_a_measurement_resumed_later_adds_runs_until_each_case_has_enough(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)
+    calls = []
+    monkeypatch.setattr(detection.reruns, "rerun", keeping_rerun(calls))
+    argv = ["--inject", "0.05", "--keep", "kept", "--", "perf_tests", "-k", "x"]
+    assert detection.main(["--runs", "2", *argv]) == 0
+    assert [c for c in calls if c[0] != "reference"] == [("aa", 0), ("delay-0.05", 0), ("aa", 1), ("delay-0.05", 1)]
+    calls.clear()
+    # A later session (another machine start): its own reference, then the runs still missing, numbered on.
+    assert detection.main(["--runs", "3", "--resume", *argv]) == 0
+    assert [c[0] for c in calls] == ["reference", "aa", "delay-0.05"]
+    assert calls[1:] == [("aa", 2), ("delay-0.05", 2)]
+    captured = capsys.readouterr()
+    assert "resuming kept: aa 2 runs, delay-0.05 2 runs" in captured.err
+    table = captured.out.split("benchmark")[-1].splitlines()  # the second measurement's table
+    assert table[1].split() == ["test_x", "0/3", "3/3"]  # counts every kept run
+    calls.clear()
+    assert detection.main(["--runs", "3", "--resume", *argv]) == 0
+    assert calls == []  # nothing missing: no reference is saved, nothing runs
+    assert "every case has 3 runs already: nothing to run" in capsys.readouterr().err
+
+
+def test_kept_runs_are_never_overwritten_nor_mixed_with_another_measurement(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(detection.reruns, "rerun", keeping_rerun([]))
+    assert detection.main(["--runs", "1", "--keep", "kept", "--", "perf_tests", "-k", "x"]) == 0
+    before = sorted(p.name for p in Path("kept").rglob("*.json"))
+    with pytest.raises(SystemExit, match="holds the runs of an earlier measurement: add --resume"):
+        detection.main(["--runs", "1", "--keep", "kept", "--", "perf_tests", "-k", "x"])
+    with pytest.raises(SystemExit, match="--resume: kept holds runs of .*'-k', 'x'.*not of .*'-k', 'y'"):
+        detection.main(["--runs", "2", "--resume", "--keep", "kept", "--", "perf_tests", "-k", "y"])
+    with pytest.raises(SystemExit, match="--resume: elsewhere holds no measurement to resume"):
+        detection.main(["--runs", "2", "--resume", "--keep", "elsewhere", "--", "perf_tests"])
+    assert sorted(p.name for p in Path("kept").rglob("*.json")) == before
+
+
+def test_resume_needs_keep(capsys):
+    with pytest.raises(SystemExit):
+        detection.main(["--resume", "--", "perf_tests"])
+    assert "--resume needs --keep DIR" in capsys.readouterr().err

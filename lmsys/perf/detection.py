@@ -10,11 +10,15 @@ GPU's calibration.json, so calibrated tolerances apply). The cases take turns (a
 drift of the machine over the measurement (warming up, another start) falls on every case alike, and a measurement
 stopped partway has as many runs of each case. LMSYS_INJECT_DELAY=f makes every benchmarked call queue a
 device-side delay of f times its own time (torch.cuda._sleep, calibrated to the GPU's clock), LMSYS_INJECT_MEMORY=B
-hold B more bytes on the device while it runs. The table counts, per benchmark and over all, the failing verdicts
-of the A/A runs, the caught delays of each size (any failing verdict) and the caught allocations (MORE-MEMORY).
+hold B more bytes on the device while it runs. --keep DIR keeps every run's JSON, and --resume adds to them later
+(another session, another machine start) until each case has --runs runs. The table counts, per benchmark and over
+all, the failing verdicts of the A/A runs, the caught delays of each size (any failing verdict) and the caught
+allocations (MORE-MEMORY).
 """
 
 import argparse
+import json
+import re
 import shutil
 import subprocess
 import sys
@@ -95,6 +99,37 @@ def _progress(column: str, runs: int) -> Callable[[int, subprocess.CompletedProc
     return report
 
 
+MANIFEST = "detection.json"
+
+
+def kept_runs(folder: Path) -> list[dict]:
+    """The JSON documents kept in folder (a case's folder under --keep), in run order; [] when there is none."""
+    numbered = []
+    for path in folder.glob(f"{folder.name}-run-*.json") if folder.is_dir() else ():
+        match = re.fullmatch(rf"{re.escape(folder.name)}-run-(\d+)\.json", path.name)
+        if match:
+            numbered.append((int(match[1]), path))
+    return [json.loads(path.read_text(encoding="utf-8")) for _, path in sorted(numbered)]
+
+
+def _resume(keep: Path, settings: dict, resume: bool) -> None:
+    """Checks that --keep DIR may take this measurement's runs: a folder that holds runs needs --resume (so kept runs
+    are never overwritten), and the same settings (test selection, reference) as the runs it holds; records them."""
+    manifest = keep / MANIFEST
+    if manifest.exists():
+        if not resume:
+            raise SystemExit(f"--keep {keep} holds the runs of an earlier measurement: add --resume to add runs to it, "
+                             "or keep these runs in another folder")
+        earlier = json.loads(manifest.read_text(encoding="utf-8"))
+        if earlier != settings:
+            raise SystemExit(f"--resume: {keep} holds runs of {earlier}, not of {settings}")
+        return
+    if resume:
+        raise SystemExit(f"--resume: {keep} holds no measurement to resume ({MANIFEST} is missing)")
+    keep.mkdir(parents=True, exist_ok=True)
+    manifest.write_text(json.dumps(settings, indent=1), encoding="utf-8")
+
+
 def _reference(args: list[str], storage: Path, baselines: Path, timeout: float) -> list[str]:
     """Saves a fresh reference into `storage` (with a copy of the GPU's calibration); returns the arguments that
     compare with it."""
@@ -128,6 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--keep", type=Path, metavar="DIR",
                         help="keep every run's pytest-benchmark JSON (medians, memory, machine readings) in "
                         "DIR/<case>: aa, delay-0.05, memory-1048576")
+    parser.add_argument("--resume", action="store_true",
+                        help="add to the runs kept in --keep DIR by an earlier measurement (another session or machine "
+                        "start) until each case has --runs runs; the table counts them all")
     parser.add_argument("pytest_args", nargs="+", help="what to run, after --: test paths, -k, options")
     args = parser.parse_args(argv)
     if args.memory_with_delays and not (args.inject and len(args.inject_memory) == 1):
@@ -136,33 +174,47 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--no-aa leaves nothing to measure without --inject or --inject-memory")
     if args.runs < 1 or any(not 0 < delay <= 10 for delay in args.inject) or any(n < 1 for n in args.inject_memory):
         parser.error("--runs must be at least 1, --inject fractions in (0, 10] and --inject-memory positive")
-    with tempfile.TemporaryDirectory(prefix="lmsys-detection-") as folder:
-        if args.baseline == "newest":
-            compare = [f"--benchmark-storage={args.storage}", "--benchmark-compare"]
-        elif args.baseline:
-            compare = [f"--benchmark-storage={args.storage}", f"--benchmark-compare={args.baseline}"]
-        else:
-            compare = _reference(args.pytest_args, Path(folder), args.storage, args.timeout)
-        # (column, folder of its kept runs, environment, the verdicts it counts)
-        cases = [] if args.no_aa else [("A/A false alarms", "aa", UNCHANGED, failed)]
-        held = {INJECT_MEMORY: str(args.inject_memory[0])} if args.memory_with_delays else {}
-        cases += [(f"+{delay:.0%} caught", f"delay-{delay:g}", {**UNCHANGED, INJECT_DELAY: str(delay), **held},
-                   slower if held else failed) for delay in args.inject]
-        if not held:
-            cases += [(f"+{format_bytes(n)} caught", f"memory-{n}", {**UNCHANGED, INJECT_MEMORY: str(n)}, more_memory)
-                      for n in args.inject_memory]
-        docs: dict[str, list[dict]] = {name: [] for _, name, _, _ in cases}
-        print(f"{args.runs} rounds of: {', '.join(column for column, _, _, _ in cases)}", file=sys.stderr, flush=True)
-        for index in range(args.runs):  # a round: one run of each case
-            for column, name, env, _ in cases:
-                kept = None if args.keep is None else args.keep / name
-                docs[name] += reruns.rerun([*args.pytest_args, *compare], 1, Path.cwd(), env=env,
-                                           timeout=args.timeout, progress=_progress(column, args.runs), keep=kept,
-                                           first=index)
-            results = [(column, docs[name], counted) for column, name, _, counted in cases]
-            if index + 1 < args.runs:  # what is measured so far, in case the rest never finishes
-                print(f"after {index + 1} of {args.runs} rounds:", file=sys.stderr)
-                print(_with_memory(results, held).to_string(index=False), file=sys.stderr, flush=True)
+    if args.resume and args.keep is None:
+        parser.error("--resume needs --keep DIR, the folder of the runs to add to")
+    if args.keep is not None:
+        _resume(args.keep, {"pytest_args": args.pytest_args, "baseline": args.baseline}, args.resume)
+    # (column, folder of its kept runs, environment, the verdicts it counts)
+    cases = [] if args.no_aa else [("A/A false alarms", "aa", UNCHANGED, failed)]
+    held = {INJECT_MEMORY: str(args.inject_memory[0])} if args.memory_with_delays else {}
+    cases += [(f"+{delay:.0%} caught", f"delay-{delay:g}", {**UNCHANGED, INJECT_DELAY: str(delay), **held},
+               slower if held else failed) for delay in args.inject]
+    if not held:
+        cases += [(f"+{format_bytes(n)} caught", f"memory-{n}", {**UNCHANGED, INJECT_MEMORY: str(n)}, more_memory)
+                  for n in args.inject_memory]
+    docs = {name: kept_runs(args.keep / name) if args.resume else [] for _, name, _, _ in cases}
+    if args.resume:
+        print(f"resuming {args.keep}: " + ", ".join(f"{name} {len(runs)} runs" for name, runs in docs.items()),
+              file=sys.stderr, flush=True)
+    results = [(column, docs[name], counted) for column, name, _, counted in cases]
+    if all(len(runs) >= args.runs for runs in docs.values()):
+        print(f"every case has {args.runs} runs already: nothing to run", file=sys.stderr, flush=True)
+    else:
+        with tempfile.TemporaryDirectory(prefix="lmsys-detection-") as folder:
+            if args.baseline == "newest":
+                compare = [f"--benchmark-storage={args.storage}", "--benchmark-compare"]
+            elif args.baseline:
+                compare = [f"--benchmark-storage={args.storage}", f"--benchmark-compare={args.baseline}"]
+            else:  # a reference of this machine, for this measurement (a resumed one saves its own)
+                compare = _reference(args.pytest_args, Path(folder), args.storage, args.timeout)
+            print(f"{args.runs} rounds of: {', '.join(column for column, _, _, _ in cases)}", file=sys.stderr,
+                  flush=True)
+            for index in range(args.runs):  # a round: one run of each case that has fewer runs than that
+                for column, name, env, _ in cases:
+                    if len(docs[name]) > index:
+                        continue
+                    kept = None if args.keep is None else args.keep / name
+                    docs[name] += reruns.rerun([*args.pytest_args, *compare], 1, Path.cwd(), env=env,
+                                               timeout=args.timeout, progress=_progress(column, args.runs),
+                                               keep=kept, first=len(docs[name]))
+                results = [(column, docs[name], counted) for column, name, _, counted in cases]
+                if index + 1 < args.runs:  # what is measured so far, in case the rest never finishes
+                    print(f"after {index + 1} of {args.runs} rounds:", file=sys.stderr)
+                    print(_with_memory(results, held).to_string(index=False), file=sys.stderr, flush=True)
     table = _with_memory(results, held)
     print(_markdown(table) if args.markdown else table.to_string(index=False))
     return 0
