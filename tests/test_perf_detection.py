@@ -197,3 +197,27 @@ def test_resume_needs_keep(capsys):
     with pytest.raises(SystemExit):
         detection.main(["--resume", "--", "perf_tests"])
     assert "--resume needs --keep DIR" in capsys.readouterr().err
+
+
+def test_the_table_of_several_kept_measurements_counts_them_all_and_runs_nothing(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)
+    calls = []
+    monkeypatch.setattr(detection.reruns, "rerun", keeping_rerun(calls))
+    for folder, runs in (("start1", "2"), ("start2", "3")):
+        assert detection.main(["--runs", runs, "--inject", "0.05", "--keep", folder, "--", "perf_tests"]) == 0
+    assert detection.main(["--runs", "1", "--inject", "0.1", "--keep", "other", "--", "perf_tests"]) == 0
+    capsys.readouterr()
+    calls.clear()
+    assert detection.main(["--markdown", "--table", "start1", "start2"]) == 0
+    assert calls == []
+    assert "| test_x | 0/5 | 5/5 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--table: other measured .*not the same cases"):
+        detection.main(["--table", "start1", "other"])
+    with pytest.raises(SystemExit, match="--table: nowhere holds no measurement"):
+        detection.main(["--table", "nowhere"])
+
+
+def test_without_tests_to_run_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        detection.main(["--runs", "2"])
+    assert "what to run is missing" in capsys.readouterr().err

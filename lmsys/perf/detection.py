@@ -11,7 +11,8 @@ drift of the machine over the measurement (warming up, another start) falls on e
 stopped partway has as many runs of each case. LMSYS_INJECT_DELAY=f makes every benchmarked call queue a
 device-side delay of f times its own time (torch.cuda._sleep, calibrated to the GPU's clock), LMSYS_INJECT_MEMORY=B
 hold B more bytes on the device while it runs. --keep DIR keeps every run's JSON, and --resume adds to them later
-(another session, another machine start) until each case has --runs runs. The table counts, per benchmark and over
+(another session, another machine start) until each case has --runs runs; --table DIR... tabulates the runs kept by
+several measurements of the same cases without running anything. The table counts, per benchmark and over
 all, the failing verdicts of the A/A runs, the caught delays of each size (any failing verdict) and the caught
 allocations (MORE-MEMORY).
 """
@@ -112,6 +113,43 @@ def kept_runs(folder: Path) -> list[dict]:
     return [json.loads(path.read_text(encoding="utf-8")) for _, path in sorted(numbered)]
 
 
+def _settings(args: argparse.Namespace) -> dict:
+    """What makes runs of two measurements the same cases (kept in DIR/detection.json, compared on --resume)."""
+    return {"pytest_args": args.pytest_args, "baseline": args.baseline, "no_aa": args.no_aa, "inject": args.inject,
+            "inject_memory": args.inject_memory, "memory_with_delays": args.memory_with_delays}
+
+
+def _cases(settings: dict) -> tuple[list[tuple[str, str, dict, Callable[[str | None], bool]]], dict]:
+    """The cases of a measurement, (column, folder of its kept runs, environment, the verdicts it counts), and the
+    allocation held in the delay runs ({} unless memory_with_delays)."""
+    cases = [] if settings["no_aa"] else [("A/A false alarms", "aa", UNCHANGED, failed)]
+    held = {INJECT_MEMORY: str(settings["inject_memory"][0])} if settings["memory_with_delays"] else {}
+    cases += [(f"+{delay:.0%} caught", f"delay-{delay:g}", {**UNCHANGED, INJECT_DELAY: str(delay), **held},
+               slower if held else failed) for delay in settings["inject"]]
+    if not held:
+        cases += [(f"+{format_bytes(n)} caught", f"memory-{n}", {**UNCHANGED, INJECT_MEMORY: str(n)}, more_memory)
+                  for n in settings["inject_memory"]]
+    return cases, held
+
+
+def _table_of_kept(folders: list[Path]) -> tuple[pd.DataFrame, dict]:
+    """The table of the runs kept by one or more measurements of the same settings (--table)."""
+    manifests = {}
+    for folder in folders:
+        manifest = folder / MANIFEST
+        if not manifest.exists():
+            raise SystemExit(f"--table: {folder} holds no measurement ({MANIFEST} is missing)")
+        manifests[folder] = json.loads(manifest.read_text(encoding="utf-8"))
+    settings = manifests[folders[0]]
+    for folder, other in manifests.items():
+        if other != settings:
+            raise SystemExit(f"--table: {folder} measured {other}, {folders[0]} {settings}: not the same cases")
+    cases, held = _cases(settings)
+    results = [(column, [doc for folder in folders for doc in kept_runs(folder / name)], counted)
+               for column, name, _, counted in cases]
+    return _with_memory(results, held), settings
+
+
 def _resume(keep: Path, settings: dict, resume: bool) -> None:
     """Checks that --keep DIR may take this measurement's runs: a folder that holds runs needs --resume (so kept runs
     are never overwritten), and the same settings (test selection, reference) as the runs it holds; records them."""
@@ -166,8 +204,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true",
                         help="add to the runs kept in --keep DIR by an earlier measurement (another session or machine "
                         "start) until each case has --runs runs; the table counts them all")
-    parser.add_argument("pytest_args", nargs="+", help="what to run, after --: test paths, -k, options")
+    parser.add_argument("--table", type=Path, nargs="+", metavar="DIR",
+                        help="run nothing: print the table of the runs kept (--keep) by one or more measurements of "
+                        "the same tests and cases, e.g. one per machine start")
+    parser.add_argument("pytest_args", nargs="*", help="what to run, after --: test paths, -k, options")
     args = parser.parse_args(argv)
+    if args.table:
+        table, settings = _table_of_kept(args.table)
+        print(f"runs kept in {', '.join(map(str, args.table))} of: {' '.join(settings['pytest_args'])}",
+              file=sys.stderr)
+        print(_markdown(table) if args.markdown else table.to_string(index=False))
+        return 0
+    if not args.pytest_args:
+        parser.error("what to run is missing: give the tests after --, e.g. -- perf_tests -k anchors")
     if args.memory_with_delays and not (args.inject and len(args.inject_memory) == 1):
         parser.error("--memory-with-delays needs --inject and one --inject-memory size")
     if args.no_aa and not (args.inject or args.inject_memory):
@@ -177,15 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.resume and args.keep is None:
         parser.error("--resume needs --keep DIR, the folder of the runs to add to")
     if args.keep is not None:
-        _resume(args.keep, {"pytest_args": args.pytest_args, "baseline": args.baseline}, args.resume)
-    # (column, folder of its kept runs, environment, the verdicts it counts)
-    cases = [] if args.no_aa else [("A/A false alarms", "aa", UNCHANGED, failed)]
-    held = {INJECT_MEMORY: str(args.inject_memory[0])} if args.memory_with_delays else {}
-    cases += [(f"+{delay:.0%} caught", f"delay-{delay:g}", {**UNCHANGED, INJECT_DELAY: str(delay), **held},
-               slower if held else failed) for delay in args.inject]
-    if not held:
-        cases += [(f"+{format_bytes(n)} caught", f"memory-{n}", {**UNCHANGED, INJECT_MEMORY: str(n)}, more_memory)
-                  for n in args.inject_memory]
+        _resume(args.keep, _settings(args), args.resume)
+    cases, held = _cases(_settings(args))
     docs = {name: kept_runs(args.keep / name) if args.resume else [] for _, name, _, _ in cases}
     if args.resume:
         print(f"resuming {args.keep}: " + ", ".join(f"{name} {len(runs)} runs" for name, runs in docs.items()),
