@@ -4,6 +4,7 @@ suites on the fake GPU of perf_fakes.py, like test_perf_plugin.py."""
 
 import json
 import math
+import signal
 
 import pytest
 from lmsys.perf.baselines import TEMPORARY_PREFIX
@@ -166,6 +167,47 @@ def test_an_interrupted_run_saves_nothing(pytester):
     assert result.ret == pytest.ExitCode.INTERRUPTED
     result.stdout.fnmatch_lines(["NOT SAVED: the run was interrupted, so no baseline was written*"])
     assert baseline_files(pytester) == []
+
+
+def test_a_ctrl_c_that_the_code_swallows_still_stops_the_run_and_saves_nothing(pytester):
+    # A SIGINT turns into a KeyboardInterrupt wherever Python is; inside a weakref callback (torch.compile's caches)
+    # it is only printed and the run goes on. The plugin notes the signal itself: the run stops after that test, ends
+    # as interrupted and saves no baseline.
+    write_suite(pytester, {}, seed=1)
+    pytester.makepyfile(test_suite="""
+        import os
+        import signal
+
+        def test_a(gpu_benchmark, fake):
+            gpu_benchmark(fake.work(1.0))
+
+        def test_b(gpu_benchmark, fake):
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+            except KeyboardInterrupt:
+                pass
+            gpu_benchmark(fake.work(1.0))
+
+        def test_c(gpu_benchmark, fake):
+            gpu_benchmark(fake.work(1.0))
+    """)
+    # The inner run's handler passes the signal on to the one it found: let that be Python's, not this session's.
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        result = run(pytester, "--benchmark-save=partial", "-v")
+    finally:
+        signal.signal(signal.SIGINT, outer)
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    result.assert_outcomes(passed=2)  # test_c never ran
+    result.stdout.fnmatch_lines(["NOT SAVED: the run was interrupted*", "*Interrupted: interrupted by SIGINT*"])
+    assert baseline_files(pytester) == []
+
+
+def test_the_sigint_handler_is_restored_after_the_run(pytester):
+    before = signal.getsignal(signal.SIGINT)
+    write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=1)
+    run(pytester).assert_outcomes(passed=1)
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_a_save_that_fails_at_the_end_says_so_and_fails_the_run(pytester):

@@ -13,6 +13,8 @@ import argparse
 import contextlib
 import math
 import os
+import signal
+import threading
 import traceback
 from pathlib import Path
 
@@ -339,6 +341,33 @@ def pytest_configure(config):
     )
     # Held back from pytest-benchmark's configure: collection decides who loads it (pytest_collection_finish).
     config.option.benchmark_compare = []
+    _note_interrupts(config)
+
+
+_PREVIOUS_SIGINT_KEY = pytest.StashKey[object]()
+
+
+def _note_interrupts(config) -> None:
+    """Wraps the SIGINT handler so that a Ctrl-C (or `timeout -s INT`) always marks the perf session as signalled.
+    Python turns SIGINT into a KeyboardInterrupt wherever the main thread is; raised inside a callback (a weakref
+    finalizer in torch.compile's caches) it is only printed, and pytest would go on running and then save a baseline
+    of a run cut short. The previous handler still runs (the KeyboardInterrupt, when it is not swallowed)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous in (signal.SIG_IGN, None):  # a process told to ignore Ctrl-C (or a handler set outside Python)
+        return
+    perf = config.stash[SESSION_KEY]
+
+    def noted(signum, frame):
+        perf.signalled = True
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGINT, noted)
+    config.stash[_PREVIOUS_SIGINT_KEY] = previous
 
 
 def _check_markdown_report(config) -> None:
@@ -516,6 +545,8 @@ def pytest_runtest_makereport(item, call):
     perf = item.config.stash.get(SESSION_KEY, None)
     if perf is not None and (report.failed or (report.skipped and hasattr(report, "wasxfail"))):
         perf.failed.add(item.nodeid)
+    if perf is not None and perf.signalled:
+        item.session.shouldstop = "interrupted by SIGINT (a KeyboardInterrupt that the test's code swallowed)"
     return report
 
 
@@ -523,10 +554,13 @@ def pytest_runtest_makereport(item, call):
 def pytest_sessionfinish_before_saving(session, exitstatus):
     # Wraps pytest-benchmark's own sessionfinish, which saves before its yield.
     perf = session.config.stash.get(SESSION_KEY, None)
-    if perf is not None and perf.active and exitstatus in (pytest.ExitCode.INTERRUPTED, pytest.ExitCode.USAGE_ERROR):
+    stopped = exitstatus in (pytest.ExitCode.INTERRUPTED, pytest.ExitCode.USAGE_ERROR)
+    if perf is not None and perf.active and (stopped or perf.signalled):
         # A partial run is never saved as a baseline; after a usage error nothing ran.
-        perf.interrupted = exitstatus == pytest.ExitCode.INTERRUPTED
+        perf.interrupted = exitstatus == pytest.ExitCode.INTERRUPTED or perf.signalled
         session.config._benchmarksession.save = session.config._benchmarksession.autosave = None
+        if perf.signalled:
+            session.exitstatus = pytest.ExitCode.INTERRUPTED
     return (yield)
 
 
@@ -570,3 +604,9 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_sep("-", "GPU memory high-water marks (largest first)")
         for line in memory_report_lines(perf, config.stash.get(_WRITTEN_KEY, None)):
             terminalreporter.write_line(line)
+
+
+def pytest_unconfigure(config):
+    previous = config.stash.get(_PREVIOUS_SIGINT_KEY, None)
+    if previous is not None:
+        signal.signal(signal.SIGINT, previous)

@@ -108,6 +108,9 @@ class PerfSession:
     # Set by activate(): a selected test uses gpu_benchmark.
     active: bool = False
     interrupted: bool = False
+    # A SIGINT reached the process during the run (set by the plugin's handler even when the KeyboardInterrupt it
+    # raises is swallowed, e.g. by a weakref callback inside torch.compile): the run stops and nothing is saved.
+    signalled: bool = False
     # nodeids of tests that failed (or xfailed): their benchmarks are not saved unless save_failing
     failed: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
