@@ -25,6 +25,8 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from lmsys.perf.timing import EAGER, GRAPH, HOST, QUEUED
+
 try:
     import fcntl
 except ImportError:  # not on Windows: saves there rely on the never-replacing link alone
@@ -40,7 +42,7 @@ REQUIRED_STATS = ("min", "max", "mean", "stddev", "median", "iqr", "rounds", "it
 MEMORY_KEY = "peak_allocated_above_start_bytes"
 # The eager rounds of a benchmark timed in a CUDA graph (its stats are the replays).
 EAGER_KEY = "eager_data"
-TIMINGS = ("eager", "graph", "queued", "host")
+TIMINGS = (EAGER, GRAPH, QUEUED, HOST)
 FORBIDDEN_NAME_CHARACTERS = '\\/:*?<>|'
 
 

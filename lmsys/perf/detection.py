@@ -132,14 +132,18 @@ def _cases(settings: dict) -> tuple[list[tuple[str, str, dict, Callable[[str | N
     return cases, held
 
 
+def _manifest(folder: Path) -> dict | None:
+    """The settings of the measurement whose runs folder keeps (--keep), or None when it keeps none."""
+    path = folder / MANIFEST
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+
+
 def _table_of_kept(folders: list[Path]) -> tuple[pd.DataFrame, dict]:
     """The table of the runs kept by one or more measurements of the same settings (--table)."""
-    manifests = {}
-    for folder in folders:
-        manifest = folder / MANIFEST
-        if not manifest.exists():
+    manifests = {folder: _manifest(folder) for folder in folders}
+    for folder, manifest in manifests.items():
+        if manifest is None:
             raise SystemExit(f"--table: {folder} holds no measurement ({MANIFEST} is missing)")
-        manifests[folder] = json.loads(manifest.read_text(encoding="utf-8"))
     settings = manifests[folders[0]]
     for folder, other in manifests.items():
         if other != settings:
@@ -153,19 +157,18 @@ def _table_of_kept(folders: list[Path]) -> tuple[pd.DataFrame, dict]:
 def _resume(keep: Path, settings: dict, resume: bool) -> None:
     """Checks that --keep DIR may take this measurement's runs: a folder that holds runs needs --resume (so kept runs
     are never overwritten), and the same settings (test selection, reference) as the runs it holds; records them."""
-    manifest = keep / MANIFEST
-    if manifest.exists():
+    earlier = _manifest(keep)
+    if earlier is not None:
         if not resume:
             raise SystemExit(f"--keep {keep} holds the runs of an earlier measurement: add --resume to add runs to it, "
                              "or keep these runs in another folder")
-        earlier = json.loads(manifest.read_text(encoding="utf-8"))
         if earlier != settings:
             raise SystemExit(f"--resume: {keep} holds runs of {earlier}, not of {settings}")
         return
     if resume:
         raise SystemExit(f"--resume: {keep} holds no measurement to resume ({MANIFEST} is missing)")
     keep.mkdir(parents=True, exist_ok=True)
-    manifest.write_text(json.dumps(settings, indent=1), encoding="utf-8")
+    (keep / MANIFEST).write_text(json.dumps(settings, indent=1), encoding="utf-8")
 
 
 def _reference(args: list[str], storage: Path, baselines: Path, timeout: float) -> list[str]:
