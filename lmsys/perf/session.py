@@ -62,6 +62,14 @@ class Record:
     # what the summary says beside the verdict: the machine's state, a timing the baseline lacks, a failed capture
     notes: list[str] = field(default_factory=list)
 
+    def compared_peaks(self) -> tuple[int | None, int | None]:
+        """This run's and the baseline's peak above start as the verdict compared them (the requested bytes where
+        both runs have them: baselines.gated_peaks), else the allocated ones."""
+        compared = self.verdict.memory if self.verdict else None
+        if compared is not None:
+            return compared.peak, compared.baseline_peak
+        return (None if self.memory is None else self.memory.peak_allocated_above_start), self.baseline_peak
+
     def failure_message(self) -> str:
         """What the failing test reports: the verdict's message, whether a re-measurement confirmed it, and the
         machine's state when it was not clean (a SLOWER taken under throttling says so)."""
@@ -151,7 +159,8 @@ class PerfSession:
     def time_tolerance_for(self, fullname: str, timed: str, marker: dict, eager: bool = False) -> Tolerance:
         """The time tolerance of a benchmark's samples timed `timed` ('eager', 'graph', 'queued' or 'host'; eager=True:
         the CPU's part, the eager rounds of a graph-mode benchmark or host timing, judged with the eager tolerance): the
-        marker's, else the option's when given, else its calibration's, else the default."""
+        marker's, else the option's when given, else its calibration's (for the CPU's part, not below the default),
+        else the default."""
         key, option, name, default = (
             ("eager", self.eager_tolerance, "--perf-eager-tolerance", DEFAULT_EAGER_TOLERANCE) if eager
             else ("time", self.time_tolerance, "--perf-time-tolerance", DEFAULT_TIME_TOLERANCE)
@@ -162,9 +171,14 @@ class PerfSession:
             return Tolerance(option, name)
         entry = self.calibration.get(fullname)
         value = None if entry is None else calibration.time_tolerance(entry, timed)
-        if value is not None:
-            return Tolerance(value, f"calibrated from {entry['runs']} runs")
-        return Tolerance(default, "default")
+        if value is None:
+            return Tolerance(default, "default")
+        if eager and value < default:
+            # The CPU's part moves between processes by more than the runs of one calibration show (README, "Noise
+            # calibration"): its calibration may widen the default, never narrow it.
+            return Tolerance(default, f"default: the CPU's part is never judged tighter; calibrated {value:.2%} from "
+                                      f"{entry['runs']} runs")
+        return Tolerance(value, f"calibrated from {entry['runs']} runs")
 
     def memory_allowance(self, fullname: str, marker: dict) -> tuple[float, int, str]:
         """The memory tolerance (a fraction), floor (bytes) and their source; a calibration whose runs saw the peak
