@@ -51,6 +51,7 @@ class FakeGpu:
         self.flushes = 0
         self.released = 0
         self.allocated = 0
+        self.requested = 0
         self.capturing = False
         self.replaying = False
         self.queued = False
@@ -103,13 +104,15 @@ class FakeGpu:
         return flush
 
     def measure_memory(self, call):
-        self.allocated = 0
+        self.allocated = self.requested = 0
         result = call()
         reading = MemoryReading(
             allocated_before=ALLOCATED_BEFORE,
             reserved_before=ALLOCATED_BEFORE,
             peak_allocated=ALLOCATED_BEFORE + self.allocated,
             peak_reserved=ALLOCATED_BEFORE + 2 * self.allocated,
+            requested_before=ALLOCATED_BEFORE,
+            peak_requested=ALLOCATED_BEFORE + self.requested,
         )
         return result, reading
 
@@ -163,13 +166,15 @@ class FakeGpu:
     def machine_state(self):
         return None if self.machine is None else dict(self.machine)
 
-    def work(self, ms: float, noise: float = 0.0, memory: int = 0, seed: int = 0, slow_calls: int = 0, slow_ms: float = 0,
-             launch_ms: float = 0.0, launch_noise: float = 0.0, capturable: bool = True):
+    def work(self, ms: float, noise: float = 0.0, memory: int = 0, seed: int = 0, slow_calls: int = 0,
+             slow_ms: float = 0, launch_ms: float = 0.0, launch_noise: float = 0.0, capturable: bool = True,
+             slack: int = 0):
         """A function for gpu_benchmark: each call takes `ms` milliseconds times (1 + noise * N(0, 1)) of device time
         on the clock (not in host timing) plus `launch_ms` times (1 + launch_noise * N(0, 1)) of CPU launch cost
         (not in a graph replay nor in a queued round)
-        and allocates `memory` bytes at its peak; its first `slow_calls` calls take `slow_ms` instead. Capturing it
-        in a graph fails unless capturable."""
+        and allocates `memory` bytes at its peak (the allocator's blocks `slack` bytes more, as a cached block
+        handed out whole); its first `slow_calls` calls take `slow_ms` instead. Capturing it in a graph fails unless
+        capturable."""
         rng = random.Random(seed)
         calls = 0
 
@@ -186,7 +191,8 @@ class FakeGpu:
                 self.now += device
             if launch_ms and not (self.replaying or self.queued):
                 self.now += launch_ms * 1e-3 * max(1 + launch_noise * rng.gauss(0.0, 1.0), 0.0)
-            self.allocated = max(self.allocated, memory + self.held)
+            self.requested = max(self.requested, memory + self.held)
+            self.allocated = max(self.allocated, memory + self.held + slack)
             return calls
 
         return fn

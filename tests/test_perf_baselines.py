@@ -112,8 +112,16 @@ def test_samples_and_memory_of_a_baseline_benchmark():
     without_rounds = bench()
     del without_rounds["stats"]["data"]
     assert baselines.samples(without_rounds) == [1e-3]
-    assert baselines.peak_memory(bench(memory=1024)) == 1024
-    assert baselines.peak_memory(bench()) is None
+
+def test_the_gate_compares_requested_bytes_where_both_runs_have_them_else_allocated():
+    allocated, both = {"peak_allocated_above_start_bytes": 3 * 2**20}, {
+        "peak_allocated_above_start_bytes": 4 * 2**20, "peak_requested_above_start_bytes": 2**20 + 7}
+    assert baselines.gated_peaks(both, both) == (2**20 + 7, 2**20 + 7, "requested")
+    # A baseline saved before the requested bytes were read is still compared, on the allocator's blocks.
+    assert baselines.gated_peaks(both, allocated) == (4 * 2**20, 3 * 2**20, "allocated")
+    assert baselines.gated_peaks(allocated, both) == (3 * 2**20, 4 * 2**20, "allocated")
+    assert baselines.gated_peaks({}, both) is None
+    assert baselines.allocated_peak(both) == 4 * 2**20 and baselines.allocated_peak({}) is None
 
 
 def test_save_new_numbers_files_and_never_overwrites(tmp_path):

@@ -145,7 +145,7 @@ def test_failure_message_names_the_benchmark_and_the_change():
     fatter = compare.compare_memory(110 * MIB, 100 * MIB, 0.01, MIB)
     message = compare.judge(slower, fatter).message("test_x[bf16]")
     assert message.startswith("SLOWER: test_x[bf16] median 1.23 ms vs baseline 1.02 ms (+20.6%, tolerance 5%")
-    assert "MORE-MEMORY: test_x[bf16] peak allocated above start 110 MiB vs baseline 100 MiB (+10.0%" in message
+    assert "MORE-MEMORY: test_x[bf16] peak requested above start 110 MiB vs baseline 100 MiB (+10.0%" in message
 
 
 @pytest.mark.parametrize(

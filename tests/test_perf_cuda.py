@@ -139,6 +139,26 @@ def test_memory_reading_leaves_out_garbage_that_only_a_reference_cycle_keeps(gpu
         gc.enable()
     assert reading.allocated_before == clean
     assert reading.peak_allocated_above_start == 2**20
+    assert reading.peak_requested_above_start == 2**20
+
+
+def test_the_requested_peak_counts_bytes_asked_for_not_the_block_handed_out(gpu):
+    # A free cached block of 2.5 MiB between allocated ones: a 2 MiB request takes it whole (the allocator does not
+    # split 512 KiB off a large block), so the allocated peak reads 2.5 MiB; the requested one, 2 MiB.
+    import torch
+
+    from lmsys.perf.backend import CudaBackend
+
+    backend = CudaBackend()
+    torch.cuda.empty_cache()
+    mib = 2**20
+    hole = torch.empty(5 * mib // 2, dtype=torch.uint8, device="cuda")  # a new 20 MiB segment: 2.5 MiB of it
+    rest = torch.empty(35 * mib // 2, dtype=torch.uint8, device="cuda")  # and the other 17.5 MiB
+    del hole
+    _, reading = backend.measure_memory(lambda: torch.empty(2 * mib, dtype=torch.uint8, device="cuda"))
+    del rest
+    assert reading.peak_requested_above_start == 2 * mib
+    assert reading.peak_allocated_above_start == 5 * mib // 2
 
 
 DELAY_SUITE = """

@@ -56,7 +56,7 @@ def test_memory_growth_of_ten_percent_fails(pytester):
     result = run(pytester, "--benchmark-compare")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
-        "*MORE-MEMORY: test_a peak allocated above start 110 MiB vs baseline 100 MiB (+10.0%, tolerance 0% and "
+        "*MORE-MEMORY: test_a peak requested above start 110 MiB vs baseline 100 MiB (+10.0%, tolerance 0% and "
         "256 KiB)*",
         "*test_a*+10.0%*MORE-MEMORY*",
     ])

@@ -40,6 +40,8 @@ TEMPORARY_PREFIX = ".tmp-"
 # The stats pytest-benchmark's comparison table reads from a loaded baseline.
 REQUIRED_STATS = ("min", "max", "mean", "stddev", "median", "iqr", "rounds", "iterations")
 MEMORY_KEY = "peak_allocated_above_start_bytes"
+# The gated peak where both runs have it: the bytes asked for, not the allocator's blocks (backend.MemoryReading).
+REQUESTED_KEY = "peak_requested_above_start_bytes"
 # The eager rounds of a benchmark timed in a CUDA graph (its stats are the replays).
 EAGER_KEY = "eager_data"
 TIMINGS = (EAGER, GRAPH, QUEUED, HOST)
@@ -135,8 +137,9 @@ def _problem(doc) -> str | None:
         extra = bench.get("extra_info", {})
         if not isinstance(extra, dict):
             return f"benchmark {bench['fullname']!r} has an 'extra_info' that is not an object"
-        if MEMORY_KEY in extra and not (_is_number(extra[MEMORY_KEY]) and extra[MEMORY_KEY] >= 0):
-            return f"benchmark {bench['fullname']!r} has a {MEMORY_KEY} that is not a non-negative number"
+        for key in (MEMORY_KEY, REQUESTED_KEY):
+            if key in extra and not (_is_number(extra[key]) and extra[key] >= 0):
+                return f"benchmark {bench['fullname']!r} has a {key} that is not a non-negative number"
         if extra.get("timing", "eager") not in TIMINGS:
             return f"benchmark {bench['fullname']!r} has a timing that is not one of {TIMINGS}"
         eager = extra.get(EAGER_KEY)
@@ -236,10 +239,21 @@ def samples(bench: dict, timed: str = "eager") -> list[float] | None:
     return None
 
 
-def peak_memory(bench: dict) -> int | None:
-    """A baseline benchmark's peak allocated bytes above start, or None when it has no memory reading."""
-    value = (bench.get("extra_info") or {}).get(MEMORY_KEY)
+def allocated_peak(extra_info: dict) -> int | None:
+    """The allocated peak above start of a benchmark's extra_info (what the memory report shows), or None."""
+    value = extra_info.get(MEMORY_KEY)
     return int(value) if _is_number(value) else None
+
+
+def gated_peaks(now: dict, baseline: dict) -> tuple[int, int, str] | None:
+    """The peaks above start that the gate compares, from this run's and the baseline's extra_info: (now, baseline,
+    'requested') where both have the requested bytes, else (now, baseline, 'allocated') from the allocated ones (a
+    baseline saved before the requested bytes were read); None when either has no memory reading."""
+    for key, measure in ((REQUESTED_KEY, "requested"), (MEMORY_KEY, "allocated")):
+        values = now.get(key), baseline.get(key)
+        if all(_is_number(value) for value in values):
+            return int(values[0]), int(values[1]), measure
+    return None
 
 
 def next_number(folder: Path) -> int:

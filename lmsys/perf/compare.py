@@ -61,6 +61,8 @@ class MemoryComparison:
     floor: int
     verdict: str
     source: str = "default"
+    # Which peaks: 'requested' (the bytes asked for) or 'allocated' (the allocator's blocks: baselines.gated_peaks).
+    measure: str = "requested"
 
     @property
     def change(self) -> float | None:
@@ -104,7 +106,7 @@ class Verdict:
             m = self.memory
             change = "" if m.change is None else f"{m.change:+.1%}, "
             lines.append(
-                f"MORE-MEMORY: {name} peak allocated above start {format_bytes(m.peak)} vs baseline "
+                f"MORE-MEMORY: {name} peak {m.measure} above start {format_bytes(m.peak)} vs baseline "
                 f"{format_bytes(m.baseline_peak)} ({change}tolerance {m.tolerance:.0%} and {format_bytes(m.floor)}"
                 f"{'' if m.source == 'default' else ', ' + m.source})"
             )
@@ -189,7 +191,7 @@ def compare_time(
 
 
 def compare_memory(
-    peak: int, baseline_peak: int, tolerance: float, floor: int, source: str = "default"
+    peak: int, baseline_peak: int, tolerance: float, floor: int, source: str = "default", measure: str = "requested"
 ) -> MemoryComparison:
     """Compare peak bytes with the baseline's: MORE-MEMORY when the growth exceeds tolerance * baseline and floor."""
     if peak < 0 or baseline_peak < 0:
@@ -203,7 +205,7 @@ def compare_memory(
         verdict = IMPROVED
     else:
         verdict = PASS
-    return MemoryComparison(peak, baseline_peak, tolerance, floor, verdict, source)
+    return MemoryComparison(peak, baseline_peak, tolerance, floor, verdict, source, measure)
 
 
 def judge(

@@ -234,12 +234,15 @@ class GpuBenchmark:
         tolerance = tolerance or self._tolerance(measurement.timing)
         baseline = session.baseline(bench.fullname)
         memory = measurement.memory
-        baseline_peak = baselines.peak_memory(baseline) if baseline is not None else None
+        peaks = None
+        if memory is not None and baseline is not None:
+            peaks = baselines.gated_peaks(memory.as_extra_info(), baseline.get("extra_info") or {})
         memory_comparison = None
-        if memory is not None and baseline_peak is not None:
+        if peaks is not None:
             memory_tolerance, floor, source = session.memory_allowance(bench.fullname, self._marker())
+            now_peak, baseline_peak, measure = peaks
             memory_comparison = compare.compare_memory(
-                memory.peak_allocated_above_start, baseline_peak, memory_tolerance, floor, source
+                now_peak, baseline_peak, memory_tolerance, floor, source, measure
             )
         uncompared = None
         if baseline is not None and measurement.time_comparison is None:
@@ -269,7 +272,7 @@ class GpuBenchmark:
             memory=memory,
             rates=rates,
             baseline_median=None if baseline is None else float(baseline["stats"]["median"]),
-            baseline_peak=baseline_peak,
+            baseline_peak=baselines.allocated_peak(baseline_info),
             verdict=verdict,
             remeasured=measurement.remeasured,
             timing=measurement.timing,

@@ -56,10 +56,11 @@ def results_frame(records: list[Record], comparing: bool) -> pd.DataFrame:
             })
             if graphs:
                 row.update({"eager": eager, "eager change": _change(record.eager_median, record.baseline_eager_median)})
+            now_peak, base_peak = record.compared_peaks()
             row.update({
-                "baseline mem": "" if record.baseline_peak is None else format_bytes(record.baseline_peak),
-                "now mem": "" if peak is None else format_bytes(peak),
-                "memory": _change(peak, record.baseline_peak),
+                "baseline mem": "" if base_peak is None else format_bytes(base_peak),
+                "now mem": "" if now_peak is None else format_bytes(now_peak),
+                "memory": _change(now_peak, base_peak),
                 "verdict": label + (" (re-measured)" if record.remeasured else ""),
             })
         else:
@@ -192,7 +193,7 @@ def report_frame(records: list[Record], comparing: bool) -> pd.DataFrame:
         verdict = record.verdict.label if record.verdict else ("" if comparing else "not compared")
         if record.remeasured:
             verdict += " (re-measured)"
-        peak = None if record.memory is None else record.memory.peak_allocated_above_start
+        peak, baseline_peak = record.compared_peaks()
         baseline = record.baseline_median
         rates = _rate(record)
         tflops = rates["TFLOP/s"] + (f" ({rates['% of peak']})" if rates["% of peak"] and rates["TFLOP/s"] else "")
@@ -205,7 +206,7 @@ def report_frame(records: list[Record], comparing: bool) -> pd.DataFrame:
                 "" if baseline is None else f"{_change(record.median, baseline)} vs {format_seconds(baseline)}"
             ),
             "peak memory": "" if peak is None else format_bytes(peak),
-            "memory change": _change(peak, record.baseline_peak),
+            "memory change": _change(peak, baseline_peak),
             "TFLOP/s": tflops,
         })
     columns = ["failed", "verdict", "benchmark", "median", "time change", "peak memory", "memory change", "TFLOP/s"]
