@@ -31,7 +31,7 @@ def cases():
             yield pytest.param(precision, wrapper, WORLD_SIZE, id=name)
 
 
-@pytest.mark.parametrize("precision, wrapper, world_size", cases())
+@pytest.mark.parametrize("precision, wrapper, world_size", list(cases()))
 def test_ddp_step(gpu_benchmark, precision, wrapper, world_size):
     gpu_benchmark.distributed(
         setup_train_step, world_size=world_size, flops=step_flops(SIZE, CONTEXT, BATCH), precision=precision,

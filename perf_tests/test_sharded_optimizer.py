@@ -26,7 +26,7 @@ def cases():
                 yield pytest.param(precision, optimizer, sharded, id=name)
 
 
-@pytest.mark.parametrize("precision, optimizer, sharded", cases())
+@pytest.mark.parametrize("precision, optimizer, sharded", list(cases()))
 def test_sharded_optimizer_step(gpu_benchmark, precision, optimizer, sharded):
     gpu_benchmark.distributed(
         setup_train_step, world_size=WORLD_SIZE, flops=step_flops(SIZE, CONTEXT, BATCH), precision=precision,
