@@ -6,6 +6,9 @@ import json
 import pytest
 from perf_fakes import INNER_CONFTEST
 
+from lmsys.perf import multirank
+from lmsys.perf.backend import MemoryReading
+
 pytest_plugins = ["pytester"]
 
 RUN_ARGS = (
@@ -123,3 +126,14 @@ def test_the_verdict_names_the_tolerance_that_applied(pytester):
     result = run(pytester, "--benchmark-compare", "--perf-time-tolerance=0.1")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*SLOWER: test_step*tolerance 10% (--perf-time-tolerance)*"])
+
+
+def test_the_largest_rank_is_the_one_with_the_largest_peak_the_gate_compares():
+    # Rank 0 got a larger block from its allocator, rank 1 asked for more: the gate judges rank 1's request.
+    blocks = MemoryReading(allocated_before=0, reserved_before=0, peak_allocated=20 * MIB, peak_reserved=20 * MIB,
+                           requested_before=0, peak_requested=10 * MIB)
+    asked = MemoryReading(allocated_before=0, reserved_before=0, peak_allocated=12 * MIB, peak_reserved=12 * MIB,
+                          requested_before=0, peak_requested=12 * MIB)
+    assert multirank._largest([(blocks, {}), (asked, {}), (None, {})]) is asked
+    old = MemoryReading(allocated_before=0, reserved_before=0, peak_allocated=20 * MIB, peak_reserved=20 * MIB)
+    assert multirank._largest([(old, {}), (None, {})]) is old
