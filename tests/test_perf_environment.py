@@ -36,3 +36,12 @@ def test_a_baseline_saved_from_a_copied_tree_names_the_commit_handed_in(pytester
     doc = json.loads(path.read_text())
     assert doc["commit_info"]["id"] == "0123456789abcdef"
     assert doc["machine_info"]["lmsys"]["git_commit"] == "0123456789abcdef"
+
+
+def test_the_machine_start_is_the_boot_id_or_none(monkeypatch, tmp_path):
+    boot = tmp_path / "boot_id"
+    boot.write_text("3f1c0e4a-0d1b-4c4e-9a55-6c2b1d0f7e21\n")
+    monkeypatch.setattr(environment, "BOOT_ID", boot)
+    assert environment.machine_start() == "3f1c0e4a-0d1b-4c4e-9a55-6c2b1d0f7e21"
+    monkeypatch.setattr(environment, "BOOT_ID", tmp_path / "missing")
+    assert environment.machine_start() is None

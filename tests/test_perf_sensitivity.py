@@ -78,6 +78,42 @@ def test_a_calibration_widens_the_eager_tolerance_but_never_narrows_it(pytester,
     assert info["eager_tolerance"] == pytest.approx(max(0.15, 3 * 2**0.5 * eager_spread))
 
 
+def _recorded_on(pytester, start):
+    """Rewrites the saved baselines as if recorded on another machine start (None: a baseline that names none)."""
+    for path in (pytester.path / "baselines" / MACHINE).glob("0*.json"):
+        doc = json.loads(path.read_text())
+        doc["machine_info"]["lmsys"]["machine_start"] = start
+        path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("start", ["another-boot", None], ids=["another-start", "start-unrecorded"])
+@pytest.mark.parametrize(("call", "launch_ms", "outcome"), [
+    (", graph=True", 2.0 * 2.24 + 1.24, "passed"), (", graph=True", 2.0 * 3 + 2, "failed"),
+    (", host=True", 2.0 * 2.24, "passed"), (", host=True", 2.0 * 3, "failed"),
+], ids=["eager+124%", "eager+200%", "host+124%", "host+200%"])
+def test_the_cpus_part_against_another_machine_start_fails_only_past_two_and_a_half_times(pytester, start, call,
+                                                                                          launch_ms, outcome):
+    # Between starts of the lent H100 the same code's eager and host-timed medians ranged from -55% to +124% of the
+    # baselines': against a baseline from another start (or one that names none) the CPU's part is judged at 150%.
+    save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": 2.0, "noise": 0.0, "call": call}})
+    _recorded_on(pytester, start)
+    write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": launch_ms, "noise": 0.0, "call": call}}, seed=2)
+    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result.assert_outcomes(**{outcome: 1})
+    info = bench_json(pytester)["test_a"]["extra_info"]
+    key = "eager_tolerance" if "graph" in call else "time_tolerance"
+    assert (info[key], info[f"{key}_source"]) == (1.5, "the baseline is from another machine start")
+
+
+def test_the_cpus_part_against_the_same_machine_start_keeps_its_tolerance(pytester):
+    save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": 2.0, "noise": 0.0, "call": ", graph=True"}})
+    write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": 2.6, "noise": 0.0, "call": ", graph=True"}}, seed=2)
+    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result.assert_outcomes(failed=1)  # +20% eager, recorded on this start: judged at 15%
+    info = bench_json(pytester)["test_a"]["extra_info"]
+    assert (info["eager_tolerance"], info["eager_tolerance_source"]) == (0.15, "default")
+
+
 @pytest.mark.parametrize("timing", ["graph", "queued"])
 @pytest.mark.parametrize(("device_ms", "outcome"), [(1.0, "passed"), (1.1, "failed")], ids=["unchanged", "device+10%"])
 def test_launch_noise_hides_nothing_from_the_device_time_verdict(pytester, device_ms, outcome, timing):

@@ -74,10 +74,23 @@ def git_commit(root: Path) -> str | None:
     return os.environ.get(COMMIT_VARIABLE) or _run(["git", "rev-parse", "HEAD"], cwd=root)
 
 
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def machine_start() -> str | None:
+    """This boot of the machine (Linux's boot id): every start of a lent GPU machine, or a reboot, gets another.
+    None where there is none to read."""
+    try:
+        return BOOT_ID.read_text().strip() or None
+    except OSError:
+        return None
+
+
 def collect(backend, machine_id: str, root: Path) -> dict[str, Any]:
     """Everything above for one backend, as the dict stored under machine_info['lmsys']."""
     return {
         "machine_id": machine_id,
+        "machine_start": machine_start(),
         "device": backend.describe(),
         "software": software_versions(backend.is_gpu),
         "git_commit": git_commit(root),
