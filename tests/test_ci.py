@@ -3,6 +3,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -54,14 +55,27 @@ def test_gpu_workflow_compares_on_a_gpu_runner_and_saves_only_by_hand():
     assert save["env"]["BASELINE_NAME"] == "${{ inputs.baseline_name }}"
 
 
+def test_gpu_workflow_compares_a_pull_request_with_its_base_timed_on_the_same_runner():
+    job = workflow("perf.yml")["jobs"]["compare-with-base"]
+    assert job["runs-on"] == GPU_LABELS
+    assert job["if"].startswith("github.event_name == 'pull_request'") and "head.repo.full_name" in job["if"]
+    [checkout] = [step for step in job["steps"] if step.get("uses", "").startswith("actions/checkout")]
+    assert checkout["with"]["fetch-depth"] == 0
+    assert 'bash .ci/perf "$RUNNER_TEMP/ab" --base "$BASE_SHA"' in commands(job)
+    assert job["env"]["BASE_SHA"] == "${{ github.event.pull_request.base.sha }}"
+    [upload] = [step for step in job["steps"] if step.get("uses", "").startswith("actions/upload-artifact")]
+    assert upload["if"] == "always()"
+
+
 def test_the_gpu_script_is_executable_valid_bash():
     script = ROOT / ".ci" / "perf"
     assert os.access(script, os.X_OK)
     subprocess.run(["bash", "-n", str(script)], check=True)
 
 
-def run_script(out: Path, *args: str) -> subprocess.CompletedProcess:
-    pytest_args = ["-k", "matmul", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "--benchmark-max-time=0.01"]
+def run_script(out: Path, *args: str, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    pytest_args = ["-k", "matmul", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "--benchmark-max-time=0.01",
+                   *extra]
     env = {**os.environ, "GITHUB_STEP_SUMMARY": str(out.parent / "step-summary.md")}
     return subprocess.run(
         ["bash", str(ROOT / ".ci" / "perf"), str(out), *args, "--", *pytest_args],
@@ -86,6 +100,32 @@ def test_the_gpu_script_compares_reports_and_saves_into_a_copy(tmp_path):
     assert new.name.endswith("_ci-test.json")
     assert [b["name"] for b in json.loads(new.read_text())["benchmarks"]] == ["test_matmul"]
     assert sorted(p.relative_to(ROOT) for p in (ROOT / "baselines").rglob("*")) == before
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs the git checkout")
+def test_the_gpu_script_compares_a_change_with_its_base_timed_in_the_same_job(tmp_path):
+    before = sorted(p.relative_to(ROOT) for p in (ROOT / "baselines").rglob("*"))
+    out = tmp_path / "ab"
+    # A/A on the CPU: the commit checked out against itself (the plumbing, not the timing: a wide tolerance).
+    done = run_script(out, "--base", "HEAD", extra=("--perf-time-tolerance=1",))
+    assert done.returncode == 0, done.stdout + done.stderr
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert f"timing the base, HEAD ({head}), on this machine first" in done.stdout
+    [saved] = (out / "base" / "storage").rglob("0001_base.json")
+    assert json.loads(saved.read_text())["machine_info"]["lmsys"]["git_commit"] == head
+    log = (out / "pytest.log").read_text()
+    assert f"compared with {saved}" in log
+    [bench] = json.loads((out / "results.json").read_text())["benchmarks"]
+    assert bench["extra_info"]["verdict"] != "NEW"  # it was compared, with the base run
+    assert sorted(p.relative_to(ROOT) for p in (ROOT / "baselines").rglob("*")) == before
+
+
+@pytest.mark.parametrize("args", [["--base", "no-such-ref"], ["--base", "HEAD", "--save", "x"]])
+def test_the_gpu_script_refuses_a_base_it_cannot_use(tmp_path, args):
+    done = subprocess.run(["bash", str(ROOT / ".ci" / "perf"), str(tmp_path / "out"), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "is not a commit of this clone" in done.stderr or "usage: bash .ci/perf OUT" in done.stderr
 
 
 def test_the_gpu_script_explains_its_usage():
