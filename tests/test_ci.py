@@ -110,7 +110,8 @@ def test_the_gpu_script_compares_a_change_with_its_base_timed_in_the_same_job(tm
     done = run_script(out, "--base", "HEAD", extra=("--perf-time-tolerance=1",))
     assert done.returncode == 0, done.stdout + done.stderr
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    assert f"timing the base, HEAD ({head}), on this machine first" in done.stdout
+    assert f"the base, HEAD ({head}): compiling, untimed, then timing it on this machine" in done.stdout
+    assert "1 passed" in (out / "base" / "warm-up.log").read_text()
     [saved] = (out / "base" / "storage").rglob("0001_base.json")
     assert json.loads(saved.read_text())["machine_info"]["lmsys"]["git_commit"] == head
     log = (out / "pytest.log").read_text()
