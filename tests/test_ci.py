@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-yaml = pytest.importorskip("yaml", reason="PyYAML reads the workflow files (not a dependency of lmsys)")
+yaml = pytest.importorskip("yaml", reason="PyYAML reads the workflow files (pip install -e '.[test]')")
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = ROOT / ".github" / "workflows"
