@@ -6,7 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from lmsys.perf import detection
+from lmsys.perf import detection, reruns
+
+WARM_UP = reruns.warm_up  # the real one: the fixture below replaces it for detection.main
+
+
+@pytest.fixture(autouse=True)
+def warm_ups(monkeypatch):
+    """The untimed warm-up runs detection.main asked for (their pytest arguments), instead of running them."""
+    calls = []
+    monkeypatch.setattr(detection.reruns, "warm_up", lambda args, cwd, timeout=None: calls.append(list(args)))
+    return calls
 
 
 def doc(verdicts: dict[str, str]) -> dict:
@@ -221,3 +231,28 @@ def test_without_tests_to_run_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         detection.main(["--runs", "2"])
     assert "what to run is missing" in capsys.readouterr().err
+
+
+def test_an_untimed_run_fills_the_caches_before_anything_is_timed(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    calls = []
+    monkeypatch.setattr(detection.reruns, "rerun", keeping_rerun(calls))
+    monkeypatch.setattr(detection.reruns, "warm_up",
+                        lambda args, cwd, timeout=None: calls.append(("warm-up", list(args))))
+    assert detection.main(["--runs", "1", "--inject", "0.05", "--keep", "a", "--", "perf_tests", "-k", "x"]) == 0
+    assert [c[0] for c in calls] == ["warm-up", "reference", "aa", "delay-0.05"]
+    assert calls[0][1] == ["perf_tests", "-k", "x"]
+    calls.clear()
+    argv = ["--runs", "1", "--no-warm-up", "--inject", "0.05", "--keep", "b", "--", "perf_tests", "-k", "x"]
+    assert detection.main(argv) == 0
+    assert [c[0] for c in calls] == ["reference", "aa", "delay-0.05"]
+
+
+@pytest.mark.parametrize(("body", "passes"), [("pass", True), ("assert False", False)])
+def test_the_warm_up_runs_each_test_once_untimed_and_fails_loudly(tmp_path, body, passes):
+    (tmp_path / "test_w.py").write_text(f"def test_w(benchmark):\n    benchmark(lambda: None)\n    {body}\n")
+    if passes:
+        WARM_UP(["test_w.py", "-p", "no:cacheprovider"], tmp_path, timeout=120)
+    else:
+        with pytest.raises(reruns.RerunError, match="the untimed warm-up run ended with exit status 1"):
+            WARM_UP(["test_w.py", "-p", "no:cacheprovider"], tmp_path, timeout=120)

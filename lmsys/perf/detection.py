@@ -210,6 +210,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--table", type=Path, nargs="+", metavar="DIR",
                         help="run nothing: print the table of the runs kept (--keep) by one or more measurements of "
                         "the same tests and cases, e.g. one per machine start")
+    parser.add_argument("--no-warm-up", action="store_true",
+                        help="leave out the untimed run (--benchmark-disable) that fills the compilation caches first, "
+                        "so that the reference and the first runs are not timed in a cold process")
     parser.add_argument("pytest_args", nargs="*", help="what to run, after --: test paths, -k, options")
     args = parser.parse_args(argv)
     if args.table:
@@ -240,6 +243,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"every case has {args.runs} runs already: nothing to run", file=sys.stderr, flush=True)
     else:
         with tempfile.TemporaryDirectory(prefix="lmsys-detection-") as folder:
+            if not args.no_warm_up:
+                print("an untimed run first, to fill the compilation caches", file=sys.stderr, flush=True)
+                reruns.warm_up(args.pytest_args, Path.cwd(), timeout=args.timeout)
             if args.baseline == "newest":
                 compare = [f"--benchmark-storage={args.storage}", "--benchmark-compare"]
             elif args.baseline:
