@@ -6,7 +6,8 @@ it catches a device-side delay (or an allocation) of a chosen size injected into
 Each rerun is a fresh pytest process (reruns.py) comparing with a reference: --baseline NUM names one of this
 GPU's baselines, --baseline newest compares as a user's --benchmark-compare does (each benchmark with the newest
 baseline that has it), otherwise a first run saves a fresh reference into a temporary storage (with a copy of the
-GPU's calibration.json, so calibrated tolerances apply). The cases take turns (a round is one run of each), so a
+GPU's calibration.json, so calibrated tolerances apply); before it, an untimed run (--benchmark-disable) fills the
+compilation caches (--no-warm-up: none). The cases take turns (a round is one run of each), so a
 drift of the machine over the measurement (warming up, another start) falls on every case alike, and a measurement
 stopped partway has as many runs of each case. LMSYS_INJECT_DELAY=f makes every benchmarked call queue a
 device-side delay of f times its own time (torch.cuda._sleep, calibrated to the GPU's clock), LMSYS_INJECT_MEMORY=B
