@@ -105,6 +105,16 @@ def test_the_cpus_part_against_another_machine_start_fails_only_past_two_and_a_h
     assert (info[key], info[f"{key}_source"]) == (1.5, "the baseline is from another machine start")
 
 
+def test_a_new_benchmark_keeps_the_cpus_part_tolerance_that_sets_how_precisely_it_is_timed(pytester):
+    # No baseline: nothing recorded on another start, so nothing widens the tolerance its adaptive rounds aim at.
+    save_baseline(pytester, {"test_b": {"ms": 1.0}})
+    write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": 2.0, "call": ", host=True"}, "test_b": {"ms": 1.0}},
+                seed=2)
+    run(pytester, "--benchmark-compare", "--benchmark-json=out.json").assert_outcomes(passed=2)
+    info = bench_json(pytester)["test_a"]["extra_info"]
+    assert (info["verdict"], info["time_tolerance"], info["time_tolerance_source"]) == ("NEW", 0.15, "default")
+
+
 def test_the_cpus_part_against_the_same_machine_start_keeps_its_tolerance(pytester):
     save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": 2.0, "noise": 0.0, "call": ", graph=True"}})
     write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": 2.6, "noise": 0.0, "call": ", graph=True"}}, seed=2)

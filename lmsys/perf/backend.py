@@ -54,6 +54,12 @@ class MemoryReading:
         return self.peak_requested - self.requested_before
 
     @property
+    def peak_compared_above_start(self) -> int:
+        """The peak the gate compares: the requested one where read, else the allocated one."""
+        requested = self.peak_requested_above_start
+        return self.peak_allocated_above_start if requested is None else requested
+
+    @property
     def peak_reserved_above_start(self) -> int:
         """How far the caching allocator's reservation grew during the call."""
         return self.peak_reserved - self.reserved_before

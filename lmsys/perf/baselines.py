@@ -42,6 +42,8 @@ REQUIRED_STATS = ("min", "max", "mean", "stddev", "median", "iqr", "rounds", "it
 MEMORY_KEY = "peak_allocated_above_start_bytes"
 # The gated peak where both runs have it: the bytes asked for, not the allocator's blocks (backend.MemoryReading).
 REQUESTED_KEY = "peak_requested_above_start_bytes"
+# The peaks the gate compares, in order of preference, and what each measures.
+PEAK_KEYS = ((REQUESTED_KEY, "requested"), (MEMORY_KEY, "allocated"))
 # The eager rounds of a benchmark timed in a CUDA graph (its stats are the replays).
 EAGER_KEY = "eager_data"
 TIMINGS = (EAGER, GRAPH, QUEUED, HOST)
@@ -249,7 +251,7 @@ def gated_peaks(now: dict, baseline: dict) -> tuple[int, int, str] | None:
     """The peaks above start that the gate compares, from this run's and the baseline's extra_info: (now, baseline,
     'requested') where both have the requested bytes, else (now, baseline, 'allocated') from the allocated ones (a
     baseline saved before the requested bytes were read); None when either has no memory reading."""
-    for key, measure in ((REQUESTED_KEY, "requested"), (MEMORY_KEY, "allocated")):
+    for key, measure in PEAK_KEYS:
         values = now.get(key), baseline.get(key)
         if all(_is_number(value) for value in values):
             return int(values[0]), int(values[1]), measure

@@ -64,7 +64,7 @@ def noise(docs: list[dict]) -> dict[str, dict]:
         eager = [info.get("eager_median") for info in infos]
         if all(isinstance(value, (int, float)) for value in eager):
             entry.update(eager_medians=eager, eager_spread=_spread(eager))
-        for key in (baselines.REQUESTED_KEY, baselines.MEMORY_KEY):  # the peaks the gate compares, where it can
+        for key, _ in baselines.PEAK_KEYS:  # the peaks the gate compares, where every run has them
             peaks = [info.get(key) for info in infos]
             if all(isinstance(value, int) for value in peaks):
                 entry["peaks"] = peaks

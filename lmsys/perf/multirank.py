@@ -203,12 +203,7 @@ def _largest(readings: list) -> Any:
     """The reading of the rank with the largest peak above start, as the gate compares it (the requested bytes
     where read, else the allocated ones); None when no rank has one."""
     memories = [memory for memory, _ in readings if memory is not None]
-
-    def peak(m):
-        requested = m.peak_requested_above_start
-        return m.peak_allocated_above_start if requested is None else requested
-
-    return max(memories, key=peak, default=None)
+    return max(memories, key=lambda m: m.peak_compared_above_start, default=None)
 
 
 def run_once(settings: Settings, world_size: int, timeout: float) -> list:

@@ -187,14 +187,17 @@ class PerfSession:
                                            f"from {entry['runs']} runs")
         else:
             tolerance = Tolerance(value, f"calibrated from {entry['runs']} runs")
-        if eager and tolerance.value < CROSS_START_EAGER_TOLERANCE and not self.same_start(fullname):
+        if eager and tolerance.value < CROSS_START_EAGER_TOLERANCE and self.other_start(fullname):
             return Tolerance(CROSS_START_EAGER_TOLERANCE, "the baseline is from another machine start")
         return tolerance
 
-    def same_start(self, fullname: str) -> bool:
-        """Whether a benchmark's baseline was recorded on this start of this machine (environment.machine_start)."""
-        start = self.baseline_starts.get(fullname)
-        return start is not None and start == self.environment.get("machine_start")
+    def other_start(self, fullname: str) -> bool:
+        """Whether a benchmark has a baseline and it was not recorded on this start of this machine (or does not say);
+        a benchmark without one (NEW) keeps its own tolerance, which also sets how precisely its rounds are timed."""
+        if fullname not in self.baseline_starts:
+            return False
+        start = self.baseline_starts[fullname]
+        return start is None or start != self.environment.get("machine_start")
 
     def memory_allowance(self, fullname: str, marker: dict) -> tuple[float, int, str]:
         """The memory tolerance (a fraction), floor (bytes) and their source; a calibration whose runs saw the peak
