@@ -45,5 +45,5 @@ def test_optimizer_step(gpu_benchmark, released_memory, device, seed, size, prov
     # CUDA-graph replay, or queued ahead when torch's non-capturable optimizers refuse the capture): the CPU work
     # before the kernels is judged as the eager time.
     gpu_benchmark(optimizer.step, bytes=BYTES_PER_PARAMETER * n_params, graph=device.type == "cuda")
-    assert all(int(optimizer.state[param]["step"]) > 1 for param in params)
+    assert all(int(optimizer.state[param]["step"]) >= 1 for param in params)
     assert all(torch.isfinite(param).all() for param in params[:3])
