@@ -1,12 +1,16 @@
 """lmsys.perf.detection: the A/A false-alarm and injected-delay detection table, from the reruns' JSON."""
 
 import json
+import os
 import subprocess
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
 
 from lmsys.perf import detection, reruns
+
+pytest_plugins = ["pytester"]
 
 WARM_UP = reruns.warm_up  # the real one: the fixture below replaces it for detection.main
 
@@ -256,3 +260,72 @@ def test_the_warm_up_runs_each_test_once_untimed_and_fails_loudly(tmp_path, body
     else:
         with pytest.raises(reruns.RerunError, match="the untimed warm-up run ended with exit status 1"):
             WARM_UP(["test_w.py", "-p", "no:cacheprovider"], tmp_path, timeout=120)
+
+
+def injected_doc(verdict: str, cases: dict[tuple[float, int], str]) -> dict:
+    return {"benchmarks": [{"name": "test_x", "fullname": "t.py::test_x", "extra_info": {
+        "verdict": verdict,
+        "injected_cases": [{"delay": d, "memory": n, "verdict": v, "time_change": 0.0} for (d, n), v in cases.items()],
+    }}]}
+
+
+def test_in_process_runs_every_case_in_each_run_and_tallies_them_apart(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)
+    calls = []
+    verdicts = iter([
+        injected_doc("PASS", {(0.03, 2**20): "MORE-MEMORY", (0.05, 2**20): "SLOWER+MORE-MEMORY"}),
+        injected_doc("SLOWER", {(0.03, 2**20): "SLOWER+MORE-MEMORY", (0.05, 2**20): "SLOWER"}),
+    ])
+
+    def fake_rerun(args, runs, cwd, env=None, timeout=None, progress=None, keep=None, first=0):
+        calls.append((list(args), env, keep and keep.name, first))
+        docs = [next(verdicts)]
+        if keep is not None:
+            keep.mkdir(parents=True, exist_ok=True)
+            (keep / f"{keep.name}-run-{first}.json").write_text(json.dumps(docs[0]))
+        return docs
+
+    monkeypatch.setattr(detection.reruns, "rerun", fake_rerun)
+    argv = ["--in-process", "--runs", "2", "--inject", "0.03", "0.05", "--inject-memory", "1048576",
+            "--memory-with-delays", "--baseline", "newest", "--keep", "k", "--", "perf_tests"]
+    assert detection.main(argv) == 0
+    assert [(c[1][detection.INJECT_CASES], c[2], c[3]) for c in calls] == [
+        ("0.03:1048576,0.05:1048576", "runs", 0), ("0.03:1048576,0.05:1048576", "runs", 1)]
+    assert calls[0][1][detection.INJECT_DELAY] == "0" and calls[0][1][detection.INJECT_MEMORY] == "0"
+    out = capsys.readouterr()
+    assert out.out.splitlines()[0].split("  ")[0] == "benchmark A/A false alarms +3% caught +5% caught +1 MiB caught"
+    assert out.out.splitlines()[-1].split() == ["all", "1/2", "1/2", "2/2", "3/4"]
+    assert "2 runs, each measuring every case" in out.err and "after 1 of 2 runs:" in out.err
+    # The kept runs make the same table without running anything, and a resumed measurement has nothing to add.
+    assert detection.main(["--table", "k"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].split() == ["all", "1/2", "1/2", "2/2", "3/4"]
+    assert detection.main([*argv[:-2], "--resume", "--", "perf_tests"]) == 0
+    assert "2 runs kept already: nothing to run" in capsys.readouterr().err and len(calls) == 2
+    # Runs of separate processes per case are other cases: not resumed into this folder.
+    with pytest.raises(SystemExit, match="--resume: k holds runs of"):
+        detection.main([a for a in argv if a != "--in-process"][:-2] + ["--resume", "--", "perf_tests"])
+
+
+def test_in_process_measures_the_gate_end_to_end_on_the_fake_gpu(pytester, monkeypatch):
+    # Real pytest processes: a fresh reference, then runs whose benchmarks are judged unchanged and then with each
+    # injected case (the fake GPU is deterministic, so every case is caught and no A/A run fails).
+    from perf_fakes import RUN_ARGS, write_suite
+
+    tests = Path(__file__).parent
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")]))
+    write_suite(pytester, {"test_a": {"ms": 1.0}, "test_b": {"ms": 2.0, "launch_ms": 3.0, "call": ", graph=True"}},
+                seed=1)
+    (pytester.path / "baselines").mkdir()
+    monkeypatch.chdir(pytester.path)
+    argv = ["--in-process", "--runs", "2", "--no-warm-up", "--inject", "0.1", "--inject-memory", "1048576",
+            "--keep", "k", "--", "test_suite.py", *RUN_ARGS, "-p", "lmsys.perf.plugin"]
+    if any(e.value == "lmsys.perf.plugin" for e in entry_points(group="pytest11")):
+        argv = argv[:-2]
+    assert detection.main(argv) == 0
+    table = detection._table_of_kept([Path("k")])[0]
+    assert table.values.tolist() == [["test_a", "0/2", "2/2", "2/2"], ["test_b", "0/2", "2/2", "2/2"],
+                                     ["all", "0/4", "4/4", "4/4"]]
+    [run] = [json.loads(p.read_text()) for p in sorted(Path("k/runs").glob("runs-run-0.json"))]
+    cases = run["benchmarks"][0]["extra_info"]["injected_cases"]
+    assert [(c["delay"], c["memory"], c["verdict"]) for c in cases] == [(0.1, 0, "SLOWER"),
+                                                                          (0.0, 2**20, "MORE-MEMORY")]

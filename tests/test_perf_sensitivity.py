@@ -316,6 +316,47 @@ def test_an_injected_allocation_of_one_mib_is_caught(pytester, monkeypatch):
     assert run(pytester).ret == pytest.ExitCode.USAGE_ERROR
 
 
+def test_injected_cases_are_measured_beside_the_unchanged_call_and_fail_nothing(pytester, monkeypatch):
+    # One process measures the A/A case and every injected one (lmsys.perf.detection --in-process).
+    tests = {"test_a": {"ms": 1.0, "memory": 130 * MIB},
+             "test_b": {"ms": 2.0, "launch_ms": 4.0, "call": ", graph=True"}}
+    save_baseline(pytester, tests)
+    write_suite(pytester, tests, seed=2)
+    monkeypatch.setenv("LMSYS_INJECT_CASES", "0.1:1048576, 0:1048576,0.1")
+    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines([
+        "lmsys perf: LMSYS_INJECT_CASES: every benchmark is measured again with +10.0% and 1 MiB held, 1 MiB held, "
+        "+10.0%, judged beside its own verdict*",
+        "*injected: +10.0% and 1 MiB held: SLOWER+MORE-MEMORY; 1 MiB held: MORE-MEMORY; +10.0%: SLOWER*",
+    ])
+    for name in ("test_a", "test_b"):
+        info = bench_json(pytester)[name]["extra_info"]
+        assert info["verdict"] == "PASS" and "injected_delay" not in info
+        cases = info["injected_cases"]
+        assert [(c["delay"], c["memory"], c["verdict"]) for c in cases] == [
+            (0.1, MIB, "SLOWER+MORE-MEMORY"), (0.0, MIB, "MORE-MEMORY"), (0.1, 0, "SLOWER")]
+        assert cases[0]["time_change"] == pytest.approx(0.1, abs=0.02)
+        assert abs(cases[1]["time_change"]) < 0.02
+    # Nothing to judge them against without a baseline: no cases measured.
+    result = run(pytester, "--benchmark-json=out.json")
+    result.assert_outcomes(passed=2)
+    assert "injected_cases" not in bench_json(pytester)["test_a"]["extra_info"]
+
+
+@pytest.mark.parametrize(("cases", "also"), [("0.1:x", {}), ("0", {}), ("11", {}),
+                                             ("0.05", {"LMSYS_INJECT_DELAY": "0.1"}),
+                                             ("0.05", {"LMSYS_INJECT_MEMORY": "1024"})])
+def test_bad_injected_cases_are_a_usage_error(pytester, monkeypatch, cases, also):
+    write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=1)
+    monkeypatch.setenv("LMSYS_INJECT_CASES", cases)
+    for name, value in also.items():
+        monkeypatch.setenv(name, value)
+    result = run(pytester)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*LMSYS_INJECT_CASES*"])
+
+
 @pytest.mark.parametrize(("slack", "held", "verdict"), [(2 * MIB, 0, "PASS"), (0, MIB, "MORE-MEMORY")],
                          ids=["blocks-moved", "one-mib-more"])
 def test_memory_is_judged_on_the_bytes_asked_for_not_the_allocators_blocks(pytester, monkeypatch, slack, held,

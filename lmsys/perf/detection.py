@@ -11,7 +11,11 @@ compilation caches (--no-warm-up: none). The cases take turns (a round is one ru
 drift of the machine over the measurement (warming up, another start) falls on every case alike, and a measurement
 stopped partway has as many runs of each case. LMSYS_INJECT_DELAY=f makes every benchmarked call queue a
 device-side delay of f times its own time (torch.cuda._sleep, calibrated to the GPU's clock), LMSYS_INJECT_MEMORY=B
-hold B more bytes on the device while it runs. --keep DIR keeps every run's JSON, and --resume adds to them later
+hold B more bytes on the device while it runs. --in-process measures every case in each run instead: a fresh
+process judges each benchmark unchanged (the A/A case), then once more per injected case (LMSYS_INJECT_CASES,
+judged against the same reference, failing nothing), so a run of the whole suite pays its start-up and compilations
+once, not once per case (on the H100 a warm run of the default subset took 330 s, of which the timed rounds were
+about 60 s). --keep DIR keeps every run's JSON, and --resume adds to them later
 (another session, another machine start) until each case has --runs runs; --table DIR... tabulates the runs kept by
 several measurements of the same cases without running anything. The table counts, per benchmark and over
 all, the failing verdicts of the A/A runs, the caught delays of each size (any failing verdict) and the caught
@@ -33,7 +37,7 @@ import pandas as pd
 
 from lmsys.perf import calibration, reruns
 from lmsys.perf.compare import MORE_MEMORY, Verdict, format_bytes
-from lmsys.perf.timing import INJECT_DELAY, INJECT_MEMORY
+from lmsys.perf.timing import INJECT_CASES, INJECT_DELAY, INJECT_MEMORY, INJECTED_CASES_KEY
 
 UNCHANGED = {INJECT_DELAY: "0", INJECT_MEMORY: "0"}
 
@@ -116,8 +120,46 @@ def kept_runs(folder: Path) -> list[dict]:
 
 def _settings(args: argparse.Namespace) -> dict:
     """What makes runs of two measurements the same cases (kept in DIR/detection.json, compared on --resume)."""
-    return {"pytest_args": args.pytest_args, "baseline": args.baseline, "no_aa": args.no_aa, "inject": args.inject,
-            "inject_memory": args.inject_memory, "memory_with_delays": args.memory_with_delays}
+    settings = {"pytest_args": args.pytest_args, "baseline": args.baseline, "no_aa": args.no_aa,
+                "inject": args.inject, "inject_memory": args.inject_memory,
+                "memory_with_delays": args.memory_with_delays}
+    return {**settings, "in_process": True} if args.in_process else settings
+
+
+# --in-process: the folder (under --keep) of the runs, each of which measures every case.
+IN_PROCESS = "runs"
+
+
+def _injected(settings: dict) -> list[tuple[float, int]]:
+    """The injected cases of an --in-process measurement, (delay fraction, bytes held)."""
+    held = settings["inject_memory"][0] if settings["memory_with_delays"] else 0
+    return [(delay, held) for delay in settings["inject"]] + (
+        [] if settings["memory_with_delays"] else [(0.0, n) for n in settings["inject_memory"]])
+
+
+def _case_docs(docs: list[dict], case: tuple[float, int]) -> list[dict]:
+    """The verdicts of one injected case in each run of an --in-process measurement, as documents of their own (what
+    `tally` reads): a benchmark whose run measured no such case (no baseline, a multi-rank benchmark) is left out."""
+    out = []
+    for doc in docs:
+        benchmarks = []
+        for bench in doc.get("benchmarks", []):
+            for entry in (bench.get("extra_info") or {}).get(INJECTED_CASES_KEY, []):
+                if (entry["delay"], entry["memory"]) == case:
+                    benchmarks.append({"name": bench["name"], "extra_info": {"verdict": entry["verdict"]}})
+        out.append({"benchmarks": benchmarks})
+    return out
+
+
+def _in_process_results(settings: dict, docs: list[dict]) -> list[tuple[str, list[dict], Callable]]:
+    """(column, documents, predicate) of every case of an --in-process measurement, from its runs."""
+    results = [] if settings["no_aa"] else [("A/A false alarms", docs, failed)]
+    for delay, held in _injected(settings):
+        if delay:
+            results.append((f"+{delay:.0%} caught", _case_docs(docs, (delay, held)), slower if held else failed))
+        else:
+            results.append((f"+{format_bytes(held)} caught", _case_docs(docs, (delay, held)), more_memory))
+    return results
 
 
 def _cases(settings: dict) -> tuple[list[tuple[str, str, dict, Callable[[str | None], bool]]], dict]:
@@ -150,6 +192,9 @@ def _table_of_kept(folders: list[Path]) -> tuple[pd.DataFrame, dict]:
         if other != settings:
             raise SystemExit(f"--table: {folder} measured {other}, {folders[0]} {settings}: not the same cases")
     cases, held = _cases(settings)
+    if settings.get("in_process"):
+        docs = [doc for folder in folders for doc in kept_runs(folder / IN_PROCESS)]
+        return _with_memory(_in_process_results(settings, docs), held), settings
     results = [(column, [doc for folder in folders for doc in kept_runs(folder / name)], counted)
                for column, name, _, counted in cases]
     return _with_memory(results, held), settings
@@ -184,6 +229,74 @@ def _reference(args: list[str], storage: Path, baselines: Path, timeout: float) 
     return [f"--benchmark-storage={storage}", "--benchmark-compare"]
 
 
+def _compare_args(args: argparse.Namespace, folder: Path) -> list[str]:
+    """The untimed warm-up run (unless --no-warm-up), then the arguments that make a run compare: with a named
+    baseline, each benchmark's newest one, or a fresh reference saved into `folder`."""
+    if not args.no_warm_up:
+        print("an untimed run first, to fill the compilation caches", file=sys.stderr, flush=True)
+        reruns.warm_up(args.pytest_args, Path.cwd(), timeout=args.timeout)
+    if args.baseline == "newest":
+        return [f"--benchmark-storage={args.storage}", "--benchmark-compare"]
+    if args.baseline:
+        return [f"--benchmark-storage={args.storage}", f"--benchmark-compare={args.baseline}"]
+    # a reference of this machine, for this measurement (a resumed one saves its own)
+    return _reference(args.pytest_args, folder, args.storage, args.timeout)
+
+
+def _measure_in_process(args: argparse.Namespace, settings: dict) -> list[tuple[str, list[dict], Callable]]:
+    """--in-process: each run, one fresh process, measures every benchmark unchanged (its own verdict: the A/A case)
+    and then once per injected case (LMSYS_INJECT_CASES); returns the cases' results over every run."""
+    docs = kept_runs(args.keep / IN_PROCESS) if args.resume else []
+    if args.resume:
+        print(f"resuming {args.keep}: {len(docs)} runs", file=sys.stderr, flush=True)
+    if len(docs) >= args.runs:
+        print(f"{args.runs} runs kept already: nothing to run", file=sys.stderr, flush=True)
+        return _in_process_results(settings, docs)
+    env = {**UNCHANGED, INJECT_CASES: ",".join(f"{delay:g}:{held}" for delay, held in _injected(settings))}
+    held = {INJECT_MEMORY: str(settings["inject_memory"][0])} if settings["memory_with_delays"] else {}
+    with tempfile.TemporaryDirectory(prefix="lmsys-detection-") as folder:
+        compare = _compare_args(args, Path(folder))
+        print(f"{args.runs} runs, each measuring every case", file=sys.stderr, flush=True)
+        while len(docs) < args.runs:
+            docs += reruns.rerun([*args.pytest_args, *compare], 1, Path.cwd(), env=env, timeout=args.timeout,
+                                 progress=_progress("every case", args.runs),
+                                 keep=None if args.keep is None else args.keep / IN_PROCESS, first=len(docs))
+            if len(docs) < args.runs:  # what is measured so far, in case the rest never finishes
+                print(f"after {len(docs)} of {args.runs} runs:", file=sys.stderr)
+                print(_with_memory(_in_process_results(settings, docs), held).to_string(index=False),
+                      file=sys.stderr, flush=True)
+    return _in_process_results(settings, docs)
+
+
+def _measure(args: argparse.Namespace, cases: list, held: dict) -> list[tuple[str, list[dict], Callable]]:
+    """Each case in runs of its own, the cases taking turns a round at a time; returns their results."""
+    docs = {name: kept_runs(args.keep / name) if args.resume else [] for _, name, _, _ in cases}
+    if args.resume:
+        print(f"resuming {args.keep}: " + ", ".join(f"{name} {len(runs)} runs" for name, runs in docs.items()),
+              file=sys.stderr, flush=True)
+    results = [(column, docs[name], counted) for column, name, _, counted in cases]
+    if all(len(runs) >= args.runs for runs in docs.values()):
+        print(f"every case has {args.runs} runs already: nothing to run", file=sys.stderr, flush=True)
+    else:
+        with tempfile.TemporaryDirectory(prefix="lmsys-detection-") as folder:
+            compare = _compare_args(args, Path(folder))
+            print(f"{args.runs} rounds of: {', '.join(column for column, _, _, _ in cases)}", file=sys.stderr,
+                  flush=True)
+            for index in range(args.runs):  # a round: one run of each case that has fewer runs than that
+                for column, name, env, _ in cases:
+                    if len(docs[name]) > index:
+                        continue
+                    kept = None if args.keep is None else args.keep / name
+                    docs[name] += reruns.rerun([*args.pytest_args, *compare], 1, Path.cwd(), env=env,
+                                               timeout=args.timeout, progress=_progress(column, args.runs),
+                                               keep=kept, first=len(docs[name]))
+                results = [(column, docs[name], counted) for column, name, _, counted in cases]
+                if index + 1 < args.runs:  # what is measured so far, in case the rest never finishes
+                    print(f"after {index + 1} of {args.runs} rounds:", file=sys.stderr)
+                    print(_with_memory(results, held).to_string(index=False), file=sys.stderr, flush=True)
+    return results
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lmsys.perf.detection", description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=20, help="fresh processes per case (default: 20)")
@@ -214,6 +327,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-warm-up", action="store_true",
                         help="leave out the untimed run (--benchmark-disable) that fills the compilation caches first, "
                         "so that the reference and the first runs are not timed in a cold process")
+    parser.add_argument("--in-process", action="store_true",
+                        help="measure every case in each run: each benchmark unchanged (the A/A case), then once per "
+                        "injected case in the same process (LMSYS_INJECT_CASES), instead of a run per case; the "
+                        "cases' verdicts then share each run's process, and a run of the whole suite costs one "
+                        "start-up and compilation instead of one per case")
     parser.add_argument("pytest_args", nargs="*", help="what to run, after --: test paths, -k, options")
     args = parser.parse_args(argv)
     if args.table:
@@ -234,39 +352,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--resume needs --keep DIR, the folder of the runs to add to")
     if args.keep is not None:
         _resume(args.keep, _settings(args), args.resume)
-    cases, held = _cases(_settings(args))
-    docs = {name: kept_runs(args.keep / name) if args.resume else [] for _, name, _, _ in cases}
-    if args.resume:
-        print(f"resuming {args.keep}: " + ", ".join(f"{name} {len(runs)} runs" for name, runs in docs.items()),
-              file=sys.stderr, flush=True)
-    results = [(column, docs[name], counted) for column, name, _, counted in cases]
-    if all(len(runs) >= args.runs for runs in docs.values()):
-        print(f"every case has {args.runs} runs already: nothing to run", file=sys.stderr, flush=True)
+    settings = _settings(args)
+    cases, held = _cases(settings)
+    if args.in_process:
+        results = _measure_in_process(args, settings)
     else:
-        with tempfile.TemporaryDirectory(prefix="lmsys-detection-") as folder:
-            if not args.no_warm_up:
-                print("an untimed run first, to fill the compilation caches", file=sys.stderr, flush=True)
-                reruns.warm_up(args.pytest_args, Path.cwd(), timeout=args.timeout)
-            if args.baseline == "newest":
-                compare = [f"--benchmark-storage={args.storage}", "--benchmark-compare"]
-            elif args.baseline:
-                compare = [f"--benchmark-storage={args.storage}", f"--benchmark-compare={args.baseline}"]
-            else:  # a reference of this machine, for this measurement (a resumed one saves its own)
-                compare = _reference(args.pytest_args, Path(folder), args.storage, args.timeout)
-            print(f"{args.runs} rounds of: {', '.join(column for column, _, _, _ in cases)}", file=sys.stderr,
-                  flush=True)
-            for index in range(args.runs):  # a round: one run of each case that has fewer runs than that
-                for column, name, env, _ in cases:
-                    if len(docs[name]) > index:
-                        continue
-                    kept = None if args.keep is None else args.keep / name
-                    docs[name] += reruns.rerun([*args.pytest_args, *compare], 1, Path.cwd(), env=env,
-                                               timeout=args.timeout, progress=_progress(column, args.runs),
-                                               keep=kept, first=len(docs[name]))
-                results = [(column, docs[name], counted) for column, name, _, counted in cases]
-                if index + 1 < args.runs:  # what is measured so far, in case the rest never finishes
-                    print(f"after {index + 1} of {args.runs} rounds:", file=sys.stderr)
-                    print(_with_memory(results, held).to_string(index=False), file=sys.stderr, flush=True)
+        results = _measure(args, cases, held)
     table = _with_memory(results, held)
     print(_markdown(table) if args.markdown else table.to_string(index=False))
     return 0

@@ -126,18 +126,20 @@ class GpuBenchmark:
         eager_tolerance = self._tolerance(timing.EAGER, eager=True) if graph else time_tolerance
         queued_tolerance = self._tolerance(timing.QUEUED)
         flush = backend.make_l2_flush() if cold_l2 else None
-        with timing.gc_paused(session.disable_gc):
-            measurement = timing.run(
-                backend, call, flush=flush, max_time=session.max_time, min_rounds=session.min_rounds,
-                warmup_rounds=warmup_rounds, judge=self._judge(primary, time_tolerance),
-                precision=session.precision(time_tolerance), graph=graph,
-                eager_judge=self._judge(timing.EAGER, eager_tolerance),
-                eager_precision=session.precision(eager_tolerance), delay=session.injected_delay,
-                extra_memory=session.injected_memory,
-                queued_judge=self._judge(timing.QUEUED, queued_tolerance),
-                queued_precision=session.precision(queued_tolerance), host=host,
-            )
-        del flush
+
+        def measure(delay: float, extra_memory: int) -> timing.Measurement:
+            with timing.gc_paused(session.disable_gc):
+                return timing.run(
+                    backend, call, flush=flush, max_time=session.max_time, min_rounds=session.min_rounds,
+                    warmup_rounds=warmup_rounds, judge=self._judge(primary, time_tolerance),
+                    precision=session.precision(time_tolerance), graph=graph,
+                    eager_judge=self._judge(timing.EAGER, eager_tolerance),
+                    eager_precision=session.precision(eager_tolerance), delay=delay, extra_memory=extra_memory,
+                    queued_judge=self._judge(timing.QUEUED, queued_tolerance),
+                    queued_precision=session.precision(queued_tolerance), host=host,
+                )
+
+        measurement = measure(session.injected_delay, session.injected_memory)
         measurement.extra_info["cold_l2"] = bool(cold_l2)
         if graph and measurement.timing == timing.EAGER:
             # The capture failed on the CPU: the eager rounds are the benchmark's time, judged as eager rounds.
@@ -145,7 +147,24 @@ class GpuBenchmark:
         elif measurement.timing == timing.QUEUED:
             time_tolerance = queued_tolerance
         self._record(measurement, flops, bytes, precision or infer_precision(args, kwargs), time_tolerance)
+        self._measure_injected_cases(measure)
+        del flush
         return measurement.result
+
+    def _measure_injected_cases(self, measure) -> None:
+        """LMSYS_INJECT_CASES: the call measured once more per case, with its delay and its bytes held, each judged
+        against the same baseline; the verdicts go into extra_info and the summary's notes, and fail nothing."""
+        session, bench = self._session, self._benchmark
+        if not session.injected_cases or not session.comparing or session.baseline(bench.fullname) is None:
+            return
+        cases = []
+        for delay, held in session.injected_cases:
+            verdict = self._verdict(measure(delay, held))
+            cases.append({"delay": delay, "memory": held, "verdict": None if verdict is None else verdict.label,
+                          "time_change": None if verdict is None or verdict.time is None else verdict.time.change})
+        bench.extra_info[timing.INJECTED_CASES_KEY] = cases
+        self._node.stash[RECORD_KEY].notes.append("injected: " + "; ".join(
+            f"{timing.injected_case_label(case['delay'], case['memory'])}: {case['verdict']}" for case in cases))
 
     def distributed(
         self,
@@ -219,19 +238,12 @@ class GpuBenchmark:
         )
         return measurement.result
 
-    def _record(
-        self,
-        measurement: timing.Measurement,
-        flops,
-        nbytes,
-        precision,
-        tolerance: Tolerance | None = None,
-        memory_bandwidth: bool = True,
-    ):
-        """Judges the memory, combines the verdict and stores the record (summary, plugin) and the stats (JSON).
-        `memory_bandwidth=False`: the bytes did not go through device memory, so GB/s has no fraction of its peak."""
+    def _verdict(self, measurement: timing.Measurement) -> compare.Verdict | None:
+        """The verdict on a measurement against the baseline (None when not comparing): its time comparisons, made
+        while it was timed, and its memory, compared here."""
         session, bench = self._session, self._benchmark
-        tolerance = tolerance or self._tolerance(measurement.timing)
+        if not session.comparing:
+            return None
         baseline = session.baseline(bench.fullname)
         memory = measurement.memory
         peaks = None
@@ -247,11 +259,24 @@ class GpuBenchmark:
         uncompared = None
         if baseline is not None and measurement.time_comparison is None:
             uncompared = f"the baseline was timed {baselines.timing(baseline)}, this run {measurement.timing}"
-        verdict = None
-        if session.comparing:
-            verdict = compare.judge(
-                measurement.time_comparison, memory_comparison, measurement.eager_comparison, uncompared
-            )
+        return compare.judge(measurement.time_comparison, memory_comparison, measurement.eager_comparison, uncompared)
+
+    def _record(
+        self,
+        measurement: timing.Measurement,
+        flops,
+        nbytes,
+        precision,
+        tolerance: Tolerance | None = None,
+        memory_bandwidth: bool = True,
+    ):
+        """Judges the memory, combines the verdict and stores the record (summary, plugin) and the stats (JSON).
+        `memory_bandwidth=False`: the bytes did not go through device memory, so GB/s has no fraction of its peak."""
+        session, bench = self._session, self._benchmark
+        tolerance = tolerance or self._tolerance(measurement.timing)
+        baseline = session.baseline(bench.fullname)
+        memory = measurement.memory
+        verdict = self._verdict(measurement)
 
         # Private pytest-benchmark API, the same in 5.2 and 5.3: the stats object its own timing loop would fill.
         stats = bench._make_stats(1)

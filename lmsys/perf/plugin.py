@@ -44,7 +44,7 @@ from lmsys.perf.session import (
     SESSION_KEY,
     PerfSession,
 )
-from lmsys.perf.timing import INJECT_DELAY, INJECT_MEMORY
+from lmsys.perf.timing import INJECT_CASES, INJECT_DELAY, INJECT_MEMORY
 
 __all__ = ["gpu_benchmark"]
 
@@ -289,6 +289,28 @@ def _injected_memory() -> int:
         raise pytest.UsageError(f"{INJECT_MEMORY}={text}: {exc} (a number of bytes held during every call)") from None
 
 
+def _injected_cases() -> list[tuple[float, int]]:
+    """LMSYS_INJECT_CASES ("DELAY[:BYTES],..."): the regressions measured beside each unchanged call."""
+    text = os.environ.get(INJECT_CASES, "").strip()
+    if not text:
+        return []
+    cases = []
+    for case in text.split(","):
+        delay, _, held = case.strip().partition(":")
+        try:
+            fraction = float(delay)
+            nbytes = _byte_count(held) if held else 0
+        except (ValueError, argparse.ArgumentTypeError):
+            fraction, nbytes = math.nan, 0
+        if not (math.isfinite(fraction) and 0 <= fraction <= 10) or not (fraction or nbytes):
+            raise pytest.UsageError(
+                f"{INJECT_CASES}={text}: each case is DELAY[:BYTES], a fraction of a call's time between 0 and 10 and "
+                "the bytes held during every call, not both zero (e.g. 0.03:1048576,0.05:1048576)"
+            )
+        cases.append((fraction, nbytes))
+    return cases
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_perf_backend(config):
     return detect_backend(load_timer(config.getoption("benchmark_timer")).target)
@@ -320,14 +342,19 @@ def pytest_configure(config):
             f"--benchmark-calibrate runs the benchmarks in other processes and only writes the calibration: "
             f"leave out {', '.join(others)}"
         )
+    injected = _injected_delay(), _injected_memory(), _injected_cases()
+    if injected[2] and (injected[0] or injected[1]):
+        raise pytest.UsageError(f"{INJECT_CASES} measures each call unchanged first: leave out {INJECT_DELAY} and "
+                                f"{INJECT_MEMORY}")
     config.stash[SESSION_KEY] = PerfSession(
         backend=config.hook.pytest_perf_backend(config=config),
         rootpath=config.rootpath,
         time_tolerance=config.getoption("perf_time_tolerance"),
         eager_tolerance=config.getoption("perf_eager_tolerance"),
         time_cap=config.getoption("perf_max_time"),
-        injected_delay=_injected_delay(),
-        injected_memory=_injected_memory(),
+        injected_delay=injected[0],
+        injected_memory=injected[1],
+        injected_cases=injected[2],
         calibrate=calibrate,
         memory_tolerance=config.getoption("perf_mem_tolerance"),
         memory_floor=config.getoption("perf_mem_floor"),

@@ -19,7 +19,7 @@ from lmsys.perf import baselines, calibration, environment
 from lmsys.perf.backend import MemoryReading
 from lmsys.perf.compare import SLOWER, Verdict, format_bytes
 from lmsys.perf.storage import BaselineStorage
-from lmsys.perf.timing import Precision
+from lmsys.perf.timing import Precision, injected_case_label
 
 # Time tolerances when neither a marker, an option nor a calibration gives one: the device (or eager) time, and
 # the eager time of a benchmark timed in a CUDA graph (CPU launch cost included, so noisier).
@@ -112,6 +112,8 @@ class PerfSession:
     injected_delay: float = 0.0
     # LMSYS_INJECT_MEMORY: bytes held on the device during every benchmarked call
     injected_memory: int = 0
+    # LMSYS_INJECT_CASES: (delay fraction, bytes held) of each regression measured beside every unchanged call
+    injected_cases: list[tuple[float, int]] = field(default_factory=list)
     # --benchmark-calibrate=N: rerun the selected benchmarks N times in fresh processes instead of running them
     calibrate: int | None = None
     # fullname -> calibration entry (calibration.py), from the GPU's folder
@@ -350,6 +352,10 @@ class PerfSession:
                 f"lmsys perf: LMSYS_INJECT_MEMORY={self.injected_memory}: every benchmarked call holds "
                 f"{format_bytes(self.injected_memory)} more on the device (measuring the gate)"
             )
+        if self.injected_cases:
+            cases = ", ".join(injected_case_label(*case) for case in self.injected_cases)
+            lines.append(f"lmsys perf: LMSYS_INJECT_CASES: every benchmark is measured again with {cases}, judged "
+                         "beside its own verdict (measuring the gate; these verdicts fail no test)")
         return lines + [f"lmsys perf: comparing with {path}" for path in self.compared_files]
 
     def unwritten(self) -> bool:

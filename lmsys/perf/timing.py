@@ -30,7 +30,7 @@ from math import ceil
 from statistics import median
 from typing import Any
 
-from lmsys.perf.compare import SLOWER, TimeComparison, relative_half_width
+from lmsys.perf.compare import SLOWER, TimeComparison, format_bytes, relative_half_width
 
 MAX_ROUNDS = 1000
 MAX_ADAPTIVE_ROUNDS = 10_000
@@ -45,6 +45,17 @@ MAX_LEAD = 2.0
 INJECT_DELAY = "LMSYS_INJECT_DELAY"
 # The same for memory: this many more bytes held on the device during every benchmarked call.
 INJECT_MEMORY = "LMSYS_INJECT_MEMORY"
+# Regressions measured beside the unchanged call, in the same process: "DELAY[:BYTES],...", e.g. "0.03:1048576,0.05".
+# After its own measurement and verdict every benchmark is measured once more per case, with that delay (a fraction,
+# as INJECT_DELAY) and those bytes held (as INJECT_MEMORY), and each case's verdict is kept in its extra_info
+# (INJECTED_CASES_KEY); they never fail the test. One process then measures the A/A case and every injected one.
+INJECT_CASES = "LMSYS_INJECT_CASES"
+INJECTED_CASES_KEY = "injected_cases"
+
+
+def injected_case_label(delay: float, held: int) -> str:
+    """'+3.0%', '1 MiB held' or '+3.0% and 1 MiB held': an injected case, for the summary."""
+    return " and ".join([f"+{delay:.1%}"] * bool(delay) + [f"{format_bytes(held)} held"] * bool(held))
 
 Judge = Callable[[list[float]], TimeComparison | None]
 
