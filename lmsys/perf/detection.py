@@ -13,9 +13,9 @@ stopped partway has as many runs of each case. LMSYS_INJECT_DELAY=f makes every 
 device-side delay of f times its own time (torch.cuda._sleep, calibrated to the GPU's clock), LMSYS_INJECT_MEMORY=B
 hold B more bytes on the device while it runs. --in-process measures every case in each run instead: a fresh
 process judges each benchmark unchanged (the A/A case), then once more per injected case (LMSYS_INJECT_CASES,
-judged against the same reference, failing nothing), so a run of the whole suite pays its start-up and compilations
-once, not once per case (on the H100 a warm run of the default subset took 330 s, of which the timed rounds were
-about 60 s). --keep DIR keeps every run's JSON, and --resume adds to them later
+judged against the same reference, failing nothing): the cases share each run's process, and its start-up and
+compilations are paid once (on the H100 such a run of the default subset took 982 s, a plain warm run 330 s: the
+timing of the cases, not the start-up, is most of it). --keep DIR keeps every run's JSON, and --resume adds to them later
 (another session, another machine start) until each case has --runs runs; --table DIR... tabulates the runs kept by
 several measurements of the same cases without running anything. The table counts, per benchmark and over
 all, the failing verdicts of the A/A runs, the caught delays of each size (any failing verdict) and the caught
