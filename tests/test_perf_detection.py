@@ -44,6 +44,23 @@ def test_tally_counts_the_verdicts_each_case_looks_for_per_benchmark_and_over_al
     ]
 
 
+def test_tally_adds_a_row_per_timing_when_there_are_several():
+    # The gate's categories: graph replays (launch-bound calls), host timing (launch costs), eager and queued rounds.
+    def timed(verdicts: dict[str, tuple[str, str]]) -> dict:
+        return {"benchmarks": [{"name": name, "extra_info": {"verdict": verdict, "timing": timing}}
+                               for name, (verdict, timing) in verdicts.items()]}
+
+    runs = [timed({"a": ("PASS", "graph"), "b": ("SLOWER", "host"), "c": ("PASS", "graph")}),
+            timed({"a": ("SLOWER", "graph"), "b": ("PASS", "host"), "c": ("PASS", "graph")})]
+    table = detection.tally([("A/A false alarms", runs, detection.failed)])
+    assert table.values.tolist() == [["a", "1/2"], ["b", "1/2"], ["c", "0/2"], ["all graph", "1/4"],
+                                     ["all host", "1/2"], ["all", "2/6"]]
+    single = detection.tally([("A/A false alarms", runs[:1], detection.failed)])
+    assert single.values.tolist()[-3:] == [["all graph", "0/2"], ["all host", "1/1"], ["all", "1/3"]]
+    graph_only = [timed({"a": ("PASS", "graph")})]
+    assert detection.tally([("A/A", graph_only, detection.failed)]).values.tolist() == [["a", "0/1"], ["all", "0/1"]]
+
+
 def test_main_saves_a_reference_then_reruns_each_case_with_the_delay(monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(tmp_path)
     calls = []
@@ -324,6 +341,7 @@ def test_in_process_measures_the_gate_end_to_end_on_the_fake_gpu(pytester, monke
     assert detection.main(argv) == 0
     table = detection._table_of_kept([Path("k")])[0]
     assert table.values.tolist() == [["test_a", "0/2", "2/2", "2/2"], ["test_b", "0/2", "2/2", "2/2"],
+                                     ["all eager", "0/2", "2/2", "2/2"], ["all graph", "0/2", "2/2", "2/2"],
                                      ["all", "0/4", "4/4", "4/4"]]
     [run] = [json.loads(p.read_text()) for p in sorted(Path("k/runs").glob("runs-run-0.json"))]
     cases = run["benchmarks"][0]["extra_info"]["injected_cases"]

@@ -58,21 +58,31 @@ def more_memory(label: str | None) -> bool:
 
 
 def tally(cases: list[tuple[str, list[dict], Callable[[str | None], bool]]]) -> pd.DataFrame:
-    """Rows per benchmark (and 'all'), a column per case: 'k/n', k the runs whose verdict the case's predicate
-    counts out of n that compared the benchmark. A case is (column, its runs' pytest-benchmark JSON, predicate)."""
+    """Rows per benchmark, per timing when the benchmarks were timed in more than one way ('all graph': the graph
+    replays, 'all host': the launch costs, ...) and 'all'; a column per case: 'k/n', k the runs whose verdict the
+    case's predicate counts out of n that compared the benchmark. A case is (column, its runs' pytest-benchmark JSON,
+    predicate)."""
     counts: dict[str, dict[str, list[int]]] = {}
+    timings = set()
     for column, docs, counted in cases:
         for doc in docs:
             for bench in doc.get("benchmarks", []):
-                label = (bench.get("extra_info") or {}).get("verdict")
+                info = bench.get("extra_info") or {}
+                label = info.get("verdict")
                 if label is None or label == "NEW":
                     continue
-                for name in (bench["name"], "all"):
+                timed = f"all {info['timing']}" if info.get("timing") else None
+                timings.add(timed)
+                for name in (bench["name"], timed, "all"):
+                    if name is None:
+                        continue
                     cell = counts.setdefault(name, {}).setdefault(column, [0, 0])
                     cell[0] += counted(label)
                     cell[1] += 1
     columns = [column for column, _, _ in cases]
-    names = sorted(name for name in counts if name != "all") + (["all"] if "all" in counts else [])
+    subtotals = sorted(name for name in timings if name) if len(timings) > 1 else []
+    names = sorted(name for name in counts if name != "all" and name not in timings)
+    names += subtotals + (["all"] if "all" in counts else [])
     rows = [
         {"benchmark": name, **{c: "{}/{}".format(*counts[name][c]) if c in counts[name] else "" for c in columns}}
         for name in names
@@ -146,7 +156,8 @@ def _case_docs(docs: list[dict], case: tuple[float, int]) -> list[dict]:
         for bench in doc.get("benchmarks", []):
             for entry in (bench.get("extra_info") or {}).get(INJECTED_CASES_KEY, []):
                 if (entry["delay"], entry["memory"]) == case:
-                    benchmarks.append({"name": bench["name"], "extra_info": {"verdict": entry["verdict"]}})
+                    info = {"verdict": entry["verdict"], "timing": bench["extra_info"].get("timing")}
+                    benchmarks.append({"name": bench["name"], "extra_info": info})
         out.append({"benchmarks": benchmarks})
     return out
 
