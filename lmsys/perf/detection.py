@@ -3,23 +3,23 @@ it catches a device-side delay (or an allocation) of a chosen size injected into
 
     python -m lmsys.perf.detection --runs 20 --inject 0.03 0.05 --inject-memory 1048576 -- perf_tests -k anchors
 
-Each rerun is a fresh pytest process (reruns.py) comparing with a reference: --baseline NUM names one of this
-GPU's baselines, --baseline newest compares as a user's --benchmark-compare does (each benchmark with the newest
-baseline that has it), otherwise a first run saves a fresh reference into a temporary storage (with a copy of the
-GPU's calibration.json, so calibrated tolerances apply); before it, an untimed run (--benchmark-disable) fills the
-compilation caches (--no-warm-up: none). The cases take turns (a round is one run of each), so a
-drift of the machine over the measurement (warming up, another start) falls on every case alike, and a measurement
-stopped partway has as many runs of each case. LMSYS_INJECT_DELAY=f makes every benchmarked call queue a
-device-side delay of f times its own time (torch.cuda._sleep, calibrated to the GPU's clock), LMSYS_INJECT_MEMORY=B
-hold B more bytes on the device while it runs. --in-process measures every case in each run instead: a fresh
-process judges each benchmark unchanged (the A/A case), then once more per injected case (LMSYS_INJECT_CASES,
-judged against the same reference, failing nothing): the cases share each run's process, and its start-up and
-compilations are paid once (on the H100 such a run of the default subset took 982 s, a plain warm run 330 s: the
-timing of the cases, not the start-up, is most of it). --keep DIR keeps every run's JSON, and --resume adds to them later
-(another session, another machine start) until each case has --runs runs; --table DIR... tabulates the runs kept by
-several measurements of the same cases without running anything. The table counts, per benchmark and over
-all, the failing verdicts of the A/A runs, the caught delays of each size (any failing verdict) and the caught
-allocations (MORE-MEMORY).
+Each rerun is a fresh pytest process (reruns.py) comparing with a reference: --baseline NUM names one of this GPU's
+baselines, --baseline newest compares as a user's --benchmark-compare does (each benchmark with the newest baseline
+that has it), otherwise a first run saves a fresh reference into a temporary storage (with a copy of the GPU's
+calibration.json, so calibrated tolerances apply); before it, an untimed run (--benchmark-disable) fills the
+compilation caches (--no-warm-up: none). The cases take turns (a round is one run of each), so a drift of the
+machine over the measurement (warming up, another start) falls on every case alike, and a measurement stopped
+partway has as many runs of each case. LMSYS_INJECT_DELAY=f makes every benchmarked call queue a device-side delay
+of f times its own time (torch.cuda._sleep, calibrated to the GPU's clock), LMSYS_INJECT_MEMORY=B hold B more bytes
+on the device while it runs. --in-process measures every case in each run instead: a fresh process judges each
+benchmark unchanged (the A/A case), then once more per injected case (LMSYS_INJECT_CASES, judged against the same
+reference, failing nothing): the cases share each run's process, and its start-up and compilations are paid once (on
+the H100 such a run of the default subset took 982 s, a plain warm run 330 s: the timing of the cases, not the
+start-up, is most of it). --keep DIR keeps every run's JSON, and --resume adds to them later (another session,
+another machine start) until each case has --runs runs; --table DIR... tabulates the runs kept by several
+measurements of the same cases without running anything. The table counts, per benchmark and over all, the failing
+verdicts of the A/A runs, the caught delays of each size (any failing verdict) and the caught allocations
+(MORE-MEMORY).
 """
 
 import argparse
@@ -32,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import pandas as pd
 
@@ -140,11 +141,15 @@ def _settings(args: argparse.Namespace) -> dict:
 IN_PROCESS = "runs"
 
 
-def _injected(settings: dict) -> list[tuple[float, int]]:
-    """The injected cases of an --in-process measurement, (delay fraction, bytes held)."""
-    held = settings["inject_memory"][0] if settings["memory_with_delays"] else 0
-    return [(delay, held) for delay in settings["inject"]] + (
-        [] if settings["memory_with_delays"] else [(0.0, n) for n in settings["inject_memory"]])
+class Case(NamedTuple):
+    """One case of a measurement: its table column, the folder of its kept runs, the environment of its runs, the
+    verdicts it counts, and what it injects ((delay fraction, bytes held); None for the A/A case)."""
+
+    column: str
+    name: str
+    env: dict
+    counted: Callable[[str | None], bool]
+    injected: tuple[float, int] | None
 
 
 def _case_docs(docs: list[dict], case: tuple[float, int]) -> list[dict]:
@@ -162,27 +167,23 @@ def _case_docs(docs: list[dict], case: tuple[float, int]) -> list[dict]:
     return out
 
 
-def _in_process_results(settings: dict, docs: list[dict]) -> list[tuple[str, list[dict], Callable]]:
-    """(column, documents, predicate) of every case of an --in-process measurement, from its runs."""
-    results = [] if settings["no_aa"] else [("A/A false alarms", docs, failed)]
-    for delay, held in _injected(settings):
-        if delay:
-            results.append((f"+{delay:.0%} caught", _case_docs(docs, (delay, held)), slower if held else failed))
-        else:
-            results.append((f"+{format_bytes(held)} caught", _case_docs(docs, (delay, held)), more_memory))
-    return results
+def _in_process_results(cases: list[Case], docs: list[dict]) -> list[tuple[str, list[dict], Callable]]:
+    """(column, documents, predicate) of every case of an --in-process measurement, from its runs: the A/A case's
+    verdicts are the runs' own, an injected case's those kept in each benchmark's extra_info."""
+    return [(case.column, docs if case.injected is None else _case_docs(docs, case.injected), case.counted)
+            for case in cases]
 
 
-def _cases(settings: dict) -> tuple[list[tuple[str, str, dict, Callable[[str | None], bool]]], dict]:
-    """The cases of a measurement, (column, folder of its kept runs, environment, the verdicts it counts), and the
-    allocation held in the delay runs ({} unless memory_with_delays)."""
-    cases = [] if settings["no_aa"] else [("A/A false alarms", "aa", UNCHANGED, failed)]
+def _cases(settings: dict) -> tuple[list[Case], dict]:
+    """The cases of a measurement and the allocation held in the delay runs ({} unless memory_with_delays)."""
+    cases = [] if settings["no_aa"] else [Case("A/A false alarms", "aa", UNCHANGED, failed, None)]
     held = {INJECT_MEMORY: str(settings["inject_memory"][0])} if settings["memory_with_delays"] else {}
-    cases += [(f"+{delay:.0%} caught", f"delay-{delay:g}", {**UNCHANGED, INJECT_DELAY: str(delay), **held},
-               slower if held else failed) for delay in settings["inject"]]
+    held_bytes = int(held.get(INJECT_MEMORY, 0))
+    cases += [Case(f"+{delay:.0%} caught", f"delay-{delay:g}", {**UNCHANGED, INJECT_DELAY: str(delay), **held},
+                   slower if held else failed, (delay, held_bytes)) for delay in settings["inject"]]
     if not held:
-        cases += [(f"+{format_bytes(n)} caught", f"memory-{n}", {**UNCHANGED, INJECT_MEMORY: str(n)}, more_memory)
-                  for n in settings["inject_memory"]]
+        cases += [Case(f"+{format_bytes(n)} caught", f"memory-{n}", {**UNCHANGED, INJECT_MEMORY: str(n)}, more_memory,
+                       (0.0, n)) for n in settings["inject_memory"]]
     return cases, held
 
 
@@ -205,9 +206,9 @@ def _table_of_kept(folders: list[Path]) -> tuple[pd.DataFrame, dict]:
     cases, held = _cases(settings)
     if settings.get("in_process"):
         docs = [doc for folder in folders for doc in kept_runs(folder / IN_PROCESS)]
-        return _with_memory(_in_process_results(settings, docs), held), settings
-    results = [(column, [doc for folder in folders for doc in kept_runs(folder / name)], counted)
-               for column, name, _, counted in cases]
+        return _with_memory(_in_process_results(cases, docs), held), settings
+    results = [(case.column, [doc for folder in folders for doc in kept_runs(folder / case.name)], case.counted)
+               for case in cases]
     return _with_memory(results, held), settings
 
 
@@ -254,7 +255,8 @@ def _compare_args(args: argparse.Namespace, folder: Path) -> list[str]:
     return _reference(args.pytest_args, folder, args.storage, args.timeout)
 
 
-def _measure_in_process(args: argparse.Namespace, settings: dict) -> list[tuple[str, list[dict], Callable]]:
+def _measure_in_process(args: argparse.Namespace, cases: list[Case], held: dict
+                        ) -> list[tuple[str, list[dict], Callable]]:
     """--in-process: each run, one fresh process, measures every benchmark unchanged (its own verdict: the A/A case)
     and then once per injected case (LMSYS_INJECT_CASES); returns the cases' results over every run."""
     docs = kept_runs(args.keep / IN_PROCESS) if args.resume else []
@@ -262,9 +264,9 @@ def _measure_in_process(args: argparse.Namespace, settings: dict) -> list[tuple[
         print(f"resuming {args.keep}: {len(docs)} runs", file=sys.stderr, flush=True)
     if len(docs) >= args.runs:
         print(f"{args.runs} runs kept already: nothing to run", file=sys.stderr, flush=True)
-        return _in_process_results(settings, docs)
-    env = {**UNCHANGED, INJECT_CASES: ",".join(f"{delay:g}:{held}" for delay, held in _injected(settings))}
-    held = {INJECT_MEMORY: str(settings["inject_memory"][0])} if settings["memory_with_delays"] else {}
+        return _in_process_results(cases, docs)
+    injected = ",".join(f"{case.injected[0]:g}:{case.injected[1]}" for case in cases if case.injected)
+    env = {**UNCHANGED, INJECT_CASES: injected}
     with tempfile.TemporaryDirectory(prefix="lmsys-detection-") as folder:
         compare = _compare_args(args, Path(folder))
         print(f"{args.runs} runs, each measuring every case", file=sys.stderr, flush=True)
@@ -274,34 +276,34 @@ def _measure_in_process(args: argparse.Namespace, settings: dict) -> list[tuple[
                                  keep=None if args.keep is None else args.keep / IN_PROCESS, first=len(docs))
             if len(docs) < args.runs:  # what is measured so far, in case the rest never finishes
                 print(f"after {len(docs)} of {args.runs} runs:", file=sys.stderr)
-                print(_with_memory(_in_process_results(settings, docs), held).to_string(index=False),
+                print(_with_memory(_in_process_results(cases, docs), held).to_string(index=False),
                       file=sys.stderr, flush=True)
-    return _in_process_results(settings, docs)
+    return _in_process_results(cases, docs)
 
 
-def _measure(args: argparse.Namespace, cases: list, held: dict) -> list[tuple[str, list[dict], Callable]]:
+def _measure(args: argparse.Namespace, cases: list[Case], held: dict) -> list[tuple[str, list[dict], Callable]]:
     """Each case in runs of its own, the cases taking turns a round at a time; returns their results."""
-    docs = {name: kept_runs(args.keep / name) if args.resume else [] for _, name, _, _ in cases}
+    docs = {case.name: kept_runs(args.keep / case.name) if args.resume else [] for case in cases}
     if args.resume:
         print(f"resuming {args.keep}: " + ", ".join(f"{name} {len(runs)} runs" for name, runs in docs.items()),
               file=sys.stderr, flush=True)
-    results = [(column, docs[name], counted) for column, name, _, counted in cases]
+    results = [(case.column, docs[case.name], case.counted) for case in cases]
     if all(len(runs) >= args.runs for runs in docs.values()):
         print(f"every case has {args.runs} runs already: nothing to run", file=sys.stderr, flush=True)
     else:
         with tempfile.TemporaryDirectory(prefix="lmsys-detection-") as folder:
             compare = _compare_args(args, Path(folder))
-            print(f"{args.runs} rounds of: {', '.join(column for column, _, _, _ in cases)}", file=sys.stderr,
+            print(f"{args.runs} rounds of: {', '.join(case.column for case in cases)}", file=sys.stderr,
                   flush=True)
             for index in range(args.runs):  # a round: one run of each case that has fewer runs than that
-                for column, name, env, _ in cases:
+                for column, name, env, _, _ in cases:
                     if len(docs[name]) > index:
                         continue
                     kept = None if args.keep is None else args.keep / name
                     docs[name] += reruns.rerun([*args.pytest_args, *compare], 1, Path.cwd(), env=env,
                                                timeout=args.timeout, progress=_progress(column, args.runs),
                                                keep=kept, first=len(docs[name]))
-                results = [(column, docs[name], counted) for column, name, _, counted in cases]
+                results = [(case.column, docs[case.name], case.counted) for case in cases]
                 if index + 1 < args.runs:  # what is measured so far, in case the rest never finishes
                     print(f"after {index + 1} of {args.runs} rounds:", file=sys.stderr)
                     print(_with_memory(results, held).to_string(index=False), file=sys.stderr, flush=True)
@@ -366,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = _settings(args)
     cases, held = _cases(settings)
     if args.in_process:
-        results = _measure_in_process(args, settings)
+        results = _measure_in_process(args, cases, held)
     else:
         results = _measure(args, cases, held)
     table = _with_memory(results, held)

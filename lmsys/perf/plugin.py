@@ -342,8 +342,8 @@ def pytest_configure(config):
             f"--benchmark-calibrate runs the benchmarks in other processes and only writes the calibration: "
             f"leave out {', '.join(others)}"
         )
-    injected = _injected_delay(), _injected_memory(), _injected_cases()
-    if injected[2] and (injected[0] or injected[1]):
+    delay, held, cases = _injected_delay(), _injected_memory(), _injected_cases()
+    if cases and (delay or held):
         raise pytest.UsageError(f"{INJECT_CASES} measures each call unchanged first: leave out {INJECT_DELAY} and "
                                 f"{INJECT_MEMORY}")
     config.stash[SESSION_KEY] = PerfSession(
@@ -352,9 +352,9 @@ def pytest_configure(config):
         time_tolerance=config.getoption("perf_time_tolerance"),
         eager_tolerance=config.getoption("perf_eager_tolerance"),
         time_cap=config.getoption("perf_max_time"),
-        injected_delay=injected[0],
-        injected_memory=injected[1],
-        injected_cases=injected[2],
+        injected_delay=delay,
+        injected_memory=held,
+        injected_cases=cases,
         calibrate=calibrate,
         memory_tolerance=config.getoption("perf_mem_tolerance"),
         memory_floor=config.getoption("perf_mem_floor"),
