@@ -14,12 +14,17 @@ from lmsys.perf.backend import MemoryReading
 
 # What the fake device holds before a benchmarked call (inputs, other tests' leftovers).
 ALLOCATED_BEFORE = 512 * 2**20
+# The CPU probe's time on the fake at full CPU speed.
+PROBE_SECONDS = 1e-4
 
 INNER_CONFTEST = """
+import os
+
 import pytest
 from perf_fakes import FakeGpu
 
 FAKE = FakeGpu({name!r})
+FAKE.cpu_slowdown = float(os.environ.get("FAKE_CPU_SLOWDOWN", "1"))
 
 
 def pytest_perf_backend(config):
@@ -58,6 +63,8 @@ class FakeGpu:
         self.hosting = False
         self.captures = 0
         self.held = 0
+        # How many times slower the CPU runs than at full speed: launch costs and the CPU probe take this much longer.
+        self.cpu_slowdown = 1.0
         # What machine_state() returns: a healthy GPU unless a test says otherwise (None: no NVML).
         self.machine = {"sm_clock_mhz": 1980, "memory_clock_mhz": 2619, "max_sm_clock_mhz": 1980,
                         "temperature_c": 40, "power_w": 300.0, "throttle": [], "processes": [1], "other_processes": 0}
@@ -94,6 +101,10 @@ class FakeGpu:
         finally:
             self.hosting = False
         return self.now - start
+
+    def time_probe(self) -> float:
+        self.now += PROBE_SECONDS * self.cpu_slowdown
+        return PROBE_SECONDS * self.cpu_slowdown
 
     def make_l2_flush(self):
         def flush():
@@ -170,8 +181,8 @@ class FakeGpu:
              slow_ms: float = 0, launch_ms: float = 0.0, launch_noise: float = 0.0, capturable: bool = True,
              slack: int = 0):
         """A function for gpu_benchmark: each call takes `ms` milliseconds times (1 + noise * N(0, 1)) of device time
-        on the clock (not in host timing) plus `launch_ms` times (1 + launch_noise * N(0, 1)) of CPU launch cost
-        (not in a graph replay nor in a queued round)
+        on the clock (not in host timing) plus `launch_ms` times (1 + launch_noise * N(0, 1)) times cpu_slowdown of
+        CPU launch cost (not in a graph replay nor in a queued round)
         and allocates `memory` bytes at its peak (the allocator's blocks `slack` bytes more, as a cached block
         handed out whole); its first `slow_calls` calls take `slow_ms` instead. Capturing it in a graph fails unless
         capturable."""
@@ -190,7 +201,7 @@ class FakeGpu:
             if not self.hosting:
                 self.now += device
             if launch_ms and not (self.replaying or self.queued):
-                self.now += launch_ms * 1e-3 * max(1 + launch_noise * rng.gauss(0.0, 1.0), 0.0)
+                self.now += launch_ms * 1e-3 * self.cpu_slowdown * max(1 + launch_noise * rng.gauss(0.0, 1.0), 0.0)
             self.requested = max(self.requested, memory + self.held)
             self.allocated = max(self.allocated, memory + self.held + slack)
             return calls

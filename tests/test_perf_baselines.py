@@ -96,6 +96,30 @@ def test_read_baseline_rejects_malformed_rounds(tmp_path):
         baselines.read_baseline(path)
 
 
+@pytest.mark.parametrize("key", ["cpu_probe_data", "eager_cpu_probe_data"])
+def test_read_baseline_rejects_malformed_cpu_probe_times(tmp_path, key):
+    entry = bench()
+    entry["extra_info"][key] = [1e-4, "fast"]
+    path = tmp_path / "0001_a.json"
+    path.write_text(json.dumps(doc(entry)))
+    with pytest.raises(baselines.BaselineError, match=f"malformed CPU probe times \\({key}\\)"):
+        baselines.read_baseline(path)
+
+
+def test_cpu_probe_times_count_only_beside_the_rounds_they_were_taken_with():
+    host = bench(data=(2e-4, 3e-4))
+    host["extra_info"].update(timing="host", cpu_probe_data=[1e-4, 1e-4])
+    assert baselines.probes(host, "host") == [1e-4, 1e-4]
+    assert baselines.device_time(host) == 0.0
+    host["extra_info"]["cpu_probe_data"] = [1e-4]  # not one per round: not used
+    assert baselines.probes(host, "host") is None
+    graph = bench(data=(1e-3,))
+    graph["extra_info"].update(timing="graph", eager_data=[3e-3, 3e-3], eager_cpu_probe_data=[1e-4, 2e-4])
+    assert baselines.probes(graph, "eager") == [1e-4, 2e-4]
+    assert baselines.probes(graph, "graph") is None
+    assert baselines.device_time(graph) == 1e-3
+
+
 def test_unreadable_baseline_is_a_baseline_error(tmp_path):
     with pytest.raises(baselines.BaselineError, match="cannot read baseline file"):
         baselines.read_baseline(tmp_path / "missing.json")

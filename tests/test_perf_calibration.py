@@ -51,6 +51,35 @@ def test_a_tiny_spread_gives_the_floor_and_graph_entries_keep_their_eager_spread
     assert calibration.time_tolerance(entry, "eager") == pytest.approx(3 * math.sqrt(2) * 0.1)
 
 
+def _probed(speed: float, device: float = 0.0) -> dict:
+    """A benchmark whose CPU ran `speed` times slower than at full speed: its host rounds, or its eager rounds above
+    `device` seconds of device time (graph timing), and the CPU probe's times beside them."""
+    cpu = [0.2e-3 * speed * (1 + k / 100) for k in (-1, 0, 1)]
+    probes = [1e-4 * speed] * 3
+    if not device:
+        return {"fullname": "t::a", "name": "t::a", "stats": {"median": cpu[1], "data": cpu},
+                "extra_info": {"timing": "host", "cpu_probe_data": probes}}
+    eager = [device + x for x in cpu]
+    return {"fullname": "t::a", "name": "t::a", "stats": {"median": device, "data": [device] * 3},
+            "extra_info": {"timing": "graph", "eager_data": eager, "eager_median": eager[1],
+                           "eager_cpu_probe_data": probes}}
+
+
+@pytest.mark.parametrize("device", [0.0, 1e-3], ids=["host", "graph-eager"])
+def test_the_cpus_part_is_calibrated_at_one_cpu_speed(device):
+    # Three runs whose CPU ran at full, half and two-thirds speed: the raw medians spread widely, the medians at the
+    # first run's CPU speed do not (the same code), as the gate will judge them.
+    docs = [{"benchmarks": [_probed(speed, device)]} for speed in (1.0, 2.0, 1.5)]
+    entry = calibration.noise(docs)["t::a"]
+    key, flag = ("spread", "cpu_speed") if not device else ("eager_spread", "eager_cpu_speed")
+    assert entry[key] == pytest.approx(0.0, abs=1e-9)
+    assert entry[flag] == "probed"
+    for doc in docs[1:]:  # without the probe times of one run, the raw medians' spread
+        doc["benchmarks"][0]["extra_info"].pop("cpu_probe_data" if not device else "eager_cpu_probe_data")
+        entry = calibration.noise(docs)["t::a"]
+        assert entry[key] > 0.05 and flag not in entry
+
+
 def test_mixed_timings_are_not_calibrated():
     docs = [run_doc({"t::a": 1e-3}, timing="graph"), run_doc({"t::a": 1e-3}, timing="eager")]
     assert calibration.noise(docs) == {}

@@ -173,3 +173,14 @@ def test_format_seconds(seconds, text):
 @pytest.mark.parametrize(("nbytes", "text"), [(512, "512 B"), (2**20, "1 MiB"), (int(17.7 * 2**30), "17.7 GiB")])
 def test_format_bytes(nbytes, text):
     assert compare.format_bytes(nbytes) == text
+
+
+def test_at_cpu_speed_scales_the_cpus_part_of_each_round_by_its_probe():
+    # Rounds of 1 ms device time plus a CPU part; probes of 0.1 ms at the wanted speed, 0.2 ms on a CPU half as fast.
+    samples, probes = [1.4e-3, 1.2e-3, 0.9e-3, 2e-3], [0.2e-3, 0.1e-3, 0.1e-3, 0.0]
+    assert compare.at_cpu_speed(samples, probes, 0.1e-3, device_time=1e-3) == pytest.approx(
+        [1.2e-3, 1.2e-3, 1e-3, 2e-3]  # a round under the device time stays at it; one without a probe as it is
+    )
+    assert compare.at_cpu_speed([0.4e-3], [0.2e-3], 0.1e-3) == pytest.approx([0.2e-3])
+    with pytest.raises(ValueError):
+        compare.at_cpu_speed([1e-3, 2e-3], [1e-4], 1e-4)

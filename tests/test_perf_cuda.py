@@ -228,4 +228,8 @@ def test_host_timing_takes_the_cpus_time_to_issue_a_call(gpu):
     device = sorted(backend.time_call(call) for _ in range(5))[2]
     assert 0.001 <= host < 0.005
     assert device >= 0.019
+    # The CPU probe: ten launches, a few microseconds each on the CPU, whatever the device is busy with.
+    sleep()
+    probe = sorted(backend.time_probe() for _ in range(5))[2]
+    assert 0 < probe < 0.002
     torch.cuda.synchronize()

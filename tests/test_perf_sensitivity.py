@@ -50,6 +50,40 @@ def test_graph_mode_judges_device_time_and_eager_time_separately(pytester, now, 
     assert (info["eager_tolerance"], info["eager_tolerance_source"]) == (0.15, "default")
 
 
+@pytest.mark.parametrize(("call", "launch_ms", "slower_launch_ms", "label"), [
+    (", host=True", 0.2, 0.3, "SLOWER"), (", graph=True", 2.0, 3.0, "SLOWER-EAGER"),
+], ids=["host", "graph-eager"])
+@pytest.mark.parametrize("probed_baseline", [True, False], ids=["probed-baseline", "unprobed-baseline"])
+def test_the_cpus_part_is_judged_at_the_baselines_cpu_speed(pytester, monkeypatch, call, launch_ms, slower_launch_ms,
+                                                            label, probed_baseline):
+    # On the lent H100 the CPU's speed changed by 2x within seconds. The CPU probe before each round measures that
+    # speed; the CPU's part of each round is judged at the baseline's: the same code on a CPU twice as slow passes, a
+    # launch path 50% slower fails on either CPU. A baseline saved without the probe is judged on raw times.
+    save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": launch_ms, "noise": 0.0, "call": call}})
+    saved = json.loads((path := next((pytester.path / "baselines" / MACHINE).glob("0*.json"))).read_text())
+    key = "cpu_probe_data" if "host" in call else "eager_cpu_probe_data"
+    assert saved["benchmarks"][0]["extra_info"][key] == [pytest.approx(1e-4)] * 21
+    if not probed_baseline:
+        del saved["benchmarks"][0]["extra_info"][key]
+        path.write_text(json.dumps(saved))
+    monkeypatch.setenv("FAKE_CPU_SLOWDOWN", "2")
+    for now, outcome in ((launch_ms, "passed" if probed_baseline else "failed"), (slower_launch_ms, "failed")):
+        write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": now, "noise": 0.0, "call": call}}, seed=2)
+        result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+        result.assert_outcomes(**{outcome: 1})
+        info = bench_json(pytester)["test_a"]["extra_info"]
+        assert info[key] == [pytest.approx(2e-4)] * len(info[key])
+        change = info["time_change" if "host" in call else "eager_change"]
+        device = 0.0 if "host" in call else 1.0
+        if probed_baseline:
+            assert change == pytest.approx((device + now) / (device + launch_ms) - 1, abs=0.01)
+            result.stdout.fnmatch_lines(["*the CPU probe took +100% against the baseline's*"])
+        else:
+            assert change == pytest.approx((device + 2 * now) / (device + launch_ms) - 1, abs=0.01)
+        if outcome == "failed":
+            result.stdout.fnmatch_lines([f"*{label}: test_a*"])
+
+
 FLOORED = "default: the CPU's part is never judged tighter; calibrated 2.50% from 3 runs"
 
 

@@ -24,6 +24,9 @@ from lmsys.perf import machine, timing
 
 # About 0.5 ms on a GPU clocked near 2 GHz: longer than the launch latency of a Python call into a few kernels.
 SLEEP_CYCLES = 1_000_000
+# The CPU probe (time_probe): this many launches of a one-element add, the CPU's path through Python, the dispatcher
+# and the launch, timed before each round whose time is the CPU's (host timing, the eager rounds of graph mode).
+PROBE_LAUNCHES = 10
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class Backend(Protocol):
     def synchronize(self) -> None: ...
     def time_call(self, call: Callable[[], Any], lead: Callable[[], None] | None = None) -> float: ...
     def time_host(self, call: Callable[[], Any], lead: Callable[[], None] | None = None) -> float: ...
+    def time_probe(self) -> float: ...
     def make_l2_flush(self) -> Callable[[], None]: ...
     def measure_memory(self, call: Callable[[], Any]) -> tuple[Any, MemoryReading | None]: ...
     def release_memory(self) -> None: ...
@@ -111,6 +115,18 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown"
+
+
+def _probe_tensors(device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ones(1, device=device), torch.empty(1, device=device)
+
+
+def _time_probe(clock: Callable[[], float], tensors: tuple[torch.Tensor, torch.Tensor]) -> float:
+    x, out = tensors
+    start = clock()
+    for _ in range(PROBE_LAUNCHES):
+        torch.add(x, x, out=out)
+    return clock() - start
 
 
 class CpuBackend:
@@ -144,6 +160,14 @@ class CpuBackend:
     def time_host(self, call: Callable[[], Any], lead: Callable[[], None] | None = None) -> float:
         """On the CPU the host's time is the call's time."""
         return self.time_call(call, lead)
+
+    def time_probe(self) -> float:
+        """Seconds the CPU probe takes (PROBE_LAUNCHES one-element adds, here on the CPU)."""
+        return _time_probe(self.clock, self._probe_tensors)
+
+    @cached_property
+    def _probe_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return _probe_tensors("cpu")
 
     def make_l2_flush(self) -> Callable[[], None]:
         """No cache flush on the CPU: cold_l2 is ignored there."""
@@ -261,6 +285,15 @@ class CudaBackend:
         elapsed = time.perf_counter() - start
         torch.cuda.synchronize(self.index)
         return elapsed
+
+    def time_probe(self) -> float:
+        """Seconds the CPU takes to launch PROBE_LAUNCHES one-element adds on the device: how fast the CPU runs now,
+        measured next to a round whose time is the CPU's (the device runs the adds after whatever is queued)."""
+        return _time_probe(time.perf_counter, self._probe_tensors)
+
+    @cached_property
+    def _probe_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return _probe_tensors(self.index)
 
     def make_l2_flush(self) -> Callable[[], None]:
         """A function that evicts the L2 cache by writing a buffer twice its size; the buffer lives as long as it."""

@@ -46,6 +46,10 @@ REQUESTED_KEY = "peak_requested_above_start_bytes"
 PEAK_KEYS = ((REQUESTED_KEY, "requested"), (MEMORY_KEY, "allocated"))
 # The eager rounds of a benchmark timed in a CUDA graph (its stats are the replays).
 EAGER_KEY = "eager_data"
+# The CPU probe's time before each round whose time is the CPU's (timing.py): the host-timed rounds (PROBE_KEY, beside
+# the stats' data) and the eager rounds of a graph- or queued-timed benchmark (EAGER_PROBE_KEY, beside EAGER_KEY).
+PROBE_KEY = "cpu_probe_data"
+EAGER_PROBE_KEY = "eager_cpu_probe_data"
 TIMINGS = (EAGER, GRAPH, QUEUED, HOST)
 FORBIDDEN_NAME_CHARACTERS = '\\/:*?<>|'
 
@@ -150,6 +154,10 @@ def _problem(doc) -> str | None:
                 return f"benchmark {bench['fullname']!r} has malformed eager rounds ({EAGER_KEY})"
             if sorted(eager)[(len(eager) - 1) // 2] <= 0:
                 return f"benchmark {bench['fullname']!r} has eager rounds whose median is 0 s"
+        for key in (PROBE_KEY, EAGER_PROBE_KEY):
+            probes = extra.get(key)
+            if probes is not None and not (isinstance(probes, list) and all(_is_number(x) and x >= 0 for x in probes)):
+                return f"benchmark {bench['fullname']!r} has malformed CPU probe times ({key})"
     return None
 
 
@@ -239,6 +247,24 @@ def samples(bench: dict, timed: str = "eager") -> list[float] | None:
     if timed == "eager":
         return (bench.get("extra_info") or {}).get(EAGER_KEY)
     return None
+
+
+def probes(bench: dict, timed: str = "eager") -> list[float] | None:
+    """The CPU probe's times before a baseline benchmark's rounds timed `timed` (host-timed rounds, or the eager rounds
+    of a graph- or queued-timed benchmark), one per sample; None when it has none for them (saved before the probe,
+    or without its rounds)."""
+    info = bench.get("extra_info") or {}
+    key = PROBE_KEY if timing(bench) == timed == HOST else EAGER_PROBE_KEY if timed == EAGER else None
+    times, rounds = info.get(key), samples(bench, timed)
+    if not times or rounds is None or len(times) != len(rounds):
+        return None
+    return times
+
+
+def device_time(bench: dict) -> float:
+    """The device's time of a baseline benchmark's call where its stats are the device's (graph replays, queued
+    rounds): the part of its eager rounds that is not the CPU's; 0 otherwise."""
+    return float(bench["stats"]["median"]) if timing(bench) in (GRAPH, QUEUED) else 0.0
 
 
 def allocated_peak(extra_info: dict) -> int | None:

@@ -8,7 +8,10 @@ fresh processes (reruns.py); `noise` turns those runs' pytest-benchmark JSON int
         {"machine_id": ..., "benchmarks": {fullname: {"runs": 20, "timing": "graph", "medians": [...],
          "spread": 0.004, "eager_medians": [...], "eager_spread": 0.02, "peaks": [...]}}}
 
-`peaks` are the requested bytes above start where every run read them, else the allocated ones.
+`peaks` are the requested bytes above start where every run read them, else the allocated ones. Where every run kept
+the CPU probe's times beside its rounds (host timing, the eager rounds of graph mode: timing.py), the medians of those
+rounds are taken at one CPU speed (the first run's probe median; compare.at_cpu_speed), as the gate judges them, and
+the entry says "cpu_speed": "probed" (or "eager_cpu_speed").
 
 `spread` is the relative standard deviation of the N medians (what one run's median is uncertain by, from one
 process to the next). The time tolerance it gives is max(FLOOR, SIGMAS * sqrt(2) * spread): the difference of two
@@ -21,9 +24,9 @@ the peaks seen (zero for a deterministic peak).
 import json
 import math
 from pathlib import Path
-from statistics import mean, stdev
+from statistics import mean, median, stdev
 
-from lmsys.perf import baselines
+from lmsys.perf import baselines, compare
 
 FILE_NAME = "calibration.json"
 SIGMAS = 3.0
@@ -44,6 +47,20 @@ def _spread(medians: list[float]) -> float:
     return stdev(medians) / mean(medians)
 
 
+def _at_one_cpu_speed(runs: list[dict], timed: str) -> list[float] | None:
+    """The runs' medians of their rounds timed `timed`, each taken at the first run's CPU speed, or None when a run
+    kept no probe times for them."""
+    rounds = [baselines.samples(bench, timed) for bench in runs]
+    probes = [baselines.probes(bench, timed) for bench in runs]
+    if any(times is None for times in probes) or any(not samples for samples in rounds):
+        return None
+    speed = median(probes[0])
+    return [
+        median(compare.at_cpu_speed(samples, times, speed, baselines.device_time(bench) if timed == "eager" else 0.0))
+        for bench, samples, times in zip(runs, rounds, probes, strict=True)
+    ]
+
+
 def noise(docs: list[dict]) -> dict[str, dict]:
     """One entry per benchmark that every run measured, with the same timing (eager, graph, queued or host) in each: the
     medians, their relative spread, the eager medians of graph-mode benchmarks, and the peak memory above start."""
@@ -59,11 +76,19 @@ def noise(docs: list[dict]) -> dict[str, dict]:
         timings = {info.get("timing", "eager") for info in infos}
         if len(timings) != 1:
             continue
+        timed = timings.pop()
         medians = [float(bench["stats"]["median"]) for bench in runs]
-        entry = {"runs": len(runs), "timing": timings.pop(), "medians": medians, "spread": _spread(medians)}
+        entry = {"runs": len(runs), "timing": timed, "medians": medians}
+        probed = _at_one_cpu_speed(runs, timed) if timed == baselines.HOST else None
+        entry["spread"] = _spread(probed or medians)
+        if probed:
+            entry["cpu_speed"] = "probed"
         eager = [info.get("eager_median") for info in infos]
         if all(isinstance(value, (int, float)) for value in eager):
-            entry.update(eager_medians=eager, eager_spread=_spread(eager))
+            probed = _at_one_cpu_speed(runs, "eager")
+            entry.update(eager_medians=eager, eager_spread=_spread(probed or eager))
+            if probed:
+                entry["eager_cpu_speed"] = "probed"
         for key, _ in baselines.PEAK_KEYS:  # the peaks the gate compares, where every run has them
             peaks = [info.get(key) for info in infos]
             if all(isinstance(value, int) for value in peaks):

@@ -113,6 +113,17 @@ class Verdict:
         return "\n".join(lines) if lines else f"{self.label}: {name}"
 
 
+def at_cpu_speed(samples: Sequence[float], probes: Sequence[float], speed: float, device_time: float = 0.0
+                 ) -> list[float]:
+    """The samples as if the CPU had run at `speed` (the CPU probe's time at that speed): the part of each sample
+    above device_time (the CPU's part: all of a host-timed round, what an eager round adds to the device's time) is
+    scaled by speed over the probe's time before that round. A round without a positive probe time stays as it is."""
+    return [
+        device_time + max(sample - device_time, 0.0) * speed / probe if probe > 0 else sample
+        for sample, probe in zip(samples, probes, strict=True)
+    ]
+
+
 def format_tolerance(comparison: TimeComparison) -> str:
     """'5% (default)', '2.1% (calibrated from 20 runs)': a time tolerance and where it came from."""
     return f"{comparison.tolerance * 100:.3g}% ({comparison.source})"

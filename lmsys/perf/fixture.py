@@ -103,12 +103,24 @@ class GpuBenchmark:
         bench._mode = "gpu_benchmark(...)"
 
     def _judge(self, timed: str, tolerance: Tolerance) -> timing.Judge:
-        """samples timed `timed` -> their comparison with the baseline's samples timed alike (None without)."""
+        """samples timed `timed` -> their comparison with the baseline's samples timed alike (None without). Where
+        both were probed (timing.py), the CPU's part of every round, this run's and the baseline's, is taken at the
+        baseline's CPU speed (the median of its probe times) first."""
         baseline = self._session.baseline(self._benchmark.fullname)
         reference = None if baseline is None else baselines.samples(baseline, timed)
         if reference is None:
-            return lambda samples: None
-        return lambda samples: compare.compare_time(samples, reference, tolerance.value, source=tolerance.source)
+            return lambda samples, probes, device_time: None
+        reference_probes = baselines.probes(baseline, timed)
+
+        def judge(samples, probes, device_time):
+            now, then = samples, reference
+            if probes and reference_probes:
+                speed = median(reference_probes)
+                now = compare.at_cpu_speed(samples, probes, speed, device_time)
+                then = compare.at_cpu_speed(reference, reference_probes, speed, baselines.device_time(baseline))
+            return compare.compare_time(now, then, tolerance.value, source=tolerance.source)
+
+        return judge
 
     def __call__(
         self, fn, *args, flops=None, bytes=None, cold_l2=False, warmup_rounds=None, precision=None, graph=False,
@@ -310,6 +322,7 @@ class GpuBenchmark:
         record.notes += machine.problems(
             readings.get("before"), readings.get("after"), (baseline_info.get("machine") or {}).get("after")
         )
+        record.notes += _cpu_speed_notes(measurement, baseline)
         if measurement.machine is None and session.backend.machine_note:
             session.note(f"no machine readings (clocks, throttling, other processes): {session.backend.machine_note}")
         bench.extra_info.update(
@@ -320,6 +333,10 @@ class GpuBenchmark:
         )
         if eager is not None:
             bench.extra_info.update({baselines.EAGER_KEY: eager, "eager_median": record.eager_median})
+        for key, probes in ((baselines.PROBE_KEY, measurement.probes),
+                            (baselines.EAGER_PROBE_KEY, measurement.eager_probes)):
+            if probes is not None:
+                bench.extra_info[key] = probes
         if measurement.machine is not None:
             bench.extra_info["machine"] = measurement.machine
         if record.notes:
@@ -335,6 +352,26 @@ class GpuBenchmark:
                                         eager_tolerance_source=verdict.eager.source)
         session.records.append(record)
         self._node.stash[RECORD_KEY] = record
+
+
+# A CPU probe this much slower or faster than the baseline's is noted beside the verdict.
+CPU_SPEED_NOTE = 0.2
+
+
+def _cpu_speed_notes(measurement: timing.Measurement, baseline: dict | None) -> list[str]:
+    """A note when the CPU probe ran far from the baseline's (the CPU's part was judged at the baseline's speed)."""
+    if baseline is None:
+        return []
+    notes = []
+    for timed, what, probes in ((timing.HOST, "host", measurement.probes),
+                                (timing.EAGER, "eager", measurement.eager_probes)):
+        reference = baselines.probes(baseline, timed)
+        if probes and reference:
+            change = median(probes) / median(reference) - 1
+            if abs(change) > CPU_SPEED_NOTE:
+                notes.append(f"the CPU probe took {change:+.0%} against the baseline's: the CPU's part of the {what} "
+                             "time was judged at the baseline's CPU speed")
+    return notes
 
 
 def _eager_median(baseline: dict | None) -> float | None:

@@ -174,7 +174,8 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
             spans = [sum(batch, []) for batch in zip(*per_rank_spans, strict=True)]
             return samples, spans, wall
 
-        def judge(samples):
+        def judge(measured):
+            samples = measured[0]
             if settings.baseline_samples is None:
                 return None
             return compare.compare_time(

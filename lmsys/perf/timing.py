@@ -19,6 +19,12 @@ graph=True, the eager rounds are the benchmark's time.
 With host=True the benchmark's time is the CPU's: each round is queued behind the same kind of device-side sleep, so
 no launch waits for the device, and timed by the CPU's clock from the call to its return (the device is drained
 afterwards, untimed). That is what launching the call costs the CPU: Python, dispatch and the launches.
+
+A time that is the CPU's (host timing, and the eager rounds of graph mode, which include the launch cost) moves with
+the CPU's speed, and a shared machine's CPU changes speed within seconds: on the lent H100 the same launch cost read
+from 0.027 to 0.12 ms in one process. So right before each such round a CPU probe runs (backend.time_probe: a fixed
+number of one-element launches) and its time is kept beside the round's; the gate judges the CPU's part of each round
+at the baseline's CPU speed (compare.at_cpu_speed), and the samples stay what was measured.
 """
 
 import gc
@@ -28,9 +34,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from math import ceil
 from statistics import median
-from typing import Any
+from typing import Any, NamedTuple
 
-from lmsys.perf.compare import SLOWER, TimeComparison, format_bytes, relative_half_width
+from lmsys.perf.compare import SLOWER, TimeComparison, at_cpu_speed, format_bytes, relative_half_width
 
 MAX_ROUNDS = 1000
 MAX_ADAPTIVE_ROUNDS = 10_000
@@ -57,7 +63,9 @@ def injected_case_label(delay: float, held: int) -> str:
     """'+3.0%', '1 MiB held' or '+3.0% and 1 MiB held': an injected case, for the summary."""
     return " and ".join([f"+{delay:.1%}"] * bool(delay) + [f"{format_bytes(held)} held"] * bool(held))
 
-Judge = Callable[[list[float]], TimeComparison | None]
+# samples, the CPU probe's time before each (None when not probed), the device's time of the call (the part of an
+# eager sample that is not the CPU's; 0 for host timing) -> the comparison with the baseline (None without one).
+Judge = Callable[[list[float], list[float] | None, float], TimeComparison | None]
 
 
 @dataclass
@@ -71,6 +79,8 @@ class Measurement:
     failed: device time, the call queued behind a long device-side sleep); in graph mode `eager_samples` are the eager
     rounds (CPU launch cost included) and `eager_comparison` their comparison. `machine` holds the readings of the
     GPU's state before and after (None without them); `notes` what the summary should say about the measurement.
+    `probes` and `eager_probes` are the CPU probe's times before each host-timed round and each eager round of graph
+    mode (how fast the CPU ran then: the CPU's part of those rounds is judged at the baseline's CPU speed).
     """
 
     samples: list[float]
@@ -86,6 +96,19 @@ class Measurement:
     eager_comparison: TimeComparison | None = None
     machine: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    probes: list[float] | None = None
+    eager_probes: list[float] | None = None
+
+
+class Series(NamedTuple):
+    """One judged series of rounds: samples, wall seconds per round, the comparison, whether it was re-measured, and
+    the CPU probe's time before each round (None when not probed)."""
+
+    samples: list[float]
+    wall: float
+    comparison: TimeComparison | None
+    remeasured: bool
+    probes: list[float] | None
 
 
 @dataclass(frozen=True)
@@ -134,26 +157,32 @@ def time_rounds(
     flush: Callable[[], None] | None,
     lead: Callable[[], None] | None = None,
     host: bool = False,
+    probes: list[float] | None = None,
 ) -> list[float]:
     """Per-round seconds of `rounds` calls, each preceded by an untimed flush when one is given (and timed behind the
-    device-side delay `lead` when one is given: queued timing; by the CPU's clock with host=True)."""
+    device-side delay `lead` when one is given: queued timing; by the CPU's clock with host=True). With a `probes`
+    list, the CPU probe (backend.time_probe) runs right before each call and its time is appended there."""
     time_call = backend.time_host if host else backend.time_call
     samples = []
     for _ in range(rounds):
         if flush is not None:
             flush()
+        if probes is not None:
+            probes.append(backend.time_probe())
         samples.append(time_call(call, lead))
     return samples
 
 
-def adapt(timed: Callable[[int], tuple[list[float], float]], rounds: int, precision: Precision = Precision()):
+def adapt(timed: Callable[[int], tuple[list[float], float]], rounds: int, precision: Precision = Precision(),
+          width: Callable[[list[float]], float] = relative_half_width):
     """`timed(n)` times n rounds and returns their samples and the wall-clock seconds they took. Times `rounds`
-    rounds, then doubles them while the median is known less precisely than precision.target and the next batch fits
-    in precision.time_cap (estimated from the rounds so far); returns the samples and the wall seconds per round.
-    The decision uses only what `timed` returns, so ranks that gather their samples decide alike (multirank.py)."""
+    rounds, then doubles them while the median is known less precisely (`width`) than precision.target and the next
+    batch fits in precision.time_cap (estimated from the rounds so far); returns the samples and the wall seconds per
+    round. The decision uses only what `timed` returns, so ranks that gather their samples decide alike
+    (multirank.py)."""
     samples, spent = timed(rounds)
     while precision.target is not None and len(samples) < MAX_ADAPTIVE_ROUNDS:
-        if relative_half_width(samples) <= precision.target:
+        if width(samples) <= precision.target:
             break
         per_round = spent / len(samples)
         more = min(len(samples), MAX_ADAPTIVE_ROUNDS - len(samples))
@@ -176,16 +205,24 @@ def sample(
     clock: Callable[[], float] = time.perf_counter,
     lead: Callable[[], None] | None = None,
     host: bool = False,
+    probes: list[float] | None = None,
+    device_time: float = 0.0,
 ) -> tuple[list[float], float]:
     """`adapt` over rounds of `call` timed through the backend (each after an untimed flush when one is given, and
-    behind `lead` when one is given; by the CPU's clock with host=True)."""
+    behind `lead` when one is given; by the CPU's clock with host=True). With a `probes` list each round is probed
+    (time_rounds), and the precision is that of the samples at one CPU speed (at_cpu_speed, above device_time)."""
 
     def timed(n: int) -> tuple[list[float], float]:
         start = clock()
-        samples = time_rounds(backend, call, n, flush, lead, host)
+        samples = time_rounds(backend, call, n, flush, lead, host, probes)
         return samples, clock() - start
 
-    return adapt(timed, rounds, precision)
+    def width(samples: list[float]) -> float:
+        if probes is None:
+            return relative_half_width(samples)
+        return relative_half_width(at_cpu_speed(samples, probes, median(probes), device_time))
+
+    return adapt(timed, rounds, precision, width)
 
 
 def warm_up(backend, call: Callable[[], Any], flush, max_time: float, min_rounds: int, warmup_rounds: int | None):
@@ -261,24 +298,34 @@ def with_allocation(backend, call: Callable[[], Any], nbytes: int) -> Callable[[
     return holding
 
 
-def judged(measure: Callable[[], tuple], judge: Judge):
-    """`measure()` returns (samples, *more); judged by `judge`; when that says SLOWER, measured once more and the
-    second measurement decides. Returns the measurement, its comparison and whether it was re-measured."""
+def judged(measure: Callable[[], tuple], judge: Callable[[tuple], TimeComparison | None]):
+    """`measure()` returns a measurement; `judge(measurement)` compares it; when that says SLOWER, measured once more
+    and the second measurement decides. Returns the measurement, its comparison and whether it was re-measured."""
     measured = measure()
-    comparison = judge(measured[0])
+    comparison = judge(measured)
     remeasured = comparison is not None and comparison.verdict == SLOWER
     if remeasured:
         measured = measure()
-        comparison = judge(measured[0])
+        comparison = judge(measured)
     return measured, comparison, remeasured
 
 
-def _series(backend, call, rounds, flush, precision: Precision, judge: Judge, lead=None, host=False):
-    """Samples, wall seconds per round, comparison and whether a SLOWER first comparison was re-measured."""
-    (samples, wall), comparison, remeasured = judged(
-        lambda: sample(backend, call, rounds, flush, precision, lead=lead, host=host), judge
+def _series(backend, call, rounds, flush, precision: Precision, judge: Judge, lead=None, host=False,
+            probed=False, device_time=0.0) -> Series:
+    """The judged series of rounds; with probed=True each round is probed (the CPU's speed, for a time that is the
+    CPU's: host timing, eager rounds), and device_time is the device's part of a round, which the CPU's speed does
+    not change."""
+
+    def measure() -> tuple:
+        probes = [] if probed else None
+        samples, wall = sample(backend, call, rounds, flush, precision, lead=lead, host=host, probes=probes,
+                               device_time=device_time)
+        return samples, probes, wall
+
+    (samples, probes, wall), comparison, remeasured = judged(
+        measure, lambda measured: judge(measured[0], measured[1], device_time)
     )
-    return samples, wall, comparison, remeasured
+    return Series(samples, wall, comparison, remeasured, probes)
 
 
 def _capture(backend, call, flush, max_time, min_rounds, notes: list[str]):
@@ -334,40 +381,39 @@ def run(
     eager = None
     if host:
         lead = queue_lead(backend, timed, flush)
-        samples, wall, comparison, remeasured = _series(
-            backend, timed, chosen.rounds, flush, precision, judge, lead, host=True
-        )
+        primary = _series(backend, timed, chosen.rounds, flush, precision, judge, lead, host=True, probed=True)
     elif queued:
         lead = queue_lead(backend, timed, flush)
-        samples, wall, comparison, remeasured = _series(
+        primary = _series(
             backend, timed, chosen.rounds, flush, queued_precision or precision, queued_judge or judge, lead
         )
-        eager = _series(backend, timed, chosen.rounds, flush, eager_precision, eager_judge)
+        eager = _series(backend, timed, chosen.rounds, flush, eager_precision, eager_judge, probed=True,
+                        device_time=median(primary.samples))
     elif captured is None:
-        series = _series(backend, timed, chosen.rounds, flush, eager_precision if graph else precision,
-                         eager_judge if graph else judge)
-        samples, wall, comparison, remeasured = series
+        primary = _series(backend, timed, chosen.rounds, flush, eager_precision if graph else precision,
+                          eager_judge if graph else judge)
     else:
         replay, release, replay_plan = captured
         try:
-            replays = _series(backend, replay, replay_plan.rounds, flush, precision, judge)
+            primary = _series(backend, replay, replay_plan.rounds, flush, precision, judge)
         finally:
             release()
-        samples, wall, comparison, remeasured = replays
-        eager = _series(backend, timed, chosen.rounds, flush, eager_precision, eager_judge)
+        eager = _series(backend, timed, chosen.rounds, flush, eager_precision, eager_judge, probed=True,
+                        device_time=median(primary.samples))
     result, memory = backend.measure_memory(call)
     after = backend.machine_state()
     measurement = Measurement(
-        samples, wall, chosen.warmup_rounds, memory, result, comparison, remeasured,
+        primary.samples, primary.wall, chosen.warmup_rounds, memory, result, primary.comparison, primary.remeasured,
         timing=HOST if host else QUEUED if queued else EAGER if captured is None else GRAPH,
         machine=None if before is None and after is None else {"before": before, "after": after},
-        notes=notes,
+        notes=notes, probes=primary.probes,
     )
     if eager is not None:
-        eager_samples, eager_wall, measurement.eager_comparison, eager_remeasured = eager
-        measurement.eager_samples = eager_samples
-        measurement.remeasured = remeasured or eager_remeasured
-        measurement.extra_info["eager_wall_seconds_per_round"] = eager_wall
+        measurement.eager_samples = eager.samples
+        measurement.eager_probes = eager.probes
+        measurement.eager_comparison = eager.comparison
+        measurement.remeasured = primary.remeasured or eager.remeasured
+        measurement.extra_info["eager_wall_seconds_per_round"] = eager.wall
     if delay:
         measurement.extra_info["injected_delay"] = delay
     if extra_memory:
