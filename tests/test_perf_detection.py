@@ -177,6 +177,7 @@ def keeping_rerun(calls: list):
             calls.append(("reference", list(args)))
             storage = Path(next(a for a in args if a.startswith("--benchmark-storage=")).split("=", 1)[1])
             (storage / "GPU").mkdir(parents=True)
+            (storage / "GPU" / "0001_reference.json").write_text(json.dumps(doc({"test_x": None})))
             return [doc({})]
         docs = [doc({"test_x": "SLOWER" if float(env[detection.INJECT_DELAY]) else "PASS"}) for _ in range(runs)]
         for index, one in zip(range(first, first + runs), docs):
@@ -195,11 +196,14 @@ def test_a_measurement_resumed_later_adds_runs_until_each_case_has_enough(monkey
     argv = ["--inject", "0.05", "--keep", "kept", "--", "perf_tests", "-k", "x"]
     assert detection.main(["--runs", "2", *argv]) == 0
     assert [c for c in calls if c[0] != "reference"] == [("aa", 0), ("delay-0.05", 0), ("aa", 1), ("delay-0.05", 1)]
+    references = tmp_path / "kept" / "references" / "GPU"
+    assert [p.name for p in references.iterdir()] == ["reference-0.json"]  # what the runs were judged against
     calls.clear()
     # A later session (another machine start): its own reference, then the runs still missing, numbered on.
     assert detection.main(["--runs", "3", "--resume", *argv]) == 0
     assert [c[0] for c in calls] == ["reference", "aa", "delay-0.05"]
     assert calls[1:] == [("aa", 2), ("delay-0.05", 2)]
+    assert sorted(p.name for p in references.iterdir()) == ["reference-0.json", "reference-1.json"]
     captured = capsys.readouterr()
     assert "resuming kept: aa 2 runs, delay-0.05 2 runs" in captured.err
     table = captured.out.split("benchmark")[-1].splitlines()  # the second measurement's table

@@ -15,9 +15,9 @@ on the device while it runs. --in-process measures every case in each run instea
 benchmark unchanged (the A/A case), then once more per injected case (LMSYS_INJECT_CASES, judged against the same
 reference, failing nothing): the cases share each run's process, and its start-up and compilations are paid once (on
 the H100 such a run of the default subset took 982 s, a plain warm run 330 s: the timing of the cases, not the
-start-up, is most of it). --keep DIR keeps every run's JSON, and --resume adds to them later (another session,
-another machine start) until each case has --runs runs; --table DIR... tabulates the runs kept by several
-measurements of the same cases without running anything. The table counts, per benchmark and over all, the failing
+start-up, is most of it). --keep DIR keeps every run's JSON (and each fresh reference, DIR/references/), and --resume
+adds to them later (another session, another machine start) until each case has --runs runs; --table DIR...
+tabulates the runs kept by several measurements of the same cases without running anything. The table counts, per benchmark and over all, the failing
 verdicts of the A/A runs, the caught delays of each size (any failing verdict) and the caught allocations
 (MORE-MEMORY).
 """
@@ -229,15 +229,26 @@ def _resume(keep: Path, settings: dict, resume: bool) -> None:
     (keep / MANIFEST).write_text(json.dumps(settings, indent=1), encoding="utf-8")
 
 
-def _reference(args: list[str], storage: Path, baselines: Path, timeout: float) -> list[str]:
+REFERENCES = "references"
+
+
+def _reference(args: list[str], storage: Path, baselines: Path, timeout: float, keep: Path | None = None
+               ) -> list[str]:
     """Saves a fresh reference into `storage` (with a copy of the GPU's calibration); returns the arguments that
-    compare with it."""
+    compare with it. With `keep`, the reference is kept too, as keep/references/<GPU>/reference-N.json (N counting
+    the measurement's machine starts): the baseline its runs were judged against, a baseline of that commit, and
+    with the runs a calibration's fresh processes."""
     reruns.rerun([*args, f"--benchmark-storage={storage}", "--benchmark-save=reference"], 1, Path.cwd(),
                  env=UNCHANGED, timeout=timeout)
     for folder in storage.iterdir():
         calibrated = baselines / folder.name / calibration.FILE_NAME
         if calibrated.exists():
             shutil.copy(calibrated, folder / calibration.FILE_NAME)
+        if keep is not None:
+            kept = keep / REFERENCES / folder.name
+            kept.mkdir(parents=True, exist_ok=True)
+            for saved in sorted(folder.glob("*_reference.json")):
+                shutil.copy(saved, kept / f"reference-{len(list(kept.glob('reference-*.json')))}.json")
     return [f"--benchmark-storage={storage}", "--benchmark-compare"]
 
 
@@ -252,7 +263,7 @@ def _compare_args(args: argparse.Namespace, folder: Path) -> list[str]:
     if args.baseline:
         return [f"--benchmark-storage={args.storage}", f"--benchmark-compare={args.baseline}"]
     # a reference of this machine, for this measurement (a resumed one saves its own)
-    return _reference(args.pytest_args, folder, args.storage, args.timeout)
+    return _reference(args.pytest_args, folder, args.storage, args.timeout, args.keep)
 
 
 def _measure_in_process(args: argparse.Namespace, cases: list[Case], held: dict
