@@ -17,9 +17,9 @@ reference, failing nothing): the cases share each run's process, and its start-u
 the H100 such a run of the default subset took 982 s, a plain warm run 330 s: the timing of the cases, not the
 start-up, is most of it). --keep DIR keeps every run's JSON (and each fresh reference, DIR/references/), and --resume
 adds to them later (another session, another machine start) until each case has --runs runs; --table DIR...
-tabulates the runs kept by several measurements of the same cases without running anything. The table counts, per benchmark and over all, the failing
-verdicts of the A/A runs, the caught delays of each size (any failing verdict) and the caught allocations
-(MORE-MEMORY).
+tabulates the runs kept by several measurements of the same cases without running anything. The table counts, per
+benchmark and over all, the failing verdicts of the A/A runs, the caught delays of each size (any failing verdict) and
+the caught allocations (MORE-MEMORY).
 """
 
 import argparse
