@@ -25,6 +25,7 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from lmsys.perf import compare
 from lmsys.perf.timing import EAGER, GRAPH, HOST, QUEUED
 
 try:
@@ -265,6 +266,15 @@ def device_time(bench: dict) -> float:
     """The device's time of a baseline benchmark's call where its stats are the device's (graph replays, queued
     rounds): the part of its eager rounds that is not the CPU's; 0 otherwise."""
     return float(bench["stats"]["median"]) if timing(bench) in (GRAPH, QUEUED) else 0.0
+
+
+def at_cpu_speed(bench: dict, timed: str, speed: float) -> list[float] | None:
+    """A baseline benchmark's rounds timed `timed` with their CPU's part taken at `speed` (the CPU probe's time
+    there; compare.at_cpu_speed above its device_time), or None when it kept no probe times for them."""
+    times = probes(bench, timed)
+    if times is None:
+        return None
+    return compare.at_cpu_speed(samples(bench, timed), times, speed, device_time(bench))
 
 
 def allocated_peak(extra_info: dict) -> int | None:

@@ -10,7 +10,7 @@ fresh processes (reruns.py); `noise` turns those runs' pytest-benchmark JSON int
 
 `peaks` are the requested bytes above start where every run read them, else the allocated ones. Where every run kept
 the CPU probe's times beside its rounds (host timing, the eager rounds of graph mode: timing.py), the medians of those
-rounds are taken at one CPU speed (the first run's probe median; compare.at_cpu_speed), as the gate judges them, and
+rounds are taken at one CPU speed (the first run's probe median; baselines.at_cpu_speed), as the gate judges them, and
 the entry says "cpu_speed": "probed" (or "eager_cpu_speed").
 
 `spread` is the relative standard deviation of the N medians (what one run's median is uncertain by, from one
@@ -26,7 +26,7 @@ import math
 from pathlib import Path
 from statistics import mean, median, stdev
 
-from lmsys.perf import baselines, compare
+from lmsys.perf import baselines
 
 FILE_NAME = "calibration.json"
 SIGMAS = 3.0
@@ -50,15 +50,11 @@ def _spread(medians: list[float]) -> float:
 def _at_one_cpu_speed(runs: list[dict], timed: str) -> list[float] | None:
     """The runs' medians of their rounds timed `timed`, each taken at the first run's CPU speed, or None when a run
     kept no probe times for them."""
-    rounds = [baselines.samples(bench, timed) for bench in runs]
-    probes = [baselines.probes(bench, timed) for bench in runs]
-    if any(times is None for times in probes) or any(not samples for samples in rounds):
+    first = baselines.probes(runs[0], timed)
+    if first is None:
         return None
-    speed = median(probes[0])
-    return [
-        median(compare.at_cpu_speed(samples, times, speed, baselines.device_time(bench) if timed == "eager" else 0.0))
-        for bench, samples, times in zip(runs, rounds, probes, strict=True)
-    ]
+    rounds = [baselines.at_cpu_speed(bench, timed, median(first)) for bench in runs]
+    return None if any(at_speed is None for at_speed in rounds) else [median(at_speed) for at_speed in rounds]
 
 
 def noise(docs: list[dict]) -> dict[str, dict]:

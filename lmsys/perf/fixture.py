@@ -111,13 +111,13 @@ class GpuBenchmark:
         if reference is None:
             return lambda samples, probes, device_time: None
         reference_probes = baselines.probes(baseline, timed)
+        speed = median(reference_probes) if reference_probes else None
+        at_speed = None if speed is None else baselines.at_cpu_speed(baseline, timed, speed)
 
         def judge(samples, probes, device_time):
             now, then = samples, reference
-            if probes and reference_probes:
-                speed = median(reference_probes)
-                now = compare.at_cpu_speed(samples, probes, speed, device_time)
-                then = compare.at_cpu_speed(reference, reference_probes, speed, baselines.device_time(baseline))
+            if probes and at_speed is not None:
+                now, then = compare.at_cpu_speed(samples, probes, speed, device_time), at_speed
             return compare.compare_time(now, then, tolerance.value, source=tolerance.source)
 
         return judge
