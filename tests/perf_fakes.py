@@ -25,6 +25,7 @@ from perf_fakes import FakeGpu
 
 FAKE = FakeGpu({name!r})
 FAKE.cpu_slowdown = float(os.environ.get("FAKE_CPU_SLOWDOWN", "1"))
+FAKE.sleep_hides = float(os.environ.get("FAKE_SLEEP_HIDES", "0"))
 
 
 def pytest_perf_backend(config):
@@ -65,6 +66,10 @@ class FakeGpu:
         self.held = 0
         # How many times slower the CPU runs than at full speed: launch costs and the CPU probe take this much longer.
         self.cpu_slowdown = 1.0
+        # Seconds of launch cost that the short device-side sleep before a round (time_call without a lead) hides, as
+        # on a GPU; time_launch hides none.
+        self.sleep_hides = 0.0
+        self.hidden = 0.0
         # What machine_state() returns: a healthy GPU unless a test says otherwise (None: no NVML).
         self.machine = {"sm_clock_mhz": 1980, "memory_clock_mhz": 2619, "max_sm_clock_mhz": 1980,
                         "temperature_c": 40, "power_w": 300.0, "throttle": [], "processes": [1], "other_processes": 0}
@@ -79,15 +84,24 @@ class FakeGpu:
         return self.now
 
     def time_call(self, call, lead=None) -> float:
-        """A lead (queued timing) lets the CPU queue the whole call ahead: its launch cost leaves the span."""
+        """A lead (queued timing) lets the CPU queue the whole call ahead: its launch cost leaves the span; without one
+        the short sleep hides `sleep_hides` of it."""
         if lead is not None:
             lead()
         start = self.now
         self.queued = lead is not None
+        self.hidden = self.sleep_hides
         try:
             call()
         finally:
             self.queued = False
+            self.hidden = 0.0
+        return self.now - start
+
+    def time_launch(self, call) -> float:
+        """From an idle device: the whole launch cost is in the span."""
+        start = self.now
+        call()
         return self.now - start
 
     def time_host(self, call, lead=None) -> float:
@@ -182,7 +196,8 @@ class FakeGpu:
              slack: int = 0):
         """A function for gpu_benchmark: each call takes `ms` milliseconds times (1 + noise * N(0, 1)) of device time
         on the clock (not in host timing) plus `launch_ms` times (1 + launch_noise * N(0, 1)) times cpu_slowdown of
-        CPU launch cost (not in a graph replay nor in a queued round)
+        CPU launch cost (not in a graph replay nor in a queued round; less the `sleep_hides` that the sleep before an
+        eager round hides)
         and allocates `memory` bytes at its peak (the allocator's blocks `slack` bytes more, as a cached block
         handed out whole); its first `slow_calls` calls take `slow_ms` instead. Capturing it in a graph fails unless
         capturable."""
@@ -201,7 +216,8 @@ class FakeGpu:
             if not self.hosting:
                 self.now += device
             if launch_ms and not (self.replaying or self.queued):
-                self.now += launch_ms * 1e-3 * self.cpu_slowdown * max(1 + launch_noise * rng.gauss(0.0, 1.0), 0.0)
+                launch = launch_ms * 1e-3 * self.cpu_slowdown * max(1 + launch_noise * rng.gauss(0.0, 1.0), 0.0)
+                self.now += max(launch - self.hidden, 0.0)
             self.requested = max(self.requested, memory + self.held)
             self.allocated = max(self.allocated, memory + self.held + slack)
             return calls

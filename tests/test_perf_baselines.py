@@ -114,10 +114,23 @@ def test_cpu_probe_times_count_only_beside_the_rounds_they_were_taken_with():
     host["extra_info"]["cpu_probe_data"] = [1e-4]  # not one per round: not used
     assert baselines.probes(host, "host") is None
     graph = bench(data=(1e-3,))
-    graph["extra_info"].update(timing="graph", eager_data=[3e-3, 3e-3], eager_cpu_probe_data=[1e-4, 2e-4])
-    assert baselines.probes(graph, "eager") == [1e-4, 2e-4]
+    graph["extra_info"].update(timing="graph", eager_data=[3e-3, 3e-3], eager_cpu_probe_data=[1e-4, 2e-4],
+                               eager_timing="launch")
+    assert baselines.probes(graph, "launch") == [1e-4, 2e-4]
     assert baselines.probes(graph, "graph") is None
     assert baselines.device_time(graph) == 1e-3
+
+
+def test_eager_rounds_timed_behind_the_old_sleep_are_not_handed_out():
+    graph = bench(data=(1e-3,))
+    graph["extra_info"].update(timing="graph", eager_data=[3e-3, 4e-3], eager_cpu_probe_data=[1e-4, 2e-4])
+    assert baselines.eager_timed_behind_sleep(graph)
+    assert baselines.samples(graph, "launch") is None and baselines.probes(graph, "launch") is None
+    assert baselines.samples(graph, "eager") is None  # nor as eager rounds of another kind
+    graph["extra_info"]["eager_timing"] = "launch"
+    assert not baselines.eager_timed_behind_sleep(graph)
+    assert baselines.samples(graph, "launch") == [3e-3, 4e-3]
+    assert baselines.samples(bench(data=(1.0, 2.0)), "launch") is None  # an eager-timed baseline has no such rounds
 
 
 def test_unreadable_baseline_is_a_baseline_error(tmp_path):

@@ -15,12 +15,15 @@ from lmsys.perf import calibration, reruns
 pytest_plugins = ["pytester"]
 
 
-def run_doc(medians: dict[str, float], timing: str = "eager", eager: float | None = None, peak: int | None = None):
+def run_doc(medians: dict[str, float], timing: str = "eager", eager: float | None = None, peak: int | None = None,
+            eager_timing: str | None = "launch"):
     benches = []
     for fullname, median in medians.items():
         info = {"timing": timing}
         if eager is not None:
             info["eager_median"] = eager
+            if eager_timing is not None:
+                info["eager_timing"] = eager_timing
         if peak is not None:
             info["peak_allocated_above_start_bytes"] = peak
         benches.append({"fullname": fullname, "name": fullname, "stats": {"median": median}, "extra_info": info})
@@ -47,8 +50,18 @@ def test_a_tiny_spread_gives_the_floor_and_graph_entries_keep_their_eager_spread
     entry = calibration.noise(docs)["t::a"]
     assert entry["spread"] == 0
     assert calibration.time_tolerance(entry, "graph") == calibration.FLOOR
-    # A graph capture that failed in the run being judged: its eager rounds take the eager spread.
-    assert calibration.time_tolerance(entry, "eager") == pytest.approx(3 * math.sqrt(2) * 0.1)
+    # The eager rounds beside the replays (or the queued rounds, when the capture fails) take the eager spread.
+    assert calibration.time_tolerance(entry, "launch") == pytest.approx(3 * math.sqrt(2) * 0.1)
+    assert calibration.time_tolerance(entry, "eager") is None
+
+
+def test_eager_rounds_timed_behind_the_old_sleep_give_no_eager_tolerance():
+    docs = [run_doc({"t::a": 1e-3}, timing="graph", eager=e, eager_timing=None) for e in (3.0e-3, 3.3e-3)]
+    entry = calibration.noise(docs)["t::a"]
+    assert "eager_spread" not in entry and calibration.time_tolerance(entry, "launch") is None
+    old_file_entry = {**entry, "eager_medians": [3.0e-3, 3.3e-3], "eager_spread": 0.07}  # written before the change
+    assert calibration.time_tolerance(old_file_entry, "launch") is None
+    assert calibration.time_tolerance(old_file_entry, "graph") == calibration.FLOOR
 
 
 def _probed(speed: float, device: float = 0.0) -> dict:
@@ -62,7 +75,7 @@ def _probed(speed: float, device: float = 0.0) -> dict:
     eager = [device + x for x in cpu]
     return {"fullname": "t::a", "name": "t::a", "stats": {"median": device, "data": [device] * 3},
             "extra_info": {"timing": "graph", "eager_data": eager, "eager_median": eager[1],
-                           "eager_cpu_probe_data": probes}}
+                           "eager_cpu_probe_data": probes, "eager_timing": "launch"}}
 
 
 @pytest.mark.parametrize("device", [0.0, 1e-3], ids=["host", "graph-eager"])

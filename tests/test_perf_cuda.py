@@ -233,3 +233,24 @@ def test_host_timing_takes_the_cpus_time_to_issue_a_call(gpu):
     probe = sorted(backend.time_probe() for _ in range(5))[2]
     assert 0 < probe < 0.002
     torch.cuda.synchronize()
+
+
+def test_launch_timing_starts_on_an_idle_device_and_holds_the_whole_launch_cost(gpu):
+    """A call whose CPU takes 1 ms before its one launch: behind the short sleep (time_call) about 0.5 ms of it is
+    hidden; timed from an idle device (time_launch, the eager rounds of graph mode) all of it is in the span."""
+    import torch
+
+    from lmsys.perf import timing
+    from lmsys.perf.backend import CudaBackend
+
+    backend = CudaBackend()
+    x = torch.zeros(1, device="cuda")
+
+    def call():
+        timing.spin(0.001)
+        x.add_(1)
+
+    behind_sleep = sorted(backend.time_call(call) for _ in range(5))[2]
+    from_idle = sorted(backend.time_launch(call) for _ in range(5))[2]
+    assert 0.001 <= from_idle < 0.003
+    assert behind_sleep < from_idle - 0.0002

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from lmsys.perf import compare
-from lmsys.perf.timing import EAGER, GRAPH, HOST, QUEUED
+from lmsys.perf.timing import EAGER, GRAPH, HOST, LAUNCH, QUEUED
 
 try:
     import fcntl
@@ -45,8 +45,11 @@ MEMORY_KEY = "peak_allocated_above_start_bytes"
 REQUESTED_KEY = "peak_requested_above_start_bytes"
 # The peaks the gate compares, in order of preference, and what each measures.
 PEAK_KEYS = ((REQUESTED_KEY, "requested"), (MEMORY_KEY, "allocated"))
-# The eager rounds of a benchmark timed in a CUDA graph (its stats are the replays).
+# The eager rounds of a benchmark timed in a CUDA graph or queued (its stats are the replays or queued rounds), and
+# how they were timed: EAGER_TIMING_KEY: LAUNCH (from an idle device, timing.py); a baseline without it timed them
+# behind a short device-side sleep that hid up to 0.5 ms of the launch cost, and they are not compared.
 EAGER_KEY = "eager_data"
+EAGER_TIMING_KEY = "eager_timing"
 # The CPU probe's time before each round whose time is the CPU's (timing.py): the host-timed rounds (PROBE_KEY, beside
 # the stats' data) and the eager rounds of a graph- or queued-timed benchmark (EAGER_PROBE_KEY, beside EAGER_KEY).
 PROBE_KEY = "cpu_probe_data"
@@ -238,24 +241,33 @@ def timing(bench: dict) -> str:
     return (bench.get("extra_info") or {}).get("timing", "eager")
 
 
-def samples(bench: dict, timed: str = "eager") -> list[float] | None:
-    """A baseline benchmark's per-round times in seconds as timed `timed` (a TIMINGS value): its stats when it was
-    timed that way ([median] when saved without rounds), the eager rounds a graph-timed benchmark keeps beside its
-    replays, or None when it has no such times."""
+def samples(bench: dict, timed: str = EAGER) -> list[float] | None:
+    """A baseline benchmark's per-round times in seconds as timed `timed` (a TIMINGS value, or LAUNCH: the eager rounds
+    of graph and queued mode): its stats when it was timed that way ([median] when saved without rounds), the eager
+    rounds a graph- or queued-timed benchmark keeps beside its stats when they were timed from an idle device, or
+    None when it has no such times."""
     if timing(bench) == timed:
         stats = bench["stats"]
         return list(stats.get("data") or [stats["median"]])
-    if timed == "eager":
-        return (bench.get("extra_info") or {}).get(EAGER_KEY)
+    info = bench.get("extra_info") or {}
+    if timed == LAUNCH and info.get(EAGER_TIMING_KEY) == LAUNCH:
+        return info.get(EAGER_KEY)
     return None
 
 
-def probes(bench: dict, timed: str = "eager") -> list[float] | None:
-    """The CPU probe's times before a baseline benchmark's rounds timed `timed` (host-timed rounds, or the eager rounds
-    of a graph- or queued-timed benchmark), one per sample; None when it has none for them (saved before the probe,
-    or without its rounds)."""
+def eager_timed_behind_sleep(bench: dict) -> bool:
+    """Whether a graph- or queued-timed baseline keeps eager rounds timed the old way, behind a short device-side
+    sleep (saved before they were timed from an idle device): they cannot gate today's eager rounds."""
     info = bench.get("extra_info") or {}
-    key = PROBE_KEY if timing(bench) == timed == HOST else EAGER_PROBE_KEY if timed == EAGER else None
+    return info.get(EAGER_KEY) is not None and info.get(EAGER_TIMING_KEY) != LAUNCH
+
+
+def probes(bench: dict, timed: str = EAGER) -> list[float] | None:
+    """The CPU probe's times before a baseline benchmark's rounds timed `timed` (host-timed rounds, or LAUNCH: the
+    eager rounds of a graph- or queued-timed benchmark), one per sample; None when it has none for them (saved before
+    the probe, or without its rounds)."""
+    info = bench.get("extra_info") or {}
+    key = PROBE_KEY if timing(bench) == timed == HOST else EAGER_PROBE_KEY if timed == LAUNCH else None
     times, rounds = info.get(key), samples(bench, timed)
     if not times or rounds is None or len(times) != len(rounds):
         return None

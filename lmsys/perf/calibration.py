@@ -11,7 +11,8 @@ fresh processes (reruns.py); `noise` turns those runs' pytest-benchmark JSON int
 `peaks` are the requested bytes above start where every run read them, else the allocated ones. Where every run kept
 the CPU probe's times beside its rounds (host timing, the eager rounds of graph mode: timing.py), the medians of those
 rounds are taken at one CPU speed (the first run's probe median; baselines.at_cpu_speed), as the gate judges them, and
-the entry says "cpu_speed": "probed" (or "eager_cpu_speed").
+the entry says "cpu_speed": "probed" (or "eager_cpu_speed"). Eager rounds count only where every run timed them from
+an idle device ("eager_timing": "launch"); an entry without it gives the eager rounds no tolerance.
 
 `spread` is the relative standard deviation of the N medians (what one run's median is uncertain by, from one
 process to the next). The time tolerance it gives is max(FLOOR, SIGMAS * sqrt(2) * spread): the difference of two
@@ -27,6 +28,7 @@ from pathlib import Path
 from statistics import mean, median, stdev
 
 from lmsys.perf import baselines
+from lmsys.perf.timing import LAUNCH
 
 FILE_NAME = "calibration.json"
 SIGMAS = 3.0
@@ -80,9 +82,11 @@ def noise(docs: list[dict]) -> dict[str, dict]:
         if probed:
             entry["cpu_speed"] = "probed"
         eager = [info.get("eager_median") for info in infos]
-        if all(isinstance(value, (int, float)) for value in eager):
-            probed = _at_one_cpu_speed(runs, "eager")
-            entry.update(eager_medians=eager, eager_spread=_spread(probed or eager))
+        if all(isinstance(value, (int, float)) for value in eager) and all(
+            info.get(baselines.EAGER_TIMING_KEY) == LAUNCH for info in infos
+        ):
+            probed = _at_one_cpu_speed(runs, LAUNCH)
+            entry.update(eager_medians=eager, eager_spread=_spread(probed or eager), eager_timing=LAUNCH)
             if probed:
                 entry["eager_cpu_speed"] = "probed"
         for key, _ in baselines.PEAK_KEYS:  # the peaks the gate compares, where every run has them
@@ -95,12 +99,13 @@ def noise(docs: list[dict]) -> dict[str, dict]:
 
 
 def time_tolerance(entry: dict, timing: str) -> float | None:
-    """The time tolerance a calibration entry gives for samples of `timing` ('eager' for the eager rounds of a
-    graph-timed benchmark too), or None when the entry did not measure those."""
+    """The time tolerance a calibration entry gives for samples of `timing` (a TIMINGS value, or LAUNCH: the eager
+    rounds of a graph- or queued-timed benchmark), or None when the entry did not measure those (eager rounds
+    calibrated before they were timed from an idle device, timing.py, do not count)."""
     if entry["timing"] == timing:
         spread = entry["spread"]
     else:
-        spread = entry.get("eager_spread") if timing == "eager" else None
+        spread = entry.get("eager_spread") if timing == LAUNCH and entry.get("eager_timing") == LAUNCH else None
     return None if spread is None else max(FLOOR, SIGMAS * math.sqrt(2) * spread)
 
 

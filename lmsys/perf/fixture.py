@@ -134,8 +134,10 @@ class GpuBenchmark:
             return call()
         session, backend = self._session, self._session.backend
         primary = timing.GRAPH if graph else timing.HOST if host else timing.EAGER
+        # Graph mode's eager rounds: on a GPU timed from an idle device (timing.LAUNCH), on the CPU eager rounds.
+        eager_timed = timing.LAUNCH if backend.is_gpu else timing.EAGER
         time_tolerance = self._tolerance(primary, eager=host)
-        eager_tolerance = self._tolerance(timing.EAGER, eager=True) if graph else time_tolerance
+        eager_tolerance = self._tolerance(eager_timed, eager=True) if graph else time_tolerance
         queued_tolerance = self._tolerance(timing.QUEUED)
         flush = backend.make_l2_flush() if cold_l2 else None
 
@@ -145,7 +147,7 @@ class GpuBenchmark:
                     backend, call, flush=flush, max_time=session.max_time, min_rounds=session.min_rounds,
                     warmup_rounds=warmup_rounds, judge=self._judge(primary, time_tolerance),
                     precision=session.precision(time_tolerance), graph=graph,
-                    eager_judge=self._judge(timing.EAGER, eager_tolerance),
+                    eager_judge=self._judge(eager_timed, eager_tolerance),
                     eager_precision=session.precision(eager_tolerance), delay=delay, extra_memory=extra_memory,
                     queued_judge=self._judge(timing.QUEUED, queued_tolerance),
                     queued_precision=session.precision(queued_tolerance), host=host,
@@ -271,6 +273,10 @@ class GpuBenchmark:
         uncompared = None
         if baseline is not None and measurement.time_comparison is None:
             uncompared = f"the baseline was timed {baselines.timing(baseline)}, this run {measurement.timing}"
+        elif measurement.eager_samples is not None and baseline is not None and measurement.eager_comparison is None:
+            uncompared = ("the baseline's eager rounds were timed behind a device-side sleep that hid up to 0.5 ms of "
+                          "the launch cost, this run's from an idle device" if baselines.eager_timed_behind_sleep(baseline)
+                          else "the baseline has no eager rounds")
         return compare.judge(measurement.time_comparison, memory_comparison, measurement.eager_comparison, uncompared)
 
     def _record(
@@ -332,7 +338,8 @@ class GpuBenchmark:
             **measurement.extra_info, **record.rates,
         )
         if eager is not None:
-            bench.extra_info.update({baselines.EAGER_KEY: eager, "eager_median": record.eager_median})
+            bench.extra_info.update({baselines.EAGER_KEY: eager, "eager_median": record.eager_median,
+                                     baselines.EAGER_TIMING_KEY: timing.LAUNCH})
         for key, probes in ((baselines.PROBE_KEY, measurement.probes),
                             (baselines.EAGER_PROBE_KEY, measurement.eager_probes)):
             if probes is not None:
@@ -364,7 +371,7 @@ def _cpu_speed_notes(measurement: timing.Measurement, baseline: dict | None) -> 
         return []
     notes = []
     for timed, what, probes in ((timing.HOST, "host", measurement.probes),
-                                (timing.EAGER, "eager", measurement.eager_probes)):
+                                (timing.LAUNCH, "eager", measurement.eager_probes)):
         reference = baselines.probes(baseline, timed)
         if probes and reference:
             change = median(probes) / median(reference) - 1
@@ -377,7 +384,7 @@ def _cpu_speed_notes(measurement: timing.Measurement, baseline: dict | None) -> 
 def _eager_median(baseline: dict | None) -> float | None:
     if baseline is None:
         return None
-    eager = baselines.samples(baseline, timing.EAGER)
+    eager = baselines.samples(baseline, timing.LAUNCH)
     return None if eager is None else median(eager)
 
 

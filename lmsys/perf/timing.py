@@ -9,7 +9,11 @@ median's confidence interval is wider than the target (a share of the tolerance)
 a wall-time cap and MAX_ADAPTIVE_ROUNDS.
 
 In graph mode the call is also captured in a CUDA graph and the replays are timed: the replays' samples are the
-benchmark's time (device time, no CPU launch cost), the eager rounds its eager time. When the capture fails, on a
+benchmark's time (device time, no CPU launch cost), the eager rounds its eager time. Those eager rounds start on an
+idle device (backend.time_launch), so they hold the whole launch cost: an eager round behind the short device-side
+sleep that other rounds start with would hide up to that sleep (0.5 ms) of it, and a launch-bound call's eager median
+would count only what its launches take beyond the sleep (on the H100 ours at (1, 4096, 64): 0.10-0.27 ms for a
+launch cost of 0.62-0.74 ms). When the capture fails, on a
 GPU the call is timed queued instead: each round starts with a device-side sleep longer than the CPU takes to queue
 the whole call (LEAD_FACTOR times an eager round's wall time), so the device runs the call's kernels back to back
 and the span between the events is the device's time again, as long as the call does not wait for the device
@@ -32,6 +36,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from math import ceil
 from statistics import median
 from typing import Any, NamedTuple
@@ -43,6 +48,10 @@ MAX_ADAPTIVE_ROUNDS = 10_000
 MAX_WARMUP_ROUNDS = 100
 WARMUP_SHARE = 0.1
 EAGER, GRAPH, QUEUED, HOST = "eager", "graph", "queued", "host"
+# How the eager rounds of graph and queued mode are timed: from an idle device, the whole launch cost in the span
+# (backend.time_launch). A baseline says so beside its eager rounds (baselines.EAGER_TIMING_KEY); eager rounds timed
+# otherwise (behind the short sleep, before this) are not compared with them.
+LAUNCH = "launch"
 # Queued timing: the lead sleep is this many times an eager round's wall time, at most MAX_LEAD seconds.
 LEAD_FACTOR = 1.5
 MAX_LEAD = 2.0
@@ -158,18 +167,25 @@ def time_rounds(
     lead: Callable[[], None] | None = None,
     host: bool = False,
     probes: list[float] | None = None,
+    launch: bool = False,
 ) -> list[float]:
     """Per-round seconds of `rounds` calls, each preceded by an untimed flush when one is given (and timed behind the
-    device-side delay `lead` when one is given: queued timing; by the CPU's clock with host=True). With a `probes`
-    list, the CPU probe (backend.time_probe) runs right before each call and its time is appended there."""
-    time_call = backend.time_host if host else backend.time_call
+    device-side delay `lead` when one is given: queued timing; by the CPU's clock with host=True; from an idle device,
+    launch cost included, with launch=True). With a `probes` list, the CPU probe (backend.time_probe) runs right before
+    each call and its time is appended there."""
+    if host:
+        time_call = partial(backend.time_host, lead=lead)
+    elif launch:
+        time_call = backend.time_launch
+    else:
+        time_call = partial(backend.time_call, lead=lead)
     samples = []
     for _ in range(rounds):
         if flush is not None:
             flush()
         if probes is not None:
             probes.append(backend.time_probe())
-        samples.append(time_call(call, lead))
+        samples.append(time_call(call))
     return samples
 
 
@@ -207,14 +223,16 @@ def sample(
     host: bool = False,
     probes: list[float] | None = None,
     device_time: float = 0.0,
+    launch: bool = False,
 ) -> tuple[list[float], float]:
     """`adapt` over rounds of `call` timed through the backend (each after an untimed flush when one is given, and
-    behind `lead` when one is given; by the CPU's clock with host=True). With a `probes` list each round is probed
-    (time_rounds), and the precision is that of the samples at one CPU speed (at_cpu_speed, above device_time)."""
+    behind `lead` when one is given; by the CPU's clock with host=True; from an idle device with launch=True). With a
+    `probes` list each round is probed (time_rounds), and the precision is that of the samples at one CPU speed
+    (at_cpu_speed, above device_time)."""
 
     def timed(n: int) -> tuple[list[float], float]:
         start = clock()
-        samples = time_rounds(backend, call, n, flush, lead, host, probes)
+        samples = time_rounds(backend, call, n, flush, lead, host, probes, launch)
         return samples, clock() - start
 
     def width(samples: list[float]) -> float:
@@ -311,15 +329,15 @@ def judged(measure: Callable[[], tuple], judge: Callable[[tuple], TimeComparison
 
 
 def _series(backend, call, rounds, flush, precision: Precision, judge: Judge, lead=None, host=False,
-            probed=False, device_time=0.0) -> Series:
-    """The judged series of rounds; with probed=True each round is probed (the CPU's speed, for a time that is the
-    CPU's: host timing, eager rounds), and device_time is the device's part of a round, which the CPU's speed does
-    not change."""
+            launch=False, device_time=0.0) -> Series:
+    """The judged series of rounds: timed as `lead`, `host` and `launch` say (time_rounds); a time that is the CPU's
+    (host=True, and launch=True: the eager rounds of graph and queued mode) has each round probed (the CPU's speed),
+    and device_time is the device's part of a round, which the CPU's speed does not change."""
 
     def measure() -> tuple:
-        probes = [] if probed else None
+        probes = [] if host or launch else None
         samples, wall = sample(backend, call, rounds, flush, precision, lead=lead, host=host, probes=probes,
-                               device_time=device_time)
+                               device_time=device_time, launch=launch)
         return samples, probes, wall
 
     (samples, probes, wall), comparison, remeasured = judged(
@@ -381,13 +399,13 @@ def run(
     eager = None
     if host:
         lead = queue_lead(backend, timed, flush)
-        primary = _series(backend, timed, chosen.rounds, flush, precision, judge, lead, host=True, probed=True)
+        primary = _series(backend, timed, chosen.rounds, flush, precision, judge, lead, host=True)
     elif queued:
         lead = queue_lead(backend, timed, flush)
         primary = _series(
             backend, timed, chosen.rounds, flush, queued_precision or precision, queued_judge or judge, lead
         )
-        eager = _series(backend, timed, chosen.rounds, flush, eager_precision, eager_judge, probed=True,
+        eager = _series(backend, timed, chosen.rounds, flush, eager_precision, eager_judge, launch=True,
                         device_time=median(primary.samples))
     elif captured is None:
         primary = _series(backend, timed, chosen.rounds, flush, eager_precision if graph else precision,
@@ -398,7 +416,7 @@ def run(
             primary = _series(backend, replay, replay_plan.rounds, flush, precision, judge)
         finally:
             release()
-        eager = _series(backend, timed, chosen.rounds, flush, eager_precision, eager_judge, probed=True,
+        eager = _series(backend, timed, chosen.rounds, flush, eager_precision, eager_judge, launch=True,
                         device_time=median(primary.samples))
     result, memory = backend.measure_memory(call)
     after = backend.machine_state()
