@@ -4,8 +4,8 @@ Same architecture, parameter names, shapes and initialisation as `lmsys.model.Tr
 (so each loads the other's state dict and gives the same logits), in the style of gpt-fast and nanoGPT: one fused
 qkv projection, RoPE applied in fp32 on the (B, T, H, D) projection, PyTorch's `scaled_dot_product_attention`,
 RMSNorm and SwiGLU from plain tensor ops, no profiler ranges, no attention backend switch (`config.attention` is
-ignored). The perf tests time it beside ours, with `torch.optim.AdamW(fused=True)`, so every report shows how far
-our step is from what a page of PyTorch gets.
+ignored). The perf tests time it beside ours, with `torch.optim.AdamW(fused=True, capturable=True)`, so every
+report shows how far our step is from what a page of PyTorch gets.
 """
 
 import torch

@@ -2,7 +2,10 @@
 
 Providers (a model and an optimizer):
 - `reference`: the same architecture written the way a user would (lmsys.reference_model: fused qkv projection,
-  SDPA, plain-op RMSNorm and RoPE) with `torch.optim.AdamW(fused=True)`: the plain-PyTorch step to beat;
+  SDPA, plain-op RMSNorm and RoPE) with `torch.optim.AdamW(fused=True, capturable=True)`: the plain-PyTorch step to
+  beat (capturable: the same fused kernel, whose step count already lives on the device, allowed in a CUDA graph, so
+  the gate can time the step's device time; without it the capture fails and an eager step, which the CPU cannot
+  queue ahead of the device, is timed by the CPU's speed);
 - `ours-torch-adamw`: lmsys.model with SDPA and torch's fused AdamW;
 - `ours`: lmsys.model with SDPA and lmsys.optim.AdamW (the fused Triton kernel);
 - `ours-flash_triton`: lmsys.model with our Triton FlashAttention and lmsys.optim.AdamW;
@@ -40,7 +43,7 @@ PRECISIONS = {
     "bf16-graphs": dict(autocast_dtype=torch.bfloat16, compile=True, cuda_graphs=True),
 }
 
-TORCH_FUSED_ADAMW = functools.partial(torch.optim.AdamW, fused=True)
+TORCH_FUSED_ADAMW = functools.partial(torch.optim.AdamW, fused=True, capturable=True)
 # provider -> (model class, attention backend, optimizer class)
 PROVIDERS = {
     "reference": (ReferenceLM, "sdpa", TORCH_FUSED_ADAMW),
