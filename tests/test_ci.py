@@ -69,10 +69,46 @@ def test_gpu_workflow_compares_a_pull_request_with_its_base_timed_on_the_same_ru
     assert upload["if"] == "always()"
 
 
-def test_the_gpu_script_is_executable_valid_bash():
-    script = ROOT / ".ci" / "perf"
+def test_gpu_workflow_builds_up_the_detection_rate_nightly():
+    doc = workflow("perf.yml")
+    assert doc["on"]["schedule"] and "schedule" not in doc["jobs"]["compare"]["if"]
+    job = doc["jobs"]["detection"]
+    assert job["if"] == "github.event_name == 'schedule'" and job["runs-on"] == GPU_LABELS
+    assert "bash .ci/setup" in commands(job) and 'bash .ci/detection "$root"' in commands(job)
+    [upload] = [step for step in job["steps"] if step.get("uses", "").startswith("actions/upload-artifact")]
+    assert upload["if"] == "always()"
+
+
+@pytest.mark.parametrize("name", ["perf", "detection"])
+def test_the_gpu_scripts_are_executable_valid_bash(name):
+    script = ROOT / ".ci" / name
     assert os.access(script, os.X_OK)
     subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs the git checkout")
+def test_the_detection_script_adds_runs_per_call_until_it_has_them_all(tmp_path):
+    env = {**os.environ, "GITHUB_STEP_SUMMARY": str(tmp_path / "step-summary.md"), "LMSYS_DETECTION_RUNS": "2",
+           "LMSYS_DETECTION_PER_CALL": "1"}
+    calibrations = [str(p.relative_to(ROOT)) for p in (ROOT / "baselines").glob("*/calibration.json")]
+    gate = subprocess.run(["git", "log", "-1", "--format=%h", "--", "lmsys/perf", "perf_tests", *calibrations],
+                          cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    def call() -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(ROOT / ".ci" / "detection"), str(tmp_path / "root"), "--",
+                               "perf_tests/test_timing_overhead.py", "-p", "no:cacheprovider"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    for kept in (1, 2, 2):  # one run per call, then nothing more to run
+        done = call()
+        assert done.returncode == 0, done.stdout + done.stderr
+        [keep] = (tmp_path / "root").iterdir()
+        assert keep.name == gate  # named after the gate's last change
+        assert len(list((keep / "runs").glob("*.json"))) == kept
+        assert f"| test_empty_function | 0/{kept} |" in (keep / "table.md").read_text()
+    assert "2 runs kept already: nothing to run" in done.stderr
+    summary = (tmp_path / "step-summary.md").read_text()
+    assert summary.count("### Detection rate of the gate") == 3 and "2 of 2 runs" in summary
 
 
 def run_script(out: Path, *args: str, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
