@@ -244,3 +244,54 @@ def test_reruns_are_fresh_processes_whose_json_is_returned_and_kept_when_asked(t
     reruns.rerun(["-q", "-p", "no:cacheprovider", "-p", "no:lmsys_perf", "test_one.py"], 1, tmp_path,
                  keep=tmp_path / "kept", first=2, progress=lambda index, done, docs: seen.append(index))
     assert seen == [2] and (tmp_path / "kept" / "kept-run-2.json").exists()  # a series run in parts: numbered on
+
+
+def _kept_run(tmp_path, name: str, medians: dict[str, float], machine: str = MACHINE) -> Path:
+    """A run's pytest-benchmark JSON as a detection keeps it: every round, the machine it was recorded on."""
+    benches = []
+    for fullname, median in medians.items():
+        stats = {key: median for key in ("min", "max", "mean", "median")}
+        stats.update(stddev=0.0, iqr=0.0, rounds=3, iterations=1, data=[median] * 3)
+        benches.append({"fullname": fullname, "name": fullname, "stats": stats, "extra_info": {"timing": "graph"}})
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"machine_info": {"lmsys": {"machine_id": machine}}, "benchmarks": benches}))
+    return path
+
+
+def test_the_command_calibrates_from_runs_measured_before(tmp_path, capsys):
+    folder = tmp_path / MACHINE
+    folder.mkdir()
+    calibration.update(folder, MACHINE, {"t::old": calibration.noise([run_doc({"t::old": 1e-3})] * 2)["t::old"]})
+    runs = [_kept_run(tmp_path, f"run-{k}", {"t::a": 1e-3 * (1 + k / 100), "t::b": 2e-3}) for k in (-1, 0, 1)]
+    assert calibration.main([str(folder), *map(str, runs), "-k", "t::a", "--dry-run"]) == 0
+    assert "t::a: graph median spread 1.00% over 3 runs -> time tolerance 4.24%" in capsys.readouterr().out
+    assert set(calibration.read(folder)) == {"t::old"}  # a dry run writes nothing
+    assert calibration.main([str(folder), *map(str, runs), "-k", "t::a"]) == 0
+    entries = calibration.read(folder)
+    assert set(entries) == {"t::old", "t::a"} and entries["t::a"]["runs"] == 3  # t::b not asked for, t::old kept
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("other-gpu", "was recorded on NVIDIA_H200, not Fake_GPU_80GB"),
+    ("one-run", "a calibration needs at least 2 runs, got 1"),
+    ("no-match", "no benchmark that every run measured (with one timing) matches"),
+    ("not-json", "is not valid JSON"),
+])
+def test_the_command_refuses_runs_it_cannot_use(tmp_path, capsys, case, message):
+    folder = tmp_path / MACHINE
+    folder.mkdir()
+    runs = [_kept_run(tmp_path, f"run-{k}", {"t::a": 1e-3}) for k in range(2)]
+    args = [str(folder), *map(str, runs)]
+    if case == "other-gpu":
+        args.append(str(_kept_run(tmp_path, "h200", {"t::a": 1e-3}, machine="NVIDIA_H200")))
+    elif case == "one-run":
+        args = args[:2]
+    elif case == "no-match":
+        args += ["-k", "t::zzz"]
+    else:
+        (tmp_path / "bad.json").write_text("{")
+        args.append(str(tmp_path / "bad.json"))
+    with pytest.raises(SystemExit) as exited:
+        calibration.main(args)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+    assert not (folder / calibration.FILE_NAME).exists()

@@ -14,6 +14,10 @@ rounds are taken at one CPU speed (the first run's probe median; baselines.at_cp
 the entry says "cpu_speed": "probed" (or "eager_cpu_speed"). Eager rounds count only where every run timed them from
 an idle device ("eager_timing": "launch"); an entry without it gives the eager rounds no tolerance.
 
+The runs can also be ones measured before, in fresh processes: `python -m lmsys.perf.calibration FOLDER RUN.json...`
+calibrates from their JSON (the references and A/A runs a detection kept, --benchmark-json files, saved baselines of
+that GPU), `-k SUBSTRING` only the benchmarks whose name holds it.
+
 `spread` is the relative standard deviation of the N medians (what one run's median is uncertain by, from one
 process to the next). The time tolerance it gives is max(FLOOR, SIGMAS * sqrt(2) * spread): the difference of two
 runs' medians (the baseline's and now) has sqrt(2) times one run's spread, and SIGMAS of those standard deviations
@@ -22,12 +26,15 @@ machine cannot see: the offset between two machines of the same GPU model. The m
 the peaks seen (zero for a deterministic peak).
 """
 
+import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from statistics import mean, median, stdev
 
 from lmsys.perf import baselines
+from lmsys.perf.compare import format_bytes
 from lmsys.perf.timing import LAUNCH
 
 FILE_NAME = "calibration.json"
@@ -178,3 +185,62 @@ def update(folder: Path, machine_id: str, entries: dict[str, dict]) -> tuple[Pat
 
     baselines.update_file(path, change)
     return path, result["all"], result["replaced"]
+
+
+def describe(fullname: str, entry: dict) -> str:
+    """One line of what a calibration entry measured and the time tolerance it gives."""
+    line = (f"  {fullname}: {entry['timing']} median spread {entry['spread']:.2%} over {entry['runs']} runs -> "
+            f"time tolerance {time_tolerance(entry, entry['timing']):.2%}")
+    if "eager_spread" in entry:
+        line += f"; eager spread {entry['eager_spread']:.2%}"
+    if memory_range(entry):
+        line += f"; peak memory moved by {format_bytes(memory_range(entry))}"
+    return line
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lmsys.perf.calibration",
+        description="Calibrate a GPU's benchmarks from runs measured before, each in a fresh process, and merge the "
+                    "entries into the folder's calibration.json (the others stay).",
+    )
+    parser.add_argument("folder", type=Path, help="the GPU's baselines folder, e.g. baselines/NVIDIA_H100_80GB_HBM3")
+    parser.add_argument("runs", type=Path, nargs="+",
+                        help="pytest-benchmark JSON of the runs, at least 2, all recorded on that GPU")
+    parser.add_argument("-k", dest="only", action="append", default=[], metavar="SUBSTRING",
+                        help="only the benchmarks whose full name contains SUBSTRING (repeatable: any of them)")
+    parser.add_argument("--dry-run", action="store_true", help="print the entries, write nothing")
+    args = parser.parse_args(argv)
+    if not args.folder.is_dir():
+        parser.error(f"{args.folder} is not a folder")
+    docs = []
+    for path in args.runs:
+        try:
+            doc = baselines.read_baseline(path)
+        except baselines.BaselineError as exc:
+            parser.error(str(exc))
+        recorded = (doc.get("machine_info", {}).get("lmsys") or {}).get("machine_id")
+        if recorded != args.folder.name:
+            parser.error(f"{path} was recorded on {recorded or 'a machine it does not name'}, not {args.folder.name}")
+        docs.append(doc)
+    if len(docs) < MIN_RUNS:
+        parser.error(f"a calibration needs at least {MIN_RUNS} runs, got {len(docs)}")
+    entries = {name: entry for name, entry in noise(docs).items()
+               if not args.only or any(part in name for part in args.only)}
+    if not entries:
+        parser.error("no benchmark that every run measured (with one timing) matches")
+    for name, entry in entries.items():
+        print(describe(name, entry))
+    if args.dry_run:
+        return 0
+    try:
+        path, _, replaced = update(args.folder, args.folder.name, entries)
+    except CalibrationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{len(entries)} calibration(s) written to {path}" + (f"; replaced: {', '.join(replaced)}" if replaced else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -317,17 +317,7 @@ class PerfSession:
         self.notes.append(f"calibration of {len(entries)} benchmark(s) written to {path}")
         if replaced:
             self.notes.append(f"it replaced the earlier calibration of: {', '.join(replaced)}")
-        for fullname, entry in entries.items():
-            tolerance = calibration.time_tolerance(entry, entry["timing"])
-            line = (
-                f"  {fullname}: {entry['timing']} median spread {entry['spread']:.2%} over {entry['runs']} runs -> "
-                f"time tolerance {tolerance:.2%}"
-            )
-            if "eager_spread" in entry and entry["timing"] != "eager":
-                line += f"; eager spread {entry['eager_spread']:.2%}"
-            if calibration.memory_range(entry):
-                line += f"; peak memory moved by {format_bytes(calibration.memory_range(entry))}"
-            self.notes.append(line)
+        self.notes += [calibration.describe(fullname, entry) for fullname, entry in entries.items()]
 
     def header_lines(self) -> list[str]:
         """Printed after collection: where baselines are, the tolerances, and the files compared with."""
