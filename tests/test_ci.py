@@ -93,6 +93,9 @@ def test_the_detection_script_adds_runs_per_call_until_it_has_them_all(tmp_path)
     calibrations = [str(p.relative_to(ROOT)) for p in (ROOT / "baselines").glob("*/calibration.json")]
     gate = subprocess.run(["git", "log", "-1", "--format=%h", "--", "lmsys/perf", "perf_tests", *calibrations],
                           cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    changed = subprocess.run(["git", "status", "--porcelain", "--", "lmsys/perf", "perf_tests", *calibrations],
+                             cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    gate += "-changed" if changed else ""  # a checkout that changes the gate further is another gate
 
     def call() -> subprocess.CompletedProcess:
         return subprocess.run(["bash", str(ROOT / ".ci" / "detection"), str(tmp_path / "root"), "--",

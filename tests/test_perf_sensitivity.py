@@ -217,8 +217,9 @@ def test_a_graph_run_against_an_eager_baseline_fails_uncompared(pytester):
 
 
 def test_graph_modes_eager_rounds_hold_the_launch_cost_that_the_short_sleep_hides(pytester, monkeypatch):
-    # On a GPU the sleep before an eager round hides up to 0.5 ms of the launch cost: a launch-bound call whose launches
-    # take 0.3 ms would show none of it, nor a launch path 50% slower. Graph mode's eager rounds start on an idle device.
+    # On a GPU the sleep before an eager round hides up to 0.5 ms of the launch cost: a launch-bound call whose
+    # launches take 0.3 ms would show none of it, nor a launch path 50% slower. Graph mode's eager rounds start on an
+    # idle device.
     monkeypatch.setenv("FAKE_SLEEP_HIDES", "0.5e-3")
     save_baseline(pytester, {"test_a": {"ms": 0.1, "launch_ms": 0.3, "noise": 0.0, "call": ", graph=True"}})
     info = bench_json(pytester, "baselines/" + MACHINE + "/0001_base.json")["test_a"]["extra_info"]

@@ -261,9 +261,10 @@ class CudaBackend:
         A device-side sleep is queued first: the start event fires when it ends, by which time the CPU has queued
         the call's first kernels, so the Python and dispatch latency before the first launch is not timed (the
         device would otherwise sit idle through it; triton's do_bench hides it behind its cache flush the same
-        way). CPU overhead that starves the device later in the call is still timed, as it should be. `lead` (a
-        device-side delay, make_delay) replaces that sleep: one longer than the CPU takes to queue the whole call
-        leaves only the device's time in the span (queued timing, lmsys/perf/timing.py).
+        way). CPU overhead that starves the device later in the call is still timed, as it should be. `lead` replaces
+        that sleep: a device-side delay (make_delay) longer than the CPU takes to queue the whole call leaves only the
+        device's time in the span (queued timing, lmsys/perf/timing.py); a drain (synchronize) leaves the whole launch
+        cost in it (time_launch).
         """
         start, end = self._events
         self._queue_lead(lead)
@@ -278,13 +279,7 @@ class CudaBackend:
         is drained first and nothing is queued ahead of the start event, so the span holds the CPU's whole launch
         cost (Python, dispatch, every launch) wherever the device waits for it, and the device's work. The eager
         rounds of graph and queued mode are timed so: time_call's sleep would hide up to 0.5 ms of the launch cost."""
-        start, end = self._events
-        torch.cuda.synchronize(self.index)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return self.time_call(call, lead=self.synchronize)
 
     @staticmethod
     def _queue_lead(lead: Callable[[], None] | None) -> None:

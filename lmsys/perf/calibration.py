@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     except CalibrationError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"{len(entries)} calibration(s) written to {path}" + (f"; replaced: {', '.join(replaced)}" if replaced else ""))
+    print(f"{len(entries)} calibration(s) written to {path}"
+          + (f"; replaced: {', '.join(replaced)}" if replaced else ""))
     return 0
 
 

@@ -274,9 +274,10 @@ class GpuBenchmark:
         if baseline is not None and measurement.time_comparison is None:
             uncompared = f"the baseline was timed {baselines.timing(baseline)}, this run {measurement.timing}"
         elif measurement.eager_samples is not None and baseline is not None and measurement.eager_comparison is None:
-            uncompared = ("the baseline's eager rounds were timed behind a device-side sleep that hid up to 0.5 ms of "
-                          "the launch cost, this run's from an idle device" if baselines.eager_timed_behind_sleep(baseline)
-                          else "the baseline has no eager rounds")
+            uncompared = "the baseline has no eager rounds"
+            if baselines.eager_timed_behind_sleep(baseline):
+                uncompared = ("the baseline's eager rounds were timed behind a device-side sleep that hid up to 0.5 ms "
+                              "of the launch cost, this run's from an idle device")
         return compare.judge(measurement.time_comparison, memory_comparison, measurement.eager_comparison, uncompared)
 
     def _record(
