@@ -228,6 +228,62 @@ def test_kept_runs_are_never_overwritten_nor_mixed_with_another_measurement(monk
     assert sorted(p.name for p in Path("kept").rglob("*.json")) == before
 
 
+def test_runs_of_another_gate_are_never_resumed_nor_tabulated_together(monkeypatch, tmp_path, capsys):
+    """The manifest records a hash of each file that decides a verdict (lmsys.perf, perf_tests, the calibrations): a
+    changed calibration or benchmark is another gate, whose runs go into another folder."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(detection.reruns, "rerun", keeping_rerun([]))
+    calibrated = tmp_path / "baselines" / "GPU" / "calibration.json"
+    calibrated.parent.mkdir(parents=True)
+    calibrated.write_text('{"t.py::test_x": {"time_tolerance": 0.025}}')
+    (tmp_path / "perf_tests").mkdir()
+    (tmp_path / "perf_tests" / "test_a.py").write_text("def test_x(): pass\n")
+    argv = ["--inject", "0.05", "--keep", "kept", "--", "perf_tests"]
+    assert detection.main(["--runs", "1", *argv]) == 0
+    gate = json.loads((tmp_path / "kept" / detection.MANIFEST).read_text())["gate"]
+    assert {"lmsys/perf/fixture.py", "lmsys/perf/compare.py", "perf_tests/test_a.py",
+            "baselines/GPU/calibration.json"} <= set(gate)
+    assert not {"lmsys/perf/detection.py", "lmsys/perf/docs.py"} & set(gate)
+    before = sorted(p.name for p in Path("kept").rglob("*.json"))
+
+    calibrated.write_text('{"t.py::test_x": {"time_tolerance": 0.05}}')
+    with pytest.raises(SystemExit, match=r"kept holds runs of another gate \(changed baselines/GPU/calibration.json "
+                       r"since\): keep this gate's runs in another folder"):
+        detection.main(["--runs", "2", "--resume", *argv])
+    (tmp_path / "perf_tests" / "test_b.py").write_text("def test_y(): pass\n")
+    with pytest.raises(SystemExit, match="changed baselines/GPU/calibration.json; added perf_tests/test_b.py"):
+        detection.main(["--runs", "2", "--resume", *argv])
+    assert sorted(p.name for p in Path("kept").rglob("*.json")) == before  # nothing ran, nothing was written
+
+    # The new gate's runs in a folder of their own; the table refuses to count both gates' runs together.
+    assert detection.main(["--runs", "1", "--inject", "0.05", "--keep", "kept2", "--", "perf_tests"]) == 0
+    with pytest.raises(SystemExit, match="--table: kept2 was measured by another gate than kept .*not the same gate"):
+        detection.main(["--table", "kept", "kept2"])
+    # Back to the first gate: its folder takes runs again.
+    calibrated.write_text('{"t.py::test_x": {"time_tolerance": 0.025}}')
+    (tmp_path / "perf_tests" / "test_b.py").unlink()
+    capsys.readouterr()
+    assert detection.main(["--runs", "2", "--resume", *argv]) == 0
+    assert "| test_x | 0/2 | 2/2 |" in detection._markdown(detection._table_of_kept([Path("kept")])[0])
+
+
+def test_a_folder_kept_before_the_gate_was_recorded_takes_this_gate_with_a_warning(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(detection.reruns, "rerun", keeping_rerun([]))
+    argv = ["--inject", "0.05", "--keep", "kept", "--", "perf_tests"]
+    assert detection.main(["--runs", "1", *argv]) == 0
+    manifest = tmp_path / "kept" / detection.MANIFEST
+    legacy = json.loads(manifest.read_text())
+    gate = legacy.pop("gate")
+    manifest.write_text(json.dumps(legacy))
+    capsys.readouterr()
+    assert detection.main(["--table", "kept"]) == 0
+    assert "no gate recorded in kept (kept before it was recorded): not checked" in capsys.readouterr().err
+    assert detection.main(["--runs", "2", "--resume", *argv]) == 0
+    assert "does not record the gate its runs were measured by" in capsys.readouterr().err
+    assert json.loads(manifest.read_text()) == {**legacy, "gate": gate}
+
+
 def test_resume_needs_keep(capsys):
     with pytest.raises(SystemExit):
         detection.main(["--resume", "--", "perf_tests"])

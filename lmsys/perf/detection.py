@@ -16,13 +16,15 @@ benchmark unchanged (the A/A case), then once more per injected case (LMSYS_INJE
 reference, failing nothing): the cases share each run's process, and its start-up and compilations are paid once (on
 the H100 such a run of the default subset took 982 s, a plain warm run 330 s: the timing of the cases, not the
 start-up, is most of it). --keep DIR keeps every run's JSON (and each fresh reference, DIR/references/), and --resume
-adds to them later (another session, another machine start) until each case has --runs runs; --table DIR...
+adds to them later (another session, another machine start) until each case has --runs runs, but never to runs of
+another gate (gate_files: the manifest records a hash of each file that decides a verdict); --table DIR...
 tabulates the runs kept by several measurements of the same cases without running anything. The table counts, per
 benchmark and over all, the failing verdicts of the A/A runs, the caught delays of each size (any failing verdict) and
 the caught allocations (MORE-MEMORY).
 """
 
 import argparse
+import hashlib
 import json
 import re
 import shutil
@@ -38,7 +40,12 @@ import pandas as pd
 
 from lmsys.perf import calibration, reruns
 from lmsys.perf.compare import MORE_MEMORY, Verdict, format_bytes
-from lmsys.perf.timing import INJECT_CASES, INJECT_DELAY, INJECT_MEMORY, INJECTED_CASES_KEY
+from lmsys.perf.timing import (
+    INJECT_CASES,
+    INJECT_DELAY,
+    INJECT_MEMORY,
+    INJECTED_CASES_KEY,
+)
 
 UNCHANGED = {INJECT_DELAY: "0", INJECT_MEMORY: "0"}
 
@@ -199,10 +206,21 @@ def _table_of_kept(folders: list[Path]) -> tuple[pd.DataFrame, dict]:
     for folder, manifest in manifests.items():
         if manifest is None:
             raise SystemExit(f"--table: {folder} holds no measurement ({MANIFEST} is missing)")
+    gates = {folder: manifest.pop(GATE, None) for folder, manifest in manifests.items()}
     settings = manifests[folders[0]]
     for folder, other in manifests.items():
         if other != settings:
             raise SystemExit(f"--table: {folder} measured {other}, {folders[0]} {settings}: not the same cases")
+    recorded = {folder: gate for folder, gate in gates.items() if gate is not None}
+    first = next(iter(recorded), None)
+    for folder, gate in recorded.items():
+        if gate != recorded[first]:
+            raise SystemExit(f"--table: {folder} was measured by another gate than {first} "
+                             f"({gate_changes(recorded[first], gate)}): not the same gate")
+    unknown = [str(folder) for folder, gate in gates.items() if gate is None]
+    if unknown:
+        print(f"--table: no gate recorded in {', '.join(unknown)} (kept before it was recorded): not checked",
+              file=sys.stderr)
     cases, held = _cases(settings)
     if settings.get("in_process"):
         docs = [doc for folder in folders for doc in kept_runs(folder / IN_PROCESS)]
@@ -212,21 +230,62 @@ def _table_of_kept(folders: list[Path]) -> tuple[pd.DataFrame, dict]:
     return _with_memory(results, held), settings
 
 
-def _resume(keep: Path, settings: dict, resume: bool) -> None:
+# The modules of lmsys.perf that decide no verdict: this measurement of the gate, and the docs built from baselines.
+NOT_THE_GATE = ("detection.py", "docs.py")
+GATE = "gate"
+
+
+def gate_files(storage: Path) -> dict[str, str]:
+    """What decides a verdict, file by file (a SHA-256 prefix each), so that runs of one gate are never counted for
+    another: lmsys.perf's modules (NOT_THE_GATE aside), the benchmarks and their pytest set-up in the working folder
+    (perf_tests/, conftest.py, pytest.ini) and the calibrations under `storage`."""
+    package = Path(__file__).resolve().parent
+    files = {f"lmsys/perf/{path.name}": path for path in package.glob("*.py") if path.name not in NOT_THE_GATE}
+    here = Path.cwd()
+    for path in (*here.glob("perf_tests/**/*.py"), here / "conftest.py", here / "pytest.ini",
+                 *storage.glob(f"*/{calibration.FILE_NAME}")):
+        if path.is_file():
+            files[path.relative_to(here).as_posix() if path.is_relative_to(here) else str(path)] = path
+    return {name: hashlib.sha256(files[name].read_bytes()).hexdigest()[:16] for name in sorted(files)}
+
+
+def gate_changes(earlier: dict[str, str], now: dict[str, str]) -> str:
+    """The files by which two gates (gate_files) differ, in words."""
+    parts = [
+        f"{what} {', '.join(names)}" for what, names in (
+            ("changed", [name for name in now if name in earlier and earlier[name] != now[name]]),
+            ("added", [name for name in now if name not in earlier]),
+            ("removed", [name for name in earlier if name not in now]),
+        ) if names
+    ]
+    return "; ".join(parts)
+
+
+def _resume(keep: Path, settings: dict, resume: bool, gate: dict[str, str]) -> None:
     """Checks that --keep DIR may take this measurement's runs: a folder that holds runs needs --resume (so kept runs
-    are never overwritten), and the same settings (test selection, reference) as the runs it holds; records them."""
+    are never overwritten), the same settings (test selection, reference) as the runs it holds and the same gate
+    (gate_files); records them. A folder kept before the gate was recorded takes this gate's record, with a warning."""
     earlier = _manifest(keep)
     if earlier is not None:
         if not resume:
             raise SystemExit(f"--keep {keep} holds the runs of an earlier measurement: add --resume to add runs to it, "
                              "or keep these runs in another folder")
+        earlier_gate = earlier.pop(GATE, None)
         if earlier != settings:
             raise SystemExit(f"--resume: {keep} holds runs of {earlier}, not of {settings}")
-        return
-    if resume:
+        if earlier_gate is None:
+            print(f"--resume: {keep} does not record the gate its runs were measured by (kept before the gate was "
+                  "recorded): its runs are counted as this gate's, and this gate is recorded from now on",
+                  file=sys.stderr, flush=True)
+        elif earlier_gate != gate:
+            raise SystemExit(f"--resume: {keep} holds runs of another gate ({gate_changes(earlier_gate, gate)} since): "
+                             "keep this gate's runs in another folder")
+        else:
+            return
+    elif resume:
         raise SystemExit(f"--resume: {keep} holds no measurement to resume ({MANIFEST} is missing)")
     keep.mkdir(parents=True, exist_ok=True)
-    (keep / MANIFEST).write_text(json.dumps(settings, indent=1), encoding="utf-8")
+    (keep / MANIFEST).write_text(json.dumps({**settings, GATE: gate}, indent=1), encoding="utf-8")
 
 
 REFERENCES = "references"
@@ -344,7 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "DIR/<case>: aa, delay-0.05, memory-1048576")
     parser.add_argument("--resume", action="store_true",
                         help="add to the runs kept in --keep DIR by an earlier measurement (another session or machine "
-                        "start) until each case has --runs runs; the table counts them all")
+                        "start) until each case has --runs runs, and counts them all; refuses a folder whose runs "
+                        "another gate measured (other lmsys.perf modules, perf_tests or calibrations)")
     parser.add_argument("--table", type=Path, nargs="+", metavar="DIR",
                         help="run nothing: print the table of the runs kept (--keep) by one or more measurements of "
                         "the same tests and cases, e.g. one per machine start")
@@ -375,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.resume and args.keep is None:
         parser.error("--resume needs --keep DIR, the folder of the runs to add to")
     if args.keep is not None:
-        _resume(args.keep, _settings(args), args.resume)
+        _resume(args.keep, _settings(args), args.resume, gate_files(args.storage))
     settings = _settings(args)
     cases, held = _cases(settings)
     if args.in_process:
