@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -169,9 +170,33 @@ def test_memory_with_delays_needs_a_delay_and_one_size(capsys):
     assert "--memory-with-delays needs --inject and one --inject-memory size" in capsys.readouterr().err
 
 
+def kept_run(env: dict) -> dict:
+    """A run's JSON as a real run keeps it, every round included (stats.data, and in extra_info the eager rounds and
+    the CPU probe's times: detection.ROUND_KEYS), with machine readings: an A/A run passes, what is injected is
+    caught (SLOWER, MORE-MEMORY); with LMSYS_INJECT_CASES (--in-process) the run passes and each case is caught."""
+    def caught(delay: str, held: str) -> str:
+        return "+".join(["SLOWER"] * (float(delay) > 0) + ["MORE-MEMORY"] * (int(held) > 0)) or "PASS"
+
+    if env.get(detection.INJECT_CASES):
+        cases = [case.split(":") for case in env[detection.INJECT_CASES].split(",")]
+        one = injected_doc("PASS", {(float(delay), int(held)): caught(delay, held) for delay, held in cases})
+    else:
+        one = doc({"test_x": caught(env[detection.INJECT_DELAY], env[detection.INJECT_MEMORY])})
+    one["machine_info"] = {"node": "gpu-node", "lmsys": {"machine_id": "GPU"}}
+    for bench in one["benchmarks"]:
+        # A stddev of NaN, as pytest-benchmark writes it for a single round.
+        bench["stats"] = {"median": 1e-3, "rounds": 3, "stddev": float("nan"), "data": [1e-3, 1.1e-3, 0.9e-3]}
+        bench["extra_info"].update({
+            detection.baselines.EAGER_KEY: [2e-3, 2.1e-3], detection.baselines.PROBE_KEY: [1e-4, 1e-4, 1.1e-4],
+            detection.baselines.EAGER_PROBE_KEY: [1e-4, 1.2e-4], "eager_median": 2.05e-3,
+            "machine": {"before": {"sm_clock_mhz": 1980}, "after": {"sm_clock_mhz": 1980}},
+        })
+    return one
+
+
 def keeping_rerun(calls: list):
-    """A fake reruns.rerun that keeps each run's JSON as the real one does (DIR/<case>/<case>-run-N.json); an A/A run
-    passes, a delayed run is SLOWER. Saving the reference is recorded as ('reference', args)."""
+    """A fake reruns.rerun that keeps each run's JSON as the real one does (DIR/<case>/<case>-run-N.json; kept_run).
+    Saving the reference is recorded as ('reference', args)."""
     def fake(args, runs, cwd, env=None, timeout=None, progress=None, keep=None, first=0):
         if any(arg.startswith("--benchmark-save=") for arg in args):
             calls.append(("reference", list(args)))
@@ -179,11 +204,11 @@ def keeping_rerun(calls: list):
             (storage / "GPU").mkdir(parents=True)
             (storage / "GPU" / "0001_reference.json").write_text(json.dumps(doc({"test_x": None})))
             return [doc({})]
-        docs = [doc({"test_x": "SLOWER" if float(env[detection.INJECT_DELAY]) else "PASS"}) for _ in range(runs)]
+        docs = [kept_run(env) for _ in range(runs)]
         for index, one in zip(range(first, first + runs), docs):
             calls.append((keep.name, index))
             keep.mkdir(parents=True, exist_ok=True)
-            (keep / f"{keep.name}-run-{index}.json").write_text(json.dumps(one))
+            (keep / f"{keep.name}-run-{index}.json").write_text(json.dumps(one, indent=4))  # as pytest-benchmark
         return docs
 
     return fake
@@ -407,3 +432,154 @@ def test_in_process_measures_the_gate_end_to_end_on_the_fake_gpu(pytester, monke
     cases = run["benchmarks"][0]["extra_info"]["injected_cases"]
     assert [(c["delay"], c["memory"], c["verdict"]) for c in cases] == [(0.1, 0, "SLOWER"),
                                                                           (0.0, 2**20, "MORE-MEMORY")]
+
+
+def files(folder: str) -> dict[Path, tuple[bytes, int]]:
+    """Every file under folder: its bytes and inode (a file replaced by another of the same bytes shows)."""
+    return {path.relative_to(folder): (path.read_bytes(), path.stat().st_ino)
+            for path in sorted(Path(folder).rglob("*")) if path.is_file()}
+
+
+def table_of(capsys, folder: str) -> str:
+    """The table --table prints of the runs kept in folder."""
+    capsys.readouterr()
+    assert detection.main(["--table", folder]) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("layout", [[], ["--in-process"]], ids=["per-case", "in-process"])
+def test_compact_keeps_every_run_without_its_rounds_and_the_same_table(monkeypatch, tmp_path, capsys, layout):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(detection.reruns, "rerun", keeping_rerun([]))
+    argv = [*layout, "--runs", "2", "--inject", "0.05", "--inject-memory", "1048576", "--keep", "src"]
+    assert detection.main([*argv, "--", "perf_tests"]) == 0
+    capsys.readouterr()
+    assert detection.main(["--compact", "src", "dest"]) == 0
+    runs = 2 if layout else 6
+    err = capsys.readouterr().err
+    assert f"--compact: {runs} runs added to dest, 0 already there; " in err
+    assert "its references (src/references) are not copied: baselines with every round" in err
+    # The manifest as it is and each run; not the references.
+    source = files("src")
+    assert Path("references/GPU/reference-0.json") in source
+    assert list(files("dest")) == [path for path in source if path.parts[0] != "references"]
+    assert (tmp_path / "dest" / detection.MANIFEST).read_bytes() == (tmp_path / "src" / detection.MANIFEST).read_bytes()
+    kept = [path for path in files("dest") if path.name != detection.MANIFEST]
+    assert len(kept) == runs
+    for path in kept:
+        full, small = (json.loads((tmp_path / folder / path).read_text()) for folder in ("src", "dest"))
+        for bench in full["benchmarks"]:  # the rounds, and nothing else, are left out
+            del bench["stats"]["data"]
+            for key in detection.ROUND_KEYS:
+                del bench["extra_info"][key]
+        assert json.dumps(small) == json.dumps(full)  # as text: the NaN stddev stays
+        assert small["benchmarks"][0]["extra_info"]["machine"] and small["benchmarks"][0]["stats"]["median"] == 1e-3
+        assert (tmp_path / "dest" / path).stat().st_size < (tmp_path / "src" / path).stat().st_size
+    table = table_of(capsys, "src")
+    assert table.splitlines()[-1].split() == ["all", "0/2", "2/2", "2/2"]
+    assert table_of(capsys, "dest") == table
+
+
+def test_compact_adds_only_the_runs_dest_lacks_and_keeps_those_src_lacks(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(detection.reruns, "rerun", keeping_rerun([]))
+    argv = ["--inject", "0.05", "--keep", "src", "--", "perf_tests"]
+    assert detection.main(["--runs", "2", *argv]) == 0
+    assert detection.main(["--compact", "src", "dest"]) == 0
+    first = files("dest")
+    capsys.readouterr()
+    # The same SRC again: nothing to add, nothing rewritten.
+    assert detection.main(["--compact", "src", "dest"]) == 0
+    assert "--compact: 0 runs added to dest, 4 already there; 0 B written for 0 B in src" in capsys.readouterr().err
+    assert files("dest") == first
+    # A later SRC, the same runs and a third of each case: only those are added.
+    assert detection.main(["--runs", "3", "--resume", *argv]) == 0
+    capsys.readouterr()
+    assert detection.main(["--compact", "src", "dest"]) == 0
+    assert "--compact: 2 runs added to dest, 4 already there" in capsys.readouterr().err
+    later = files("dest")
+    assert {path: later[path] for path in first} == first
+    assert sorted(set(later) - set(first)) == [Path("aa/aa-run-2.json"), Path("delay-0.05/delay-0.05-run-2.json")]
+    # Another SRC of the same measurement with fewer runs: its run is there already, and DEST keeps the others.
+    assert detection.main(["--runs", "1", *argv[:-3], "other", "--", "perf_tests"]) == 0
+    capsys.readouterr()
+    assert detection.main(["--compact", "other", "dest"]) == 0
+    assert "--compact: 0 runs added to dest, 2 already there" in capsys.readouterr().err
+    assert files("dest") == later
+    assert table_of(capsys, "dest").splitlines()[-1].split() == ["all", "0/3", "3/3"]
+
+
+def test_compact_refuses_a_differing_run_another_measurement_or_no_measurement_and_writes_nothing(
+        monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(detection.reruns, "rerun", keeping_rerun([]))
+    argv = ["--inject", "0.05", "--keep", "src", "--", "perf_tests"]
+    assert detection.main(["--runs", "1", *argv]) == 0
+    assert detection.main(["--compact", "src", "dest"]) == 0
+    assert detection.main(["--runs", "2", "--resume", *argv]) == 0  # runs DEST lacks, which must not be written
+    changed = tmp_path / "dest" / "aa" / "aa-run-0.json"
+    changed.write_text(changed.read_text().replace('"PASS"', '"SLOWER"'))
+    before = files("dest")
+    with pytest.raises(SystemExit, match=r"--compact: dest/aa/aa-run-0.json: not what compacting the run of that name "
+                       r"in src gives, and a kept run is never replaced \(nothing was written\)"):
+        detection.main(["--compact", "src", "dest"])
+    assert files("dest") == before
+
+    # Another measurement: other cases, no gate recorded in DEST, or another gate.
+    assert detection.main(["--runs", "1", "--inject", "0.1", "--keep", "other", "--", "perf_tests"]) == 0
+    with pytest.raises(SystemExit, match=r"--compact: dest measured .*0\.05.*, other .*0\.1.*: not the same cases: "
+                       r"compact into another folder \(nothing was written\)"):
+        detection.main(["--compact", "other", "dest"])
+    assert files("dest") == before
+    manifest = tmp_path / "dest" / detection.MANIFEST
+    recorded = json.loads(manifest.read_text())
+    gate = recorded.pop("gate")
+    manifest.write_text(json.dumps(recorded))
+    before = files("dest")
+    with pytest.raises(SystemExit, match="--compact: dest records no gate .*, the other does: compact into another"):
+        detection.main(["--compact", "src", "dest"])
+    assert files("dest") == before
+    manifest.write_text(json.dumps({**recorded, "gate": {**gate, "lmsys/perf/compare.py": "0" * 16}}))
+    before = files("dest")
+    with pytest.raises(SystemExit, match=r"--compact: dest and src were measured by different gates \(changed "
+                       r"lmsys/perf/compare.py in src\)"):
+        detection.main(["--compact", "src", "dest"])
+    assert files("dest") == before
+
+    with pytest.raises(SystemExit, match=r"--compact: nowhere holds no measurement \(detection.json is missing\)"):
+        detection.main(["--compact", "nowhere", "fresh"])
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_a_compact_folder_is_resumed_with_a_fresh_reference_and_compacted_again(monkeypatch, tmp_path, capsys):
+    """What a session does with the runs committed compact: resume a copy of them on the GPU (old runs compact, new
+    ones full, no references: the session saves its own), then compact that copy into the committed folder."""
+    monkeypatch.chdir(tmp_path)
+    calls = []
+    monkeypatch.setattr(detection.reruns, "rerun", keeping_rerun(calls))
+    argv = ["--in-process", "--inject", "0.03", "0.05", "--inject-memory", "1048576", "--memory-with-delays", "--keep"]
+    assert detection.main(["--runs", "2", *argv, "src", "--", "perf_tests"]) == 0
+    assert detection.main(["--compact", "src", "committed"]) == 0
+    shutil.copytree(tmp_path / "committed", tmp_path / "session")
+    assert not (tmp_path / "session" / detection.REFERENCES).exists()
+    calls.clear()
+    assert detection.main(["--runs", "3", "--resume", *argv, "session", "--", "perf_tests"]) == 0
+    assert [call[0] for call in calls] == ["reference", "runs"] and calls[1] == ("runs", 2)
+    assert [p.name for p in (tmp_path / "session" / "references" / "GPU").iterdir()] == ["reference-0.json"]
+    table = table_of(capsys, "session")  # two compact runs and a full one
+    assert table.splitlines()[-1].split() == ["all", "0/3", "3/3", "3/3", "6/6"]
+    assert detection.main(["--compact", "session", "committed"]) == 0
+    assert "--compact: 1 runs added to committed, 2 already there" in capsys.readouterr().err
+    assert table_of(capsys, "committed") == table
+
+
+def test_compact_runs_nothing_and_goes_with_nothing_else(capsys):
+    with pytest.raises(SystemExit):
+        detection.main(["--compact", "a", "b", "--table", "a"])
+    assert "argument --table: not allowed with argument --compact" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        detection.main(["--compact", "a", "b", "--", "perf_tests"])
+    assert "--compact runs nothing: give it no tests to run, no --keep and no --resume" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        detection.main(["--compact", "a", "b", "--keep", "c", "--resume"])
+    assert "--compact runs nothing" in capsys.readouterr().err

@@ -18,14 +18,16 @@ the H100 such a run of the default subset took 982 s, a plain warm run 330 s: th
 start-up, is most of it). --keep DIR keeps every run's JSON (and each fresh reference, DIR/references/), and --resume
 adds to them later (another session, another machine start) until each case has --runs runs, but never to runs of
 another gate (gate_files: the manifest records a hash of each file that decides a verdict); --table DIR...
-tabulates the runs kept by several measurements of the same cases without running anything. The table counts, per
-benchmark and over all, the failing verdicts of the A/A runs, the caught delays of each size (any failing verdict) and
-the caught allocations (MORE-MEMORY).
+tabulates the runs kept by several measurements of the same cases without running anything; --compact SRC DEST
+copies the runs kept in SRC into DEST without their rounds, small enough to commit (baselines/<GPU>/detection/<gate>/),
+adding only the runs DEST lacks. The table counts, per benchmark and over all, the failing verdicts of the A/A runs,
+the caught delays of each size (any failing verdict) and the caught allocations (MORE-MEMORY).
 """
 
 import argparse
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -38,7 +40,7 @@ from typing import NamedTuple
 
 import pandas as pd
 
-from lmsys.perf import calibration, reruns
+from lmsys.perf import baselines, calibration, reruns
 from lmsys.perf.compare import MORE_MEMORY, Verdict, format_bytes
 from lmsys.perf.timing import (
     INJECT_CASES,
@@ -126,14 +128,19 @@ def _progress(column: str, runs: int) -> Callable[[int, subprocess.CompletedProc
 MANIFEST = "detection.json"
 
 
-def kept_runs(folder: Path) -> list[dict]:
-    """The JSON documents kept in folder (a case's folder under --keep), in run order; [] when there is none."""
+def _run_files(folder: Path) -> list[Path]:
+    """The run files kept in folder (a case's folder under --keep: <case>-run-N.json), in run order."""
     numbered = []
     for path in folder.glob(f"{folder.name}-run-*.json") if folder.is_dir() else ():
         match = re.fullmatch(rf"{re.escape(folder.name)}-run-(\d+)\.json", path.name)
         if match:
             numbered.append((int(match[1]), path))
-    return [json.loads(path.read_text(encoding="utf-8")) for _, path in sorted(numbered)]
+    return [path for _, path in sorted(numbered)]
+
+
+def kept_runs(folder: Path) -> list[dict]:
+    """The JSON documents kept in folder (a case's folder under --keep), in run order; [] when there is none."""
+    return [json.loads(path.read_text(encoding="utf-8")) for path in _run_files(folder)]
 
 
 def _settings(args: argparse.Namespace) -> dict:
@@ -380,6 +387,101 @@ def _measure(args: argparse.Namespace, cases: list[Case], held: dict) -> list[tu
     return results
 
 
+# The per-round lists a benchmark's extra_info holds beside stats["data"] (the eager rounds of graph and queued mode,
+# the CPU probe's times): with stats["data"], what --compact leaves out of the kept runs.
+ROUND_KEYS = (baselines.EAGER_KEY, baselines.PROBE_KEY, baselines.EAGER_PROBE_KEY)
+
+
+def compacted(doc: dict) -> dict:
+    """A kept run without its rounds (each benchmark's stats["data"] and ROUND_KEYS): the verdicts, the medians and
+    the other stats, the injected cases, the memory and machine readings and the notes stay, and a compacted run
+    compacts to itself."""
+    def without_rounds(bench: dict) -> dict:
+        bench = dict(bench)
+        if "stats" in bench:
+            bench["stats"] = {key: value for key, value in bench["stats"].items() if key != "data"}
+        if bench.get("extra_info"):
+            bench["extra_info"] = {key: value for key, value in bench["extra_info"].items() if key not in ROUND_KEYS}
+        return bench
+
+    return {**doc, "benchmarks": [without_rounds(bench) for bench in doc["benchmarks"]]}
+
+
+def _read_run(path: Path) -> dict:
+    """A kept run's JSON document; a file that is not one is a SystemExit naming it."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--compact: {path} cannot be read as a run's JSON: {exc}") from None
+    if not (isinstance(doc, dict) and isinstance(doc.get("benchmarks"), list)):
+        raise SystemExit(f"--compact: {path} is not a pytest-benchmark run (no list of benchmarks)")
+    return doc
+
+
+def _write_new(path: Path, text: str) -> None:
+    """Writes text as path atomically, never replacing a file: a temporary file in the same folder, then a link to
+    path that fails where path exists; the temporary file is removed either way."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=baselines.TEMPORARY_PREFIX, suffix=".json")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.link(temporary, path)
+    finally:
+        os.unlink(temporary)
+
+
+def compact(src: Path, dest: Path) -> str:
+    """Copies the measurement kept in src (--keep) into dest small enough to commit: its manifest as it is and each
+    kept run compacted (`compacted`), adding only the runs dest lacks; returns the summary line. The references
+    (src/references/) are not copied: they are baselines, with every round. Refuses (SystemExit), before writing
+    anything, a src without a measurement, a dest of another measurement (another manifest) and a run file in dest
+    that is not the compacted run of the same name in src. Runs in dest that src lacks stay."""
+    manifest = _manifest(src)
+    if manifest is None:
+        raise SystemExit(f"--compact: {src} holds no measurement ({MANIFEST} is missing)")
+    there = _manifest(dest)
+    if there is not None and there != manifest:
+        theirs, ours = dict(there), dict(manifest)
+        their_gate, our_gate = theirs.pop(GATE, None), ours.pop(GATE, None)
+        if theirs != ours:
+            why = f"{dest} measured {theirs}, {src} {ours}: not the same cases"
+        elif their_gate is None or our_gate is None:
+            why = f"{dest if their_gate is None else src} records no gate (kept before it was recorded), the other does"
+        else:
+            why = f"{dest} and {src} were measured by different gates ({gate_changes(their_gate, our_gate)} in {src})"
+        raise SystemExit(f"--compact: {why}: compact into another folder (nothing was written)")
+    settings = {key: value for key, value in manifest.items() if key != GATE}
+    folders = [IN_PROCESS] if settings.get("in_process") else [case.name for case in _cases(settings)[0]]
+    new, already, conflicts = [], 0, []
+    for name in folders:
+        for path in _run_files(src / name):
+            text = json.dumps(compacted(_read_run(path)), indent=1)
+            target = dest / name / path.name
+            if not target.exists():
+                new.append((path, target, text))
+            elif json.dumps(_read_run(target), indent=1) == text:  # compared as text: a NaN never equals a NaN
+                already += 1
+            else:
+                conflicts.append(str(target))
+    if conflicts:
+        raise SystemExit(f"--compact: {', '.join(conflicts)}: not what compacting the run of that name in {src} "
+                         "gives, and a kept run is never replaced (nothing was written)")
+    written = read = 0
+    if there is None:
+        text = (src / MANIFEST).read_text(encoding="utf-8")
+        _write_new(dest / MANIFEST, text)
+        written += len(text.encode())
+        read += (src / MANIFEST).stat().st_size
+    for path, target, text in new:
+        _write_new(target, text)
+        written += len(text.encode())
+        read += path.stat().st_size
+    return (f"--compact: {len(new)} runs added to {dest}, {already} already there; {format_bytes(written)} written "
+            f"for {format_bytes(read)} in {src}; its references ({src / REFERENCES}) are not copied: baselines with "
+            "every round")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lmsys.perf.detection", description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=20, help="fresh processes per case (default: 20)")
@@ -405,9 +507,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="add to the runs kept in --keep DIR by an earlier measurement (another session or machine "
                         "start) until each case has --runs runs, and counts them all; refuses a folder whose runs "
                         "another gate measured (other lmsys.perf modules, perf_tests or calibrations)")
-    parser.add_argument("--table", type=Path, nargs="+", metavar="DIR",
-                        help="run nothing: print the table of the runs kept (--keep) by one or more measurements of "
-                        "the same tests and cases, e.g. one per machine start")
+    offline = parser.add_mutually_exclusive_group()
+    offline.add_argument("--table", type=Path, nargs="+", metavar="DIR",
+                      help="run nothing: print the table of the runs kept (--keep) by one or more measurements of "
+                      "the same tests and cases, e.g. one per machine start")
+    offline.add_argument("--compact", type=Path, nargs=2, metavar=("SRC", "DEST"),
+                      help="run nothing: copy the measurement kept in SRC (--keep) into DEST without the runs' rounds "
+                      "(stats data, eager rounds, CPU probe times), small enough to commit; adds the runs DEST lacks "
+                      "and refuses another measurement's DEST or a run that differs; SRC/references (baselines with "
+                      "every round) are not copied")
     parser.add_argument("--no-warm-up", action="store_true",
                         help="leave out the untimed run (--benchmark-disable) that fills the compilation caches first, "
                         "so that the reference and the first runs are not timed in a cold process")
@@ -418,6 +526,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "start-up and compilation instead of one per case")
     parser.add_argument("pytest_args", nargs="*", help="what to run, after --: test paths, -k, options")
     args = parser.parse_args(argv)
+    if args.compact:
+        if args.pytest_args or args.keep or args.resume:
+            parser.error("--compact runs nothing: give it no tests to run, no --keep and no --resume")
+        print(compact(*args.compact), file=sys.stderr)
+        return 0
     if args.table:
         table, settings = _table_of_kept(args.table)
         print(f"runs kept in {', '.join(map(str, args.table))} of: {' '.join(settings['pytest_args'])}",
