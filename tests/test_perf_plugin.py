@@ -366,3 +366,39 @@ def test_disabled_benchmarks_call_once_and_judge_nothing(pytester):
     result = run(pytester, "--benchmark-disable", "--benchmark-compare")
     result.assert_outcomes(passed=1)
     result.stdout.no_fnmatch_line("*SLOWER*")
+
+
+def test_kept_detection_runs_in_the_gpu_folder_are_never_baselines(pytester):
+    """The detection runs committed compact under baselines/<GPU>/detection/<gate>/ (python -m lmsys.perf.detection
+    --compact) are no baselines: --benchmark-compare's newest file, the next save's number and pytest-benchmark's own
+    FileStorage see only the numbered files of the GPU's folder, even one named like a baseline down there."""
+    import logging
+
+    from pytest_benchmark.storage.file import FileStorage
+
+    from lmsys.perf import baselines, detection
+
+    save_baseline(pytester, {"test_a": {"ms": 1.0}}, name="fast")
+    save_baseline(pytester, {"test_a": {"ms": 2.0}}, name="slow")
+    storage = pytester.path / "baselines"
+    kept = storage / MACHINE / "detection" / "abc1234"
+    (kept / "runs").mkdir(parents=True)
+    (kept / detection.MANIFEST).write_text(json.dumps({"pytest_args": ["perf_tests"], "in_process": True}))
+    faster = json.loads((storage / MACHINE / "0001_fast.json").read_text())
+    for bench in faster["benchmarks"]:
+        bench["stats"] = {**bench["stats"], "median": bench["stats"]["median"] / 4}
+    for path in (kept / "runs" / "runs-run-0.json", kept / "0099_run.json"):
+        path.write_text(json.dumps(faster))
+    write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=2)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(passed=1)  # against 0002_slow's 2 ms, not the quarter of 1 ms kept down there
+    result.stdout.fnmatch_lines(["*compared with *0002_slow.json", "*test_a*-50.?%*IMPROVED*"])
+    assert "abc1234" not in result.stdout.str()
+    assert run(pytester, "--benchmark-save=next").ret == 0
+    assert [p.name for p in baseline_files(pytester)] == ["0001_fast.json", "0002_slow.json", "0003_next.json"]
+    assert baselines.next_number(storage / MACHINE) == 4
+    own = FileStorage(storage, logging.getLogger(__name__), MACHINE)
+    assert own._next_num == "0004"
+    assert [str(path) for path, _ in own.load()] == [f"{MACHINE}/000{n}_{name}.json"
+                                                     for n, name in ((1, "fast"), (2, "slow"), (3, "next"))]
+    assert not any("detection" in name for name in detection.gate_files(storage))  # nor part of the gate
