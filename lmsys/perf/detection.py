@@ -509,13 +509,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "another gate measured (other lmsys.perf modules, perf_tests or calibrations)")
     offline = parser.add_mutually_exclusive_group()
     offline.add_argument("--table", type=Path, nargs="+", metavar="DIR",
-                      help="run nothing: print the table of the runs kept (--keep) by one or more measurements of "
-                      "the same tests and cases, e.g. one per machine start")
+                         help="run nothing: print the table of the runs kept (--keep) by one or more measurements of "
+                         "the same tests and cases, e.g. one per machine start")
     offline.add_argument("--compact", type=Path, nargs=2, metavar=("SRC", "DEST"),
-                      help="run nothing: copy the measurement kept in SRC (--keep) into DEST without the runs' rounds "
-                      "(stats data, eager rounds, CPU probe times), small enough to commit; adds the runs DEST lacks "
-                      "and refuses another measurement's DEST or a run that differs; SRC/references (baselines with "
-                      "every round) are not copied")
+                         help="run nothing: copy the measurement kept in SRC (--keep) into DEST without the runs' "
+                         "rounds (stats data, eager rounds, CPU probe times), small enough to commit; adds the runs "
+                         "DEST lacks and refuses another measurement's DEST or a run that differs; SRC/references "
+                         "(baselines with every round) are not copied")
     parser.add_argument("--no-warm-up", action="store_true",
                         help="leave out the untimed run (--benchmark-disable) that fills the compilation caches first, "
                         "so that the reference and the first runs are not timed in a cold process")
