@@ -333,6 +333,36 @@ def test_the_table_of_several_kept_measurements_counts_them_all_and_runs_nothing
         detection.main(["--table", "nowhere"])
 
 
+def test_the_table_of_parts_of_a_suite_counts_each_benchmark_where_it_was_measured(monkeypatch, tmp_path, capsys):
+    """Measurements of parts of a suite (other test selections, the same cases and gate) make up the suite's table:
+    each benchmark's row counts its own verdicts, and 'all' every verdict of every part."""
+    monkeypatch.chdir(tmp_path)
+    fake = keeping_rerun([])
+
+    def rerun_of_part(args, runs, cwd, env=None, timeout=None, progress=None, keep=None, first=0):
+        docs = fake(args, runs, cwd, env, timeout, progress, keep, first)
+        if keep is not None:  # the runs of part b measured test_y instead of test_x
+            part = "b" if "b.py" in args else "a"
+            for path in keep.glob("*-run-*.json"):
+                path.write_text(path.read_text().replace('"test_x"', f'"test_{"x" if part == "a" else "y"}"'))
+        return docs
+
+    monkeypatch.setattr(detection.reruns, "rerun", rerun_of_part)
+    for folder, runs, part in (("part-a", "2", "a.py"), ("part-b", "3", "b.py")):
+        assert detection.main(["--runs", runs, "--inject", "0.05", "--keep", folder, "--", part]) == 0
+    capsys.readouterr()
+    assert detection.main(["--markdown", "--table", "part-a", "part-b"]) == 0
+    captured = capsys.readouterr()
+    assert "| test_x | 0/2 | 2/2 |" in captured.out
+    assert "| test_y | 0/3 | 3/3 |" in captured.out
+    assert "| all | 0/5 | 5/5 |" in captured.out
+    assert "runs kept in part-a of: a.py" in captured.err and "runs kept in part-b of: b.py" in captured.err
+    # Other cases are still refused, whatever the selection.
+    assert detection.main(["--runs", "1", "--inject", "0.1", "--keep", "part-c", "--", "c.py"]) == 0
+    with pytest.raises(SystemExit, match="--table: part-c measured .*not the same cases"):
+        detection.main(["--table", "part-a", "part-c"])
+
+
 def test_without_tests_to_run_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         detection.main(["--runs", "2"])

@@ -207,13 +207,17 @@ def _manifest(folder: Path) -> dict | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
 
 
-def _table_of_kept(folders: list[Path]) -> tuple[pd.DataFrame, dict]:
-    """The table of the runs kept by one or more measurements of the same settings (--table)."""
+def _table_of_kept(folders: list[Path]) -> tuple[pd.DataFrame, dict[Path, list[str]]]:
+    """The table of the runs kept by one or more measurements of the same cases and gate (--table), and each folder's
+    test selection. The selections may differ: a benchmark's row counts its verdicts wherever they were kept, so
+    measurements of parts of a suite (each part's runs after a fresh reference of its own, when a whole run does not
+    fit in one machine start) make up the suite's table."""
     manifests = {folder: _manifest(folder) for folder in folders}
     for folder, manifest in manifests.items():
         if manifest is None:
             raise SystemExit(f"--table: {folder} holds no measurement ({MANIFEST} is missing)")
     gates = {folder: manifest.pop(GATE, None) for folder, manifest in manifests.items()}
+    selections = {folder: manifest.pop("pytest_args") for folder, manifest in manifests.items()}
     settings = manifests[folders[0]]
     for folder, other in manifests.items():
         if other != settings:
@@ -231,10 +235,10 @@ def _table_of_kept(folders: list[Path]) -> tuple[pd.DataFrame, dict]:
     cases, held = _cases(settings)
     if settings.get("in_process"):
         docs = [doc for folder in folders for doc in kept_runs(folder / IN_PROCESS)]
-        return _with_memory(_in_process_results(cases, docs), held), settings
+        return _with_memory(_in_process_results(cases, docs), held), selections
     results = [(case.column, [doc for folder in folders for doc in kept_runs(folder / case.name)], case.counted)
                for case in cases]
-    return _with_memory(results, held), settings
+    return _with_memory(results, held), selections
 
 
 # The modules of lmsys.perf that decide no verdict: this measurement of the gate, and the docs built from baselines.
@@ -304,8 +308,10 @@ def _reference(args: list[str], storage: Path, baselines: Path, timeout: float, 
     compare with it. With `keep`, the reference is kept too, as keep/references/<GPU>/reference-N.json (N counting
     the measurement's machine starts): the baseline its runs were judged against, a baseline of that commit, and
     with the runs a calibration's fresh processes."""
+    started = time.monotonic()
     reruns.rerun([*args, f"--benchmark-storage={storage}", "--benchmark-save=reference"], 1, Path.cwd(),
                  env=UNCHANGED, timeout=timeout)
+    print(f"a fresh reference saved in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     for folder in storage.iterdir():
         calibrated = baselines / folder.name / calibration.FILE_NAME
         if calibrated.exists():
@@ -532,9 +538,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(compact(*args.compact), file=sys.stderr)
         return 0
     if args.table:
-        table, settings = _table_of_kept(args.table)
-        print(f"runs kept in {', '.join(map(str, args.table))} of: {' '.join(settings['pytest_args'])}",
-              file=sys.stderr)
+        table, selections = _table_of_kept(args.table)
+        for folder, selection in selections.items():
+            print(f"runs kept in {folder} of: {' '.join(selection)}", file=sys.stderr)
         print(_markdown(table) if args.markdown else table.to_string(index=False))
         return 0
     if not args.pytest_args:
