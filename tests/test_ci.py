@@ -116,6 +116,29 @@ def test_the_detection_script_adds_runs_per_call_until_it_has_them_all(tmp_path)
     assert summary.count("### Detection rate of the gate") == 3 and "2 of 2 runs" in summary
 
 
+def test_the_detection_script_in_a_copy_without_git_needs_the_gate_named(tmp_path):
+    """A device machine gets the tree without .git: LMSYS_DETECTION_GATE names the folder, or the script refuses."""
+    tree = tmp_path / "tree"
+    for name in (".ci", "lmsys", "perf_tests", "conftest.py", "pytest.ini"):
+        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, tree / name)
+    env = {**os.environ, "LMSYS_DETECTION_RUNS": "1", "GIT_CEILING_DIRECTORIES": str(tmp_path)}
+    env.pop("GITHUB_STEP_SUMMARY", None)
+    command = ["bash", str(tree / ".ci" / "detection"), str(tmp_path / "root"), "--",
+               "perf_tests/test_timing_overhead.py", "-p", "no:cacheprovider"]
+    done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "LMSYS_DETECTION_GATE" in done.stderr, done.stdout + done.stderr
+    assert not (tmp_path / "root").exists()
+    for wrong in ("../x", ".."):
+        done = subprocess.run(command, cwd=tree, env={**env, "LMSYS_DETECTION_GATE": wrong}, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 2 and "must be a folder name" in done.stderr
+    named = {**env, "LMSYS_DETECTION_GATE": "abc1234", "LMSYS_GIT_COMMIT": "0" * 40}
+    done = subprocess.run(command, cwd=tree, env=named, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [p.name for p in (tmp_path / "root").iterdir()] == ["abc1234"]
+    assert "| test_empty_function | 0/1 |" in (tmp_path / "root" / "abc1234" / "table.md").read_text()
+
+
 def run_script(out: Path, *args: str, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     pytest_args = ["-k", "matmul", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "--benchmark-max-time=0.01",
                    *extra]
