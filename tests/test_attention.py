@@ -30,6 +30,7 @@ from lmsys.attention import (
     FlashAttentionTriton,
     flash_attention,
     flash_hopper,
+    flash_hopper_bwd,
     flash_torch,
     flash_triton,
     launcher,
@@ -544,6 +545,101 @@ def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, tmp_path)
     usage = subprocess.run([cuobjdump, "-res-usage", str(tmp_path / "kernel.cubin")], capture_output=True, text=True,
                            check=True).stdout
     assert "STACK:0 " in usage and "LOCAL:0" in usage, usage
+
+
+# Compiles the two kernels of the Gluon backward for sm_90 (no GPU needed), causal and not, at each head dim they take,
+# and writes each one's PTX, cubin and shared-memory size to the folder argv[2]/<kernel>-<causal>-<d>.
+_COMPILE_HOPPER_BACKWARD = """
+import pathlib, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from lmsys.attention import flash_hopper_bwd as hb
+
+which = sys.argv[1]
+kernel = hb._dkdv_kernel if which == "dkdv" else hb._dq_kernel
+for causal in (False, True):
+    for d in hb.HEAD_DIMS:
+        def descriptor(rows):
+            return f"tensordesc<bf16[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
+        if which == "dkdv":
+            half = hb.BLOCK_KEYS // 2
+            descs = {"q_desc": descriptor(hb.BLOCK_M), "k_desc": descriptor(half), "v_desc": descriptor(half),
+                     "do_desc": descriptor(hb.BLOCK_M), "dk_desc": descriptor(half), "dv_desc": descriptor(half)}
+        else:
+            half = hb.BLOCK_ROWS // 2
+            descs = {"q_desc": descriptor(half), "k_desc": descriptor(hb.BLOCK_N), "v_desc": descriptor(hb.BLOCK_N),
+                     "do_desc": descriptor(half), "dq_desc": descriptor(half)}
+        constexprs = dict(HEAD_DIM=d, CAUSAL=causal, NUM_STAGES=hb.NUM_STAGES, CONSUMER_REGS=hb.CONSUMER_REGS,
+                          PRODUCER_REGS=hb.PRODUCER_REGS)
+        types = {**descs, "LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
+                 **dict.fromkeys(constexprs, "constexpr")}
+        names = kernel.arg_names
+        source = GluonASTSource(kernel, {n: types.get(n, "i32") for n in names},
+                                {(names.index(n),): value for n, value in constexprs.items()}, {})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        out = pathlib.Path(sys.argv[2]) / f"{which}-{causal}-{d}"
+        out.mkdir()
+        (out / "kernel.ptx").write_text(compiled.asm["ptx"])
+        (out / "kernel.cubin").write_bytes(compiled.asm["cubin"])
+        (out / "shared").write_text(str(compiled.metadata.shared))
+"""
+
+
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path):
+    """On any machine: each kernel of the Gluon backward compiles for sm_90 with the installed triton at both head dims,
+    causal and not, fits shared memory, spills no register, and works on the probabilities while a product is still
+    in flight (`wgmma.wait_group 1`)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    result = subprocess.run([sys.executable, "-c", _COMPILE_HOPPER_BACKWARD, kernel, str(tmp_path)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    cuobjdump = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
+    built = sorted(path for path in tmp_path.iterdir() if path.name.startswith(kernel))
+    assert len(built) == 4
+    for folder in built:
+        assert int((folder / "shared").read_text()) <= 227 * 1024, folder.name
+        assert "wgmma.wait_group.sync.aligned 1;" in (folder / "kernel.ptx").read_text(), folder.name
+        usage = subprocess.run([cuobjdump, "-res-usage", str(folder / "kernel.cubin")], capture_output=True,
+                               text=True, check=True).stdout
+        assert "STACK:0 " in usage and "LOCAL:0" in usage, (folder.name, usage)  # no register spilled
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "q_shape, k_shape, is_causal, layout",
+    [
+        ((2, 3, 1024, 128), (2, 3, 1024, 128), True, "contiguous"),
+        ((2, 3, 1024, 128), (2, 3, 1024, 128), False, "contiguous"),
+        ((3, 128, 64), (3, 128, 64), True, "contiguous"),
+        ((1, 2, 256, 64), (1, 2, 640, 64), False, "contiguous"),
+        ((1, 2, 640, 128), (1, 2, 256, 128), False, "contiguous"),
+        ((2, 3, 1024, 64), (2, 3, 1024, 64), True, "transposed"),
+        ((3, 384, 128), (3, 384, 128), True, "transposed"),
+        ((2, 3, 512, 128), (2, 3, 512, 128), True, "packed"),
+    ],
+)
+def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, monkeypatch, seed):
+    """The Gluon backward (HOPPER_BACKWARD) against float64, forward and every gradient, on inputs it takes:
+    contiguous, transposed views and the model's packed q, k, v, head dims 64 and 128, causal and not, more queries
+    than keys and fewer; and it is the backward that ran."""
+    if torch.cuda.get_device_capability(gpu) != (9, 0):
+        pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
+    monkeypatch.setattr(flash_triton, "HOPPER_BACKWARD", True)
+    calls = []
+    hopper_backward = flash_hopper_bwd.backward
+    monkeypatch.setattr(flash_hopper_bwd, "backward", lambda *a: calls.append(a) or hopper_backward(*a))
+    if layout == "packed":
+        q, k, v = _packed_qkv(q_shape[0], q_shape[1], q_shape[2], q_shape[3], dtype, gpu)
+    else:
+        q = _strided(q_shape, layout, dtype, gpu)
+        k, v = (_strided(k_shape, layout, dtype, gpu) for _ in range(2))
+    do = _strided(q_shape, layout if layout != "packed" else "transposed", dtype, gpu)
+    check_flash("triton", q, k, v, is_causal, do)
+    assert len(calls) == 1
 
 
 def _packed_qkv(batch, heads, n, d, dtype, device):

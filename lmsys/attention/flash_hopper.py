@@ -99,17 +99,19 @@ def _view(x):
     return (rows, cols), stride_n, rb, rh, cb, ch
 
 
-def views(q, k, v):
+def views(q, k, v, head_dims=None, min_programs_per_sm=None):
     """The 2-D views (`_view`) of q, k and v when this kernel runs these (batch, heads, seq, d) or (batch, seq, d)
-    inputs, else None."""
+    inputs, else None. The backward (flash_hopper_bwd) asks with its own head dims and no minimum of programs."""
+    head_dims = HEAD_DIMS if head_dims is None else head_dims
+    min_programs_per_sm = MIN_PROGRAMS_PER_SM if min_programs_per_sm is None else min_programs_per_sm
     takes = (
         q.is_cuda
         and _is_hopper(q.device)
         and q.dtype in (torch.bfloat16, torch.float16)
-        and q.shape[-1] in HEAD_DIMS
+        and q.shape[-1] in head_dims
         and q.shape[-2] % BLOCK_M == 0
         and k.shape[-2] % BLOCK_N == 0
-        and q.numel() // (q.shape[-1] * BLOCK_M) >= MIN_PROGRAMS_PER_SM * _sm_count(q.device)
+        and q.numel() // (q.shape[-1] * BLOCK_M) >= min_programs_per_sm * _sm_count(q.device)
     )
     found = (_view(q), _view(k), _view(v)) if takes else (None,)
     return None if None in found else found

@@ -19,7 +19,7 @@ every program, which keeps the launch balanced.
 
 On Hopper, 16-bit inputs with head dim 128 and lengths that are multiples of 128 take the Gluon forward of
 lmsys.attention.flash_hopper instead (FA3's pipeline, which Triton's compiler does not produce); the backward is
-the same for every input.
+the same for every input unless HOPPER_BACKWARD sends such inputs (d=64 or 128) to lmsys.attention.flash_hopper_bwd.
 
 Tuning: tile sizes, warps and pipeline depth are autotuned per (length rounded up to a power of two, head dim, causal,
 dtype); the forward may load its tiles through tensor descriptors (TMA on Hopper) instead of pointers, whichever is
@@ -37,12 +37,13 @@ the CPU (small shapes, for tests).
 
 import functools
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from lmsys.attention import flash_hopper, launch_order, launcher
+from lmsys.attention import flash_hopper, flash_hopper_bwd, launch_order, launcher
 from lmsys.attention.checks import check_inputs, refuse_double_backward
 
 # Any head dim up to 128: the kernels' tiles are BLOCK_D = _block_d(d) wide, zero-padded past d.
@@ -58,6 +59,9 @@ _INTERPRET = triton.knobs.runtime.interpret
 # Inputs that lmsys.attention.flash_hopper takes (Hopper, 16-bit, d=128, lengths multiples of 128) go to its Gluon
 # forward, about 20% faster there than the forward below; False sends everything to the Triton-language kernels.
 HOPPER_FORWARD = True
+# The same inputs with head dim 64 or 128 can take the Gluon backward of lmsys.attention.flash_hopper_bwd: off (unless
+# LMSYS_HOPPER_BACKWARD=1 is set when lmsys is imported) until it is measured faster than the Triton backward below.
+HOPPER_BACKWARD = os.environ.get("LMSYS_HOPPER_BACKWARD") == "1"
 
 
 def _block_d(head_dim):
@@ -601,6 +605,10 @@ def _bwd_impl(q, k, v, o, lse, do, is_causal):
         (q.device, q.dtype, o.shape, o_strides, do_strides, aligned),  # delta is new
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=pre_block,
     )
+    hopper = flash_hopper_bwd.views(q, k, v, do) if HOPPER_BACKWARD else None
+    if hopper is not None:
+        flash_hopper_bwd.backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, hopper)
+        return dq, dk, dv
     sm_scale = 1.0 / math.sqrt(head_dim)
     launcher.launch(
         _flash_bwd_kernel,

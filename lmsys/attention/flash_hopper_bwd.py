@@ -1,0 +1,373 @@
+"""FlashAttention backward for Hopper (sm_90) in Gluon: two warp-specialized kernels in the style of FA3.
+
+The Triton backward (flash_triton) waits for every tensor-core product right after issuing it. Here, as in the Gluon
+forward (flash_hopper), a one-warp producer streams the tiles with TMA through rings of shared buffers guarded by
+mbarriers, and two consumer warpgroups issue the warpgroup MMAs asynchronously, waiting only for the product the
+next step needs:
+
+* `_dkdv_kernel`: a program owns 128 keys (64 per consumer warpgroup), holds their K and V in shared memory and dK,
+  dV in registers, and visits the query tiles (BLOCK_M rows of Q and dO, with their log-sum-exp and delta). On
+  transposed scores: S^T = K Q^T and dP^T = V dO^T are issued together; the probabilities P^T = exp2(S^T - lse) are
+  computed while dP^T is still on the tensor cores; dV += P^T dO is issued before dS^T = P^T (dP^T - delta) is formed,
+  and dK += dS^T Q after it, both with their A operand from registers.
+* `_dq_kernel`: a program owns 128 query rows (64 per warpgroup) and visits the key tiles (BLOCK_N rows of K and V):
+  S = Q K^T and dP = dO V^T, then dQ += dS K.
+
+Like the Triton backward (and unlike FA3, which accumulates dQ with atomics) the scores are computed twice, once per
+kernel: no atomics and no fp32 dQ buffer. delta = rowsum(dO * O) comes from the Triton preprocessing kernel.
+
+Scope: what the Gluon forward takes (`flash_hopper.views`: sm_90, bf16 or fp16, lengths multiples of 128, q, k, v
+and dO contiguous or the (B, H, T, D) views of (B, T, H, D) tensors), head dims 64 and 128. `flash_triton` runs it
+when `flash_triton.HOPPER_BACKWARD` is set (LMSYS_HOPPER_BACKWARD=1 at import); it is off until it is measured faster
+than the Triton backward on the GPU. tests/test_attention.py compiles both kernels for sm_90 on any machine (no
+spilled register) and checks them against float64 on a Hopper GPU.
+"""
+
+import math
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from lmsys.attention import flash_hopper, launcher
+
+BLOCK_KEYS = 128  # keys per _dkdv_kernel program: two consumer warpgroups of 64
+BLOCK_ROWS = 128  # query rows per _dq_kernel program: two consumer warpgroups of 64
+BLOCK_M = 64  # query rows per tile visited by _dkdv_kernel
+BLOCK_N = 64  # keys per tile visited by _dq_kernel
+NUM_STAGES = 2
+HEAD_DIMS = (64, 128)
+CONSUMER_REGS = 240
+PRODUCER_REGS = 24
+LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+
+
+def views(q, k, v, do):
+    """The 2-D views (`flash_hopper._view`) of q, k, v and do when these kernels run this backward, else None."""
+    if q.shape[-1] not in HEAD_DIMS or do.shape != q.shape:
+        return None
+    found = flash_hopper.views(q, k, v, head_dims=HEAD_DIMS, min_programs_per_sm=0)
+    dov = flash_hopper._view(do) if found is not None else None
+    return None if dov is None else (*found, dov)
+
+
+# ------------------------------------------------------------------------------------------------ dK, dV
+
+
+@gluon.jit
+def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+                   k_row, k_col, v_row, v_col, q_row, q_col, do_row, do_col, n_tiles,
+                   BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+    half: gl.constexpr = k_desc.block_type.shape[0]
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [k_row + w * half, k_col], kv_bar, k_smem.index(w))
+        tma.async_copy_global_to_shared(v_desc, [v_row + w * half, v_col], kv_bar, v_smem.index(w))
+    for j in range(n_tiles):
+        slot = j % NUM_STAGES
+        # A fresh mbarrier counts as having completed the phase of parity 1: the first round passes at once.
+        mbarrier.wait(empty.index(slot), ((j // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row + j * BLOCK_M, q_col], ready.index(slot), q_smem.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [do_row + j * BLOCK_M, do_col], ready.index(slot),
+                                        do_smem.index(slot))
+
+
+@gluon.jit
+def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys, lo, hi,
+               qk_scale, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
+               s_layout: gl.constexpr, a_layout: gl.constexpr):
+    """Query tiles [lo, hi) (counted from the first one the program visits, m_first) into dK, dV."""
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    half: gl.constexpr = k_w.shape[0]
+    s_zero = gl.zeros([half, BLOCK_M], gl.float32, s_layout)
+    for j in range(lo, hi):
+        slot = j % NUM_STAGES
+        cols = (m_first + j) * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_layout)
+        lse2 = gl.load(LSE + stat_row + cols) * LOG2E
+        mbarrier.wait(ready.index(slot), (j // NUM_STAGES) & 1)
+        q_tile = q_smem.index(slot)
+        do_tile = do_smem.index(slot)
+        s_token = warpgroup_mma(k_w, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_token = warpgroup_mma(v_w, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        # MMA groups complete in order: waiting for all but the newest waits for S^T alone.
+        s = warpgroup_mma_wait(1, deps=[s_token])
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
+        if MASK:
+            p = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1), p, 0.0)
+        p_op = gl.convert_layout(p.to(q_tile.dtype), a_layout)
+        dv_token = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+        delta = gl.load(DELTA + stat_row + cols)
+        dp = warpgroup_mma_wait(1, deps=[dp_token])
+        ds = p * (dp - gl.expand_dims(delta, 0))
+        ds_op = gl.convert_layout(ds.to(q_tile.dtype), a_layout)
+        dk_token = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op])
+        mbarrier.arrive(empty.index(slot))
+    return dk, dv
+
+
+@gluon.jit
+def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_bar, ready, empty,
+                   out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
+                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+    half: gl.constexpr = k_w.shape[0]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    keys = key0 + gl.arange(0, half, layout=gl.SliceLayout(1, s_layout))
+    dk = gl.zeros([half, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([half, HEAD_DIM], gl.float32, acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    if CAUSAL:
+        # The query tiles that overlap the program's keys need the mask; those after them do not.
+        dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
+                            0, n_masked, qk_scale, BLOCK_M, NUM_STAGES, True, s_layout, a_layout)
+        dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
+                            n_masked, n_tiles, qk_scale, BLOCK_M, NUM_STAGES, False, s_layout, a_layout)
+    else:
+        dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
+                            0, n_tiles, qk_scale, BLOCK_M, NUM_STAGES, False, s_layout, a_layout)
+    # Epilogue: through this warpgroup's K and V buffers (no longer read) and TMA stores.
+    k_w.store((dk * sm_scale).to(dk_desc.dtype))
+    v_w.store(dv.to(dv_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [out_row, 0], k_w)
+    tma.async_copy_shared_to_global(dv_desc, [out_row, 0], v_w)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, N_Q, N_K, H, qk_scale, sm_scale,
+                 Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH,
+                 DO_RB, DO_RH, DO_CB, DO_CH,
+                 HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    HALF: gl.constexpr = k_desc.block_type.shape[0]  # keys per consumer warpgroup
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    dtype: gl.constexpr = q_desc.dtype
+    block = gl.program_id(0)  # the heaviest (causal: the first keys, which every later query sees) first
+    off_bh = gl.program_id(1)
+    b = off_bh // H
+    h = off_bh % H
+    key0 = block * 2 * HALF
+    if CAUSAL:
+        m_first = key0 // BLOCK_M  # earlier queries see none of these keys
+        n_masked = 2 * HALF // BLOCK_M
+    else:
+        m_first = 0
+        n_masked = 0
+    n_tiles = N_Q // BLOCK_M - m_first
+
+    k_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+
+    stat_row = off_bh * N_Q  # lse and delta: contiguous, one row per head
+    out_row = off_bh * N_K + key0  # dK and dV are contiguous: (B*H*N_K, D) views
+    gl.warp_specialize([
+        (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_smem.index(0), v_smem.index(0), q_smem, do_smem, kv_bar,
+                          ready, empty, out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
+                          CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES)),
+        (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_smem.index(1), v_smem.index(1), q_smem, do_smem, kv_bar,
+                          ready, empty, out_row + HALF, stat_row, key0 + HALF, m_first, n_masked, n_tiles, qk_scale,
+                          sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES)),
+        (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+                          b * K_RB + h * K_RH + key0, b * K_CB + h * K_CH, b * V_RB + h * V_RH + key0,
+                          b * V_CB + h * V_CH, b * Q_RB + h * Q_RH + m_first * BLOCK_M, b * Q_CB + h * Q_CH,
+                          b * DO_RB + h * DO_RH + m_first * BLOCK_M, b * DO_CB + h * DO_CH, n_tiles, BLOCK_M,
+                          NUM_STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ------------------------------------------------------------------------------------------------ dQ
+
+
+@gluon.jit
+def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+                 v_ready, v_empty, q_row, q_col, do_row, do_col, k_row, k_col, v_row, v_col, n_tiles,
+                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    half: gl.constexpr = q_desc.block_type.shape[0]
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(q_desc, [q_row + w * half, q_col], q_bar, q_smem.index(w))
+        tma.async_copy_global_to_shared(do_desc, [do_row + w * half, do_col], q_bar, do_smem.index(w))
+    for j in range(n_tiles):
+        slot = j % NUM_STAGES
+        phase = ((j // NUM_STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, k_col], k_ready.index(slot),
+                                        k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [v_row + j * BLOCK_N, v_col], v_ready.index(slot),
+                                        v_smem.index(slot))
+
+
+@gluon.jit
+def _dq_loop(dq, q_w, do_w, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lse2, delta, rows, lo, hi,
+             qk_scale, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
+             s_layout: gl.constexpr, a_layout: gl.constexpr):
+    """Key tiles [lo, hi) into dQ."""
+    half: gl.constexpr = q_w.shape[0]
+    s_zero = gl.zeros([half, BLOCK_N], gl.float32, s_layout)
+    for j in range(lo, hi):
+        slot = j % NUM_STAGES
+        phase = (j // NUM_STAGES) & 1
+        mbarrier.wait(k_ready.index(slot), phase)
+        k_tile = k_smem.index(slot)
+        s_token = warpgroup_mma(q_w, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(slot), phase)
+        dp_token = warpgroup_mma(do_w, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s_token])
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+        if MASK:
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            p = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=[dp_token])
+        mbarrier.arrive(v_empty.index(slot))
+        ds_op = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(k_tile.dtype), a_layout)
+        dq_token = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
+        dq, ds_op = warpgroup_mma_wait(0, deps=[dq_token, ds_op])
+        mbarrier.arrive(k_empty.index(slot))
+    return dq
+
+
+@gluon.jit
+def _dq_consumer(dq_desc, LSE, DELTA, q_w, do_w, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                 out_row, row0, stat_row, n_full, n_tiles, qk_scale, sm_scale,
+                 CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+    half: gl.constexpr = q_w.shape[0]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows = row0 + gl.arange(0, half, layout=row_layout)
+    lse2 = gl.load(LSE + stat_row + rows) * LOG2E
+    delta = gl.load(DELTA + stat_row + rows)
+    dq = gl.zeros([half, HEAD_DIM], gl.float32, acc_layout)
+    mbarrier.wait(q_bar, 0)
+    if CAUSAL:
+        # Key tiles wholly before the program's first row unmasked, then those that overlap its rows masked.
+        dq = _dq_loop(dq, q_w, do_w, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lse2, delta, rows, 0,
+                      n_full, qk_scale, BLOCK_N, NUM_STAGES, False, s_layout, a_layout)
+        dq = _dq_loop(dq, q_w, do_w, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lse2, delta, rows, n_full,
+                      n_tiles, qk_scale, BLOCK_N, NUM_STAGES, True, s_layout, a_layout)
+    else:
+        dq = _dq_loop(dq, q_w, do_w, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lse2, delta, rows, 0,
+                      n_tiles, qk_scale, BLOCK_N, NUM_STAGES, False, s_layout, a_layout)
+    q_w.store((dq * sm_scale).to(dq_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [out_row, 0], q_w)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, N_Q, N_K, H, BH, qk_scale, sm_scale,
+               Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH, DO_RB, DO_RH, DO_CB, DO_CH,
+               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    HALF: gl.constexpr = q_desc.block_type.shape[0]  # query rows per consumer warpgroup
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    dtype: gl.constexpr = q_desc.dtype
+    n_blocks = N_Q // (2 * HALF)
+    block = gl.program_id(0)
+    if CAUSAL:
+        block = n_blocks - 1 - block  # the heaviest (the last rows, which see every key) first
+    off_bh = gl.program_id(1)
+    b = off_bh // H
+    h = off_bh % H
+    row0 = block * 2 * HALF
+    if CAUSAL:
+        n_full = row0 // BLOCK_N
+        n_tiles = (row0 + 2 * HALF) // BLOCK_N
+    else:
+        n_full = N_K // BLOCK_N
+        n_tiles = N_K // BLOCK_N
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+
+    stat_row = off_bh * N_Q
+    out_row = off_bh * N_Q + row0  # dQ is contiguous: a (B*H*N_Q, D) view
+    gl.warp_specialize([
+        (_dq_consumer, (dq_desc, LSE, DELTA, q_smem.index(0), do_smem.index(0), k_smem, v_smem, q_bar, k_ready,
+                        k_empty, v_ready, v_empty, out_row, row0, stat_row, n_full, n_tiles, qk_scale, sm_scale,
+                        CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+        (_dq_consumer, (dq_desc, LSE, DELTA, q_smem.index(1), do_smem.index(1), k_smem, v_smem, q_bar, k_ready,
+                        k_empty, v_ready, v_empty, out_row + HALF, row0 + HALF, stat_row, n_full, n_tiles, qk_scale,
+                        sm_scale, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+        (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+                        v_ready, v_empty, b * Q_RB + h * Q_RH + row0, b * Q_CB + h * Q_CH,
+                        b * DO_RB + h * DO_RH + row0, b * DO_CB + h * DO_CH, b * K_RB + h * K_RH,
+                        b * K_CB + h * K_CH, b * V_RB + h * V_RH, b * V_CB + h * V_CH, n_tiles, BLOCK_N,
+                        NUM_STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ------------------------------------------------------------------------------------------------ wrapper
+
+
+def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
+    """Writes the gradients into dq, dk, dv (new, contiguous, of q's dtype) for inputs these kernels take (`found`:
+    what `views()` returned), given the forward's natural-log log-sum-exp and delta = rowsum(dO * O), both fp32 and
+    contiguous, one row per head."""
+    d, n_q, n_k = q.shape[-1], q.shape[-2], k.shape[-2]
+    bh = q.numel() // (n_q * d)
+    heads = q.shape[1] if q.dim() == 4 else 1
+    qv, kv, vv, dov = found
+    strides = (*qv[2:], *kv[2:], *vv[2:], *dov[2:])
+    sm_scale = 1.0 / math.sqrt(d)
+    qk_scale = sm_scale * LOG2E.value
+    desc = flash_hopper._descriptor
+    half = BLOCK_KEYS // 2
+    common = dict(HEAD_DIM=d, CAUSAL=is_causal, NUM_STAGES=NUM_STAGES, CONSUMER_REGS=CONSUMER_REGS,
+                  PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+    key = (q.device, q.dtype, q.shape, k.shape, *found)  # dq, dk, dv are new; lse and delta contiguous
+    launcher.launch(
+        _dkdv_kernel, (n_k // BLOCK_KEYS, bh),
+        (desc(q, qv, BLOCK_M), desc(k, kv, half), desc(v, vv, half), desc(do, dov, BLOCK_M),
+         desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), lse, delta, n_q, n_k,
+         heads, qk_scale, sm_scale, *strides),
+        ("dkdv", *key), **common,
+    )
+    half = BLOCK_ROWS // 2
+    launcher.launch(
+        _dq_kernel, (n_q // BLOCK_ROWS, bh),
+        (desc(q, qv, half), desc(k, kv, BLOCK_N), desc(v, vv, BLOCK_N), desc(do, dov, half),
+         desc(dq, flash_hopper._view(dq), half), lse, delta, n_q, n_k, heads, bh, qk_scale, sm_scale, *strides),
+        ("dq", *key), **common,
+    )
+
