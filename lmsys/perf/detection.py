@@ -27,7 +27,6 @@ the caught delays of each size (any failing verdict) and the caught allocations 
 import argparse
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -40,7 +39,7 @@ from typing import NamedTuple
 
 import pandas as pd
 
-from lmsys.perf import baselines, calibration, reruns
+from lmsys.perf import baselines, calibration, report, reruns
 from lmsys.perf.compare import MORE_MEMORY, Verdict, format_bytes
 from lmsys.perf.timing import (
     INJECT_CASES,
@@ -424,19 +423,6 @@ def _read_run(path: Path) -> dict:
     return doc
 
 
-def _write_new(path: Path, text: str) -> None:
-    """Writes text as path atomically, never replacing a file: a temporary file in the same folder, then a link to
-    path that fails where path exists; the temporary file is removed either way."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=baselines.TEMPORARY_PREFIX, suffix=".json")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.link(temporary, path)
-    finally:
-        os.unlink(temporary)
-
-
 def compact(src: Path, dest: Path) -> str:
     """Copies the measurement kept in src (--keep) into dest small enough to commit: its manifest as it is and each
     kept run compacted (`compacted`), adding only the runs dest lacks; returns the summary line. The references
@@ -476,11 +462,11 @@ def compact(src: Path, dest: Path) -> str:
     written = read = 0
     if there is None:
         text = (src / MANIFEST).read_text(encoding="utf-8")
-        _write_new(dest / MANIFEST, text)
+        report.write_new_file(dest / MANIFEST, text)
         written += len(text.encode())
         read += (src / MANIFEST).stat().st_size
     for path, target, text in new:
-        _write_new(target, text)
+        report.write_new_file(target, text)
         written += len(text.encode())
         read += path.stat().st_size
     return (f"--compact: {len(new)} runs added to {dest}, {already} already there; {format_bytes(written)} written "
