@@ -279,17 +279,16 @@ def _dq_consumer(dq_desc, LSE, DELTA, q_w, do_w, k_smem, v_smem, q_bar, k_ready,
 
 
 @gluon.jit
-def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, N_Q, N_K, H, BH, qk_scale, sm_scale,
+def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, N_Q, N_K, H, qk_scale, sm_scale,
                Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH, DO_RB, DO_RH, DO_CB, DO_CH,
                HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     HALF: gl.constexpr = q_desc.block_type.shape[0]  # query rows per consumer warpgroup
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
-    n_blocks = N_Q // (2 * HALF)
     block = gl.program_id(0)
     if CAUSAL:
-        block = n_blocks - 1 - block  # the heaviest (the last rows, which see every key) first
+        block = N_Q // (2 * HALF) - 1 - block  # the heaviest (the last rows, which see every key) first
     off_bh = gl.program_id(1)
     b = off_bh // H
     h = off_bh % H
@@ -355,7 +354,7 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
     launcher.launch(
         _dq_kernel, (n_q // BLOCK_ROWS, bh),
         (desc(q, qv, half), desc(k, kv, BLOCK_N), desc(v, vv, BLOCK_N), desc(do, dov, half),
-         desc(dq, flash_hopper._view(dq), half), lse, delta, n_q, n_k, heads, bh, qk_scale, sm_scale, *strides),
+         desc(dq, flash_hopper._view(dq), half), lse, delta, n_q, n_k, heads, qk_scale, sm_scale, *strides),
         ("dq", *key), **common,
     )
 
