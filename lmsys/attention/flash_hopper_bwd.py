@@ -14,7 +14,8 @@ next step needs:
   S = Q K^T and dP = dO V^T, then dQ += dS K.
 
 Like the Triton backward (and unlike FA3, which accumulates dQ with atomics) the scores are computed twice, once per
-kernel: no atomics and no fp32 dQ buffer. delta = rowsum(dO * O) comes from the Triton preprocessing kernel.
+kernel: no atomics and no fp32 dQ buffer. delta = rowsum(dO * O) comes from the Triton preprocessing kernel. The two
+kernels share only their inputs: with CONCURRENT_DQ the dQ kernel runs on a side stream beside the other.
 
 Scope: what the Gluon forward takes (`flash_hopper.views`: sm_90, bf16 or fp16, lengths multiples of 128, q, k, v
 and dO contiguous or the (B, H, T, D) views of (B, T, H, D) tensors), head dims 64 and 128. `flash_triton` runs it
@@ -23,8 +24,11 @@ than the Triton backward on the GPU. tests/test_attention.py compiles both kerne
 spilled register) and checks them against float64 on a Hopper GPU.
 """
 
+import contextlib
+import functools
 import math
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -46,6 +50,9 @@ NUM_STAGES = 2
 HEAD_DIMS = (64, 128)
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
+# Whether the dQ kernel runs on a side stream beside the dK/dV kernel (they share only their inputs), so that a
+# problem of few heads, whose two grids each leave multiprocessors idle, fills the GPU with both.
+CONCURRENT_DQ = False
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
 
@@ -343,6 +350,10 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
     common = dict(HEAD_DIM=d, CAUSAL=is_causal, NUM_STAGES=NUM_STAGES, CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     key = (q.device, q.dtype, q.shape, k.shape, *found)  # dq, dk, dv are new; lse and delta contiguous
+    concurrent = CONCURRENT_DQ and not torch.cuda.is_current_stream_capturing()
+    if concurrent:
+        current, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
+        side.wait_stream(current)  # the inputs, delta included, are ready on it
     launcher.launch(
         _dkdv_kernel, (n_k // BLOCK_KEYS, bh),
         (desc(q, qv, BLOCK_M), desc(k, kv, half), desc(v, vv, half), desc(do, dov, BLOCK_M),
@@ -351,10 +362,20 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
         ("dkdv", *key), **common,
     )
     half = BLOCK_ROWS // 2
-    launcher.launch(
-        _dq_kernel, (n_q // BLOCK_ROWS, bh),
-        (desc(q, qv, half), desc(k, kv, BLOCK_N), desc(v, vv, BLOCK_N), desc(do, dov, half),
-         desc(dq, flash_hopper._view(dq), half), lse, delta, n_q, n_k, heads, qk_scale, sm_scale, *strides),
-        ("dq", *key), **common,
-    )
+    with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
+        launcher.launch(
+            _dq_kernel, (n_q // BLOCK_ROWS, bh),
+            (desc(q, qv, half), desc(k, kv, BLOCK_N), desc(v, vv, BLOCK_N), desc(do, dov, half),
+             desc(dq, flash_hopper._view(dq), half), lse, delta, n_q, n_k, heads, qk_scale, sm_scale, *strides),
+            ("dq", *key), **common,
+        )
+    if concurrent:
+        # dq, allocated on the current stream, is written on the side one: the current stream waits for it before
+        # anything there (a free by the caching allocator included) can touch it.
+        current.wait_stream(side)
+
+
+@functools.cache
+def _side_stream(device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
 

@@ -1,0 +1,101 @@
+"""The attention backward's variants side by side in one process: the Triton backward, the Gluon backward for Hopper
+(lmsys.attention.flash_hopper_bwd, with its dQ kernel after the dK/dV one or beside it on a side stream) and SDPA's
+cuDNN and flash backends, at the CS336 leaderboard's shape and the causal grid's points from 8192 tokens (issue 15).
+
+For each point (causal, bf16): first the Gluon backward's gradients against the Triton backward's on the same inputs
+(the largest difference of each of dq, dk, dv relative to the Triton gradient's largest magnitude: a wrong kernel at
+a shape the float64 tests do not reach shows here), then every variant in the `bwd` mode (the forward once, untimed;
+each timed call one backward) and `fwd_bwd`, timed as `lmsys-bench attention` times them (the regression gate's
+clock: CUDA events; the median of --steps calls after --warmup). Prints a markdown table and writes every row to the
+CSV file named on the command line.
+
+    PYTHONPATH=. python scripts/attention_backward_variants.py variants.csv          (from the repository root)
+    PYTHONPATH=. python scripts/attention_backward_variants.py variants.csv --points leaderboard --modes bwd
+
+Needs a Hopper GPU (the Gluon kernels are for sm_90): elsewhere it says so and exits with status 2.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pandas as pd
+import torch
+
+from lmsys.attention import flash_hopper_bwd, flash_triton
+from lmsys.bench import sweep
+from lmsys.bench.attention import run_point
+
+# (batch, heads, seq, d): the leaderboard's (16, 16384, 64) and the causal grid's (1, T, d) points, as 4-D inputs.
+POINTS = {
+    "leaderboard": [(16, 1, 16384, 64)],
+    "grid": [(1, 1, seq, d) for d in (64, 128) for seq in (8192, 16384, 32768, 65536)],
+}
+# name -> (provider, Gluon backward on, dQ beside dK/dV)
+VARIANTS = {
+    "triton": ("flash_triton", False, False),
+    "hopper": ("flash_triton", True, False),
+    "hopper-concurrent": ("flash_triton", True, True),
+    "sdpa_cudnn": ("sdpa_cudnn", False, False),
+    "sdpa_flash": ("sdpa_flash", False, False),
+}
+
+
+def agreement(shape: tuple) -> dict[str, float]:
+    """Gluon gradients against Triton ones on one draw: max |a - b| / max |b|, per gradient."""
+    q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    o, lse = flash_triton.forward(q, k, v, True)
+    grads = {}
+    for hopper in (False, True):
+        flash_triton.HOPPER_BACKWARD = hopper
+        grads[hopper] = flash_triton.backward(q, k, v, o, lse, do, True)
+    return {f"{name}_rel_diff": ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+            for name, a, b in zip(("dq", "dk", "dv"), grads[True], grads[False], strict=True)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("csv", type=Path, help="where to write every row (a new .csv file)")
+    parser.add_argument("--points", nargs="+", choices=POINTS, default=list(POINTS))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--modes", nargs="+", choices=["bwd", "fwd_bwd"], default=["bwd", "fwd_bwd"])
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args(argv)
+    if args.csv.suffix != ".csv" or args.csv.exists():
+        parser.error(f"{args.csv}: give a new file ending in .csv")
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        print("needs a Hopper GPU (compute capability 9.0): the Gluon backward runs nowhere else", file=sys.stderr)
+        return 2
+    device = sweep.backend()
+    timing = SimpleNamespace(warmup=args.warmup, steps=args.steps)
+    shapes = [shape for name in args.points for shape in POINTS[name]]
+    progress = sweep.Progress(len(shapes) * (1 + len(args.variants) * len(args.modes)))
+    rows = []
+    try:
+        for shape in shapes:
+            progress.start(f"{shape} agreement")
+            checked = {}
+            with sweep.out_of_memory_as_status(device, checked):
+                checked = agreement(shape)
+            for mode in args.modes:
+                for name in args.variants:
+                    provider, hopper, concurrent = VARIANTS[name]
+                    progress.start(f"{shape} {mode} {name}")
+                    flash_triton.HOPPER_BACKWARD, flash_hopper_bwd.CONCURRENT_DQ = hopper, concurrent
+                    row = run_point(provider, shape, "bf16", mode, True, timing, device)
+                    rows.append({"variant": name, **row, **(checked if hopper else {})})
+    finally:
+        progress.close()
+        flash_triton.HOPPER_BACKWARD = flash_hopper_bwd.CONCURRENT_DQ = False
+    frame = pd.DataFrame(rows)
+    sweep.write_outputs(frame, [args.csv])
+    columns = ["variant", "batch", "seq", "d", "mode", "status", "median_ms", "tflop_per_s", "dq_rel_diff",
+               "dk_rel_diff", "dv_rel_diff"]
+    print(sweep.format_table(frame[[c for c in columns if c in frame]]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
