@@ -1,13 +1,14 @@
 """The attention backward's variants side by side in one process: the Triton backward, the Gluon backward for Hopper
-(lmsys.attention.flash_hopper_bwd, with its dQ kernel after the dK/dV one or beside it on a side stream) and SDPA's
-cuDNN and flash backends, at the CS336 leaderboard's shape and the causal grid's points from 8192 tokens (issue 15).
+(lmsys.attention.flash_hopper_bwd: as it is, with its dQ kernel beside the dK/dV one on a side stream, with dQ tiles
+of 128 keys, with 3 stages) and SDPA's cuDNN and flash backends, at the CS336 leaderboard's shape and the causal
+grid's points from 8192 tokens (issue 15).
 
-For each point (causal, bf16): first the Gluon backward's gradients against the Triton backward's on the same inputs
+For each point (causal, bf16): first each Gluon variant's gradients against the Triton backward's on the same inputs
 (the largest difference of each of dq, dk, dv relative to the Triton gradient's largest magnitude: a wrong kernel at
 a shape the float64 tests do not reach shows here), then every variant in the `bwd` mode (the forward once, untimed;
 each timed call one backward) and `fwd_bwd`, timed as `lmsys-bench attention` times them (the regression gate's
-clock: CUDA events; the median of --steps calls after --warmup). Prints a markdown table and writes every row to the
-CSV file named on the command line.
+clock: CUDA events; the median of --steps calls after --warmup). Prints a table and writes every row to the CSV
+file named on the command line.
 
     PYTHONPATH=. python scripts/attention_backward_variants.py variants.csv          (from the repository root)
     PYTHONPATH=. python scripts/attention_backward_variants.py variants.csv --points leaderboard --modes bwd
@@ -32,26 +33,46 @@ POINTS = {
     "leaderboard": [(16, 1, 16384, 64)],
     "grid": [(1, 1, seq, d) for d in (64, 128) for seq in (8192, 16384, 32768, 65536)],
 }
-# name -> (provider, Gluon backward on, dQ beside dK/dV)
+# name -> (provider, settings of lmsys.attention's modules for it: the Gluon backward, and its defaults changed)
+GLUON = {"HOPPER_BACKWARD": True}
 VARIANTS = {
-    "triton": ("flash_triton", False, False),
-    "hopper": ("flash_triton", True, False),
-    "hopper-concurrent": ("flash_triton", True, True),
-    "sdpa_cudnn": ("sdpa_cudnn", False, False),
-    "sdpa_flash": ("sdpa_flash", False, False),
+    "triton": ("flash_triton", {}),
+    "hopper": ("flash_triton", GLUON),
+    "hopper-concurrent": ("flash_triton", {**GLUON, "CONCURRENT_DQ": True}),
+    "hopper-dq128": ("flash_triton", {**GLUON, "TILES": {64: (64, 128), 128: (64, 128)}}),
+    "hopper-3stages": ("flash_triton", {**GLUON, "NUM_STAGES": 3}),
+    "sdpa_cudnn": ("sdpa_cudnn", {}),
+    "sdpa_flash": ("sdpa_flash", {}),
+}
+DEFAULTS = {
+    "HOPPER_BACKWARD": (flash_triton, False),
+    "CONCURRENT_DQ": (flash_hopper_bwd, False),
+    "TILES": (flash_hopper_bwd, flash_hopper_bwd.TILES),
+    "NUM_STAGES": (flash_hopper_bwd, flash_hopper_bwd.NUM_STAGES),
 }
 
 
-def agreement(shape: tuple) -> dict[str, float]:
-    """Gluon gradients against Triton ones on one draw: max |a - b| / max |b|, per gradient."""
+def apply(settings: dict) -> None:
+    """Sets every knob of DEFAULTS: the variant's value, or the default."""
+    for name, (module, default) in DEFAULTS.items():
+        setattr(module, name, settings.get(name, default))
+
+
+def agreement(shape: tuple, variants: list[str]) -> dict[str, dict[str, float]]:
+    """Each Gluon variant's gradients against the Triton backward's on one draw: max |a - b| / max |b|, per
+    gradient."""
     q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     o, lse = flash_triton.forward(q, k, v, True)
-    grads = {}
-    for hopper in (False, True):
-        flash_triton.HOPPER_BACKWARD = hopper
-        grads[hopper] = flash_triton.backward(q, k, v, o, lse, do, True)
-    return {f"{name}_rel_diff": ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-            for name, a, b in zip(("dq", "dk", "dv"), grads[True], grads[False], strict=True)}
+    apply({})
+    expected = flash_triton.backward(q, k, v, o, lse, do, True)
+    found = {}
+    for name in variants:
+        apply(VARIANTS[name][1])
+        grads = flash_triton.backward(q, k, v, o, lse, do, True)
+        found[name] = {f"{which}_rel_diff": ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                       for which, a, b in zip(("dq", "dk", "dv"), grads, expected, strict=True)}
+    apply({})
+    return found
 
 
 def main(argv=None) -> int:
@@ -76,19 +97,20 @@ def main(argv=None) -> int:
     try:
         for shape in shapes:
             progress.start(f"{shape} agreement")
-            checked = {}
-            with sweep.out_of_memory_as_status(device, checked):
-                checked = agreement(shape)
+            gluon = [name for name in args.variants if VARIANTS[name][1].get("HOPPER_BACKWARD")]
+            checked, status = {}, {}
+            with sweep.out_of_memory_as_status(device, status):
+                checked = agreement(shape, gluon)
             for mode in args.modes:
                 for name in args.variants:
-                    provider, hopper, concurrent = VARIANTS[name]
+                    provider, settings = VARIANTS[name]
                     progress.start(f"{shape} {mode} {name}")
-                    flash_triton.HOPPER_BACKWARD, flash_hopper_bwd.CONCURRENT_DQ = hopper, concurrent
+                    apply(settings)
                     row = run_point(provider, shape, "bf16", mode, True, timing, device)
-                    rows.append({"variant": name, **row, **(checked if hopper else {})})
+                    rows.append({"variant": name, **row, **checked.get(name, {})})
     finally:
         progress.close()
-        flash_triton.HOPPER_BACKWARD = flash_hopper_bwd.CONCURRENT_DQ = False
+        apply({})
     frame = pd.DataFrame(rows)
     sweep.write_outputs(frame, [args.csv])
     columns = ["variant", "batch", "seq", "d", "mode", "status", "median_ms", "tflop_per_s", "dq_rel_diff",

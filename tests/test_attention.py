@@ -565,11 +565,12 @@ for causal in (False, True):
             return f"tensordesc<bf16[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
         if which == "dkdv":
             half = hb.BLOCK_KEYS // 2
-            descs = {"q_desc": descriptor(hb.BLOCK_M), "k_desc": descriptor(half), "v_desc": descriptor(half),
-                     "do_desc": descriptor(hb.BLOCK_M), "dk_desc": descriptor(half), "dv_desc": descriptor(half)}
+            descs = {"q_desc": descriptor(hb.TILES[d][0]), "k_desc": descriptor(half), "v_desc": descriptor(half),
+                     "do_desc": descriptor(hb.TILES[d][0]), "dk_desc": descriptor(half), "dv_desc": descriptor(half)}
         else:
             half = hb.BLOCK_ROWS // 2
-            descs = {"q_desc": descriptor(half), "k_desc": descriptor(hb.BLOCK_N), "v_desc": descriptor(hb.BLOCK_N),
+            keys = hb.TILES[d][1]
+            descs = {"q_desc": descriptor(half), "k_desc": descriptor(keys), "v_desc": descriptor(keys),
                      "do_desc": descriptor(half), "dq_desc": descriptor(half)}
         constexprs = dict(HEAD_DIM=d, CAUSAL=causal, NUM_STAGES=hb.NUM_STAGES, CONSUMER_REGS=hb.CONSUMER_REGS,
                           PRODUCER_REGS=hb.PRODUCER_REGS)

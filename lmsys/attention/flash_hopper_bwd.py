@@ -6,11 +6,11 @@ mbarriers, and two consumer warpgroups issue the warpgroup MMAs asynchronously, 
 next step needs:
 
 * `_dkdv_kernel`: a program owns 128 keys (64 per consumer warpgroup), holds their K and V in shared memory and dK,
-  dV in registers, and visits the query tiles (BLOCK_M rows of Q and dO, with their log-sum-exp and delta). On
+  dV in registers, and visits the query tiles (TILES: rows of Q and dO, with their log-sum-exp and delta). On
   transposed scores: S^T = K Q^T and dP^T = V dO^T are issued together; the probabilities P^T = exp2(S^T - lse) are
   computed while dP^T is still on the tensor cores; dV += P^T dO is issued before dS^T = P^T (dP^T - delta) is formed,
   and dK += dS^T Q after it, both with their A operand from registers.
-* `_dq_kernel`: a program owns 128 query rows (64 per warpgroup) and visits the key tiles (BLOCK_N rows of K and V):
+* `_dq_kernel`: a program owns 128 query rows (64 per warpgroup) and visits the key tiles (TILES: rows of K and V):
   S = Q K^T and dP = dO V^T, then dQ += dS K.
 
 Like the Triton backward (and unlike FA3, which accumulates dQ with atomics) the scores are computed twice, once per
@@ -44,8 +44,10 @@ from lmsys.attention.flash_hopper import ring
 
 BLOCK_KEYS = 128  # keys per _dkdv_kernel program: two consumer warpgroups of 64
 BLOCK_ROWS = 128  # query rows per _dq_kernel program: two consumer warpgroups of 64
-BLOCK_M = 64  # query rows per tile visited by _dkdv_kernel
-BLOCK_N = 64  # keys per tile visited by _dq_kernel
+# The tiles the kernels visit, per head dim: (query rows of a _dkdv_kernel tile, keys of a _dq_kernel tile). Each
+# compiles for sm_90 without a spilled register (tests/test_attention.py); so does a dQ tile of 128 keys, at either
+# head dim, and 3 stages with tiles of 64 (scripts/attention_backward_variants.py times them).
+TILES = {64: (64, 64), 128: (64, 64)}
 NUM_STAGES = 2
 HEAD_DIMS = (64, 128)
 CONSUMER_REGS = 240
@@ -347,16 +349,18 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
     qk_scale = sm_scale * LOG2E.value
     desc = flash_hopper._descriptor
     half = BLOCK_KEYS // 2
+    block_m, block_n = TILES[d]
     common = dict(HEAD_DIM=d, CAUSAL=is_causal, NUM_STAGES=NUM_STAGES, CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
-    key = (q.device, q.dtype, q.shape, k.shape, *found)  # dq, dk, dv are new; lse and delta contiguous
+    # dq, dk, dv are new; lse and delta contiguous. The tiles are the descriptors' block shapes, not constexprs.
+    key = (q.device, q.dtype, q.shape, k.shape, block_m, block_n, *found)
     concurrent = CONCURRENT_DQ and not torch.cuda.is_current_stream_capturing()
     if concurrent:
         current, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
         side.wait_stream(current)  # the inputs, delta included, are ready on it
     launcher.launch(
         _dkdv_kernel, (n_k // BLOCK_KEYS, bh),
-        (desc(q, qv, BLOCK_M), desc(k, kv, half), desc(v, vv, half), desc(do, dov, BLOCK_M),
+        (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m),
          desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), lse, delta, n_q, n_k,
          heads, qk_scale, sm_scale, *strides),
         ("dkdv", *key), **common,
@@ -365,7 +369,7 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
     with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
         launcher.launch(
             _dq_kernel, (n_q // BLOCK_ROWS, bh),
-            (desc(q, qv, half), desc(k, kv, BLOCK_N), desc(v, vv, BLOCK_N), desc(do, dov, half),
+            (desc(q, qv, half), desc(k, kv, block_n), desc(v, vv, block_n), desc(do, dov, half),
              desc(dq, flash_hopper._view(dq), half), lse, delta, n_q, n_k, heads, qk_scale, sm_scale, *strides),
             ("dq", *key), **common,
         )
