@@ -1,14 +1,14 @@
-"""The attention backward's variants side by side in one process: the Triton backward, the Gluon backward for Hopper
+"""The attention kernels' variants side by side in one process: the Triton backward, the Gluon backward for Hopper
 (lmsys.attention.flash_hopper_bwd: as it is, with its dQ kernel beside the dK/dV one on a side stream, with dQ tiles
-of 128 keys, with 3 stages) and SDPA's cuDNN and flash backends, at the CS336 leaderboard's shape and the causal
-grid's points from 8192 tokens (issue 15).
+of 128 keys, with 3 stages), the Gluon forward at d=64 too (it takes d=128 alone) and SDPA's cuDNN and flash
+backends, at the CS336 leaderboard's shape and the causal grid's points from 8192 tokens (issue 15).
 
-For each point (causal, bf16): first each Gluon variant's gradients against the Triton backward's on the same inputs
-(the largest difference of each of dq, dk, dv relative to the Triton gradient's largest magnitude: a wrong kernel at
-a shape the float64 tests do not reach shows here), then every variant in the `bwd` mode (the forward once, untimed;
-each timed call one backward) and `fwd_bwd`, timed as `lmsys-bench attention` times them (the regression gate's
-clock: CUDA events; the median of --steps calls after --warmup). Prints a table and writes every row to the CSV
-file named on the command line.
+For each point (causal, bf16): first each variant's output and gradients against the Triton kernels' on the same
+inputs (the largest difference of each of o, dq, dk, dv relative to the Triton tensor's largest magnitude: a wrong
+kernel at a shape the float64 tests do not reach shows here), then every variant in the `fwd`, `bwd` (the forward
+once, untimed; each timed call one backward) and `fwd_bwd` modes, timed as `lmsys-bench attention` times them (the
+regression gate's clock: CUDA events; the median of --steps calls after --warmup). Prints a table and writes every
+row to the CSV file named on the command line.
 
     PYTHONPATH=. python scripts/attention_backward_variants.py variants.csv          (from the repository root)
     PYTHONPATH=. python scripts/attention_backward_variants.py variants.csv --points leaderboard --modes bwd
@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pandas as pd
 import torch
 
-from lmsys.attention import flash_hopper_bwd, flash_triton
+from lmsys.attention import flash_hopper, flash_hopper_bwd, flash_triton
 from lmsys.bench import sweep
 from lmsys.bench.attention import run_point
 
@@ -33,11 +33,15 @@ POINTS = {
     "leaderboard": [(16, 1, 16384, 64)],
     "grid": [(1, 1, seq, d) for d in (64, 128) for seq in (8192, 16384, 32768, 65536)],
 }
-# name -> (provider, settings of lmsys.attention's modules for it: the Gluon backward, and its defaults changed)
+# name -> (provider, settings of lmsys.attention's modules for it: the Gluon backward, its defaults changed, the
+# Gluon forward at d=64 too)
 GLUON = {"HOPPER_BACKWARD": True}
+FORWARD_64 = {"HEAD_DIMS": (64, 128)}
 VARIANTS = {
     "triton": ("flash_triton", {}),
     "hopper": ("flash_triton", GLUON),
+    "fwd64": ("flash_triton", FORWARD_64),
+    "hopper-fwd64": ("flash_triton", {**GLUON, **FORWARD_64}),
     "hopper-concurrent": ("flash_triton", {**GLUON, "CONCURRENT_DQ": True}),
     "hopper-dq128": ("flash_triton", {**GLUON, "TILES": {64: (64, 128), 128: (64, 128)}}),
     "hopper-3stages": ("flash_triton", {**GLUON, "NUM_STAGES": 3}),
@@ -49,6 +53,7 @@ DEFAULTS = {
     "CONCURRENT_DQ": (flash_hopper_bwd, False),
     "TILES": (flash_hopper_bwd, flash_hopper_bwd.TILES),
     "NUM_STAGES": (flash_hopper_bwd, flash_hopper_bwd.NUM_STAGES),
+    "HEAD_DIMS": (flash_hopper, flash_hopper.HEAD_DIMS),  # of the Gluon forward
 }
 
 
@@ -59,18 +64,21 @@ def apply(settings: dict) -> None:
 
 
 def agreement(shape: tuple, variants: list[str]) -> dict[str, dict[str, float]]:
-    """Each Gluon variant's gradients against the Triton backward's on one draw: max |a - b| / max |b|, per
-    gradient."""
+    """Each variant's output and gradients against those of the Triton kernels (every knob at its default) on one
+    draw: max |a - b| / max |b|, per tensor."""
     q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    o, lse = flash_triton.forward(q, k, v, True)
+
+    def run() -> tuple:
+        o, lse = flash_triton.forward(q, k, v, True)
+        return (o, *flash_triton.backward(q, k, v, o, lse, do, True))
+
     apply({})
-    expected = flash_triton.backward(q, k, v, o, lse, do, True)
+    expected = run()
     found = {}
     for name in variants:
         apply(VARIANTS[name][1])
-        grads = flash_triton.backward(q, k, v, o, lse, do, True)
         found[name] = {f"{which}_rel_diff": ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-                       for which, a, b in zip(("dq", "dk", "dv"), grads, expected, strict=True)}
+                       for which, a, b in zip(("o", "dq", "dk", "dv"), run(), expected, strict=True)}
     apply({})
     return found
 
@@ -80,7 +88,7 @@ def main(argv=None) -> int:
     parser.add_argument("csv", type=Path, help="where to write every row (a new .csv file)")
     parser.add_argument("--points", nargs="+", choices=POINTS, default=list(POINTS))
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    parser.add_argument("--modes", nargs="+", choices=["bwd", "fwd_bwd"], default=["bwd", "fwd_bwd"])
+    parser.add_argument("--modes", nargs="+", choices=["fwd", "bwd", "fwd_bwd"], default=["fwd", "bwd", "fwd_bwd"])
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args(argv)
@@ -97,10 +105,10 @@ def main(argv=None) -> int:
     try:
         for shape in shapes:
             progress.start(f"{shape} agreement")
-            gluon = [name for name in args.variants if VARIANTS[name][1].get("HOPPER_BACKWARD")]
+            changed = [name for name in args.variants if VARIANTS[name][1]]
             checked, status = {}, {}
             with sweep.out_of_memory_as_status(device, status):
-                checked = agreement(shape, gluon)
+                checked = agreement(shape, changed)
             for mode in args.modes:
                 for name in args.variants:
                     provider, settings = VARIANTS[name]
@@ -113,8 +121,8 @@ def main(argv=None) -> int:
         apply({})
     frame = pd.DataFrame(rows)
     sweep.write_outputs(frame, [args.csv])
-    columns = ["variant", "batch", "seq", "d", "mode", "status", "median_ms", "tflop_per_s", "dq_rel_diff",
-               "dk_rel_diff", "dv_rel_diff"]
+    columns = ["variant", "batch", "seq", "d", "mode", "status", "median_ms", "tflop_per_s", "o_rel_diff",
+               "dq_rel_diff", "dk_rel_diff", "dv_rel_diff"]
     print(sweep.format_table(frame[[c for c in columns if c in frame]]))
     return 0
 

@@ -511,11 +511,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from lmsys.attention import flash_hopper as fh
 
+d = int(sys.argv[3])
 def descriptor(rows):
-    return f"tensordesc<bf16[{rows}, 128],{gl.NVMMASharedLayout.get_default_for([rows, 128], gl.bfloat16)!r}>"
+    return f"tensordesc<bf16[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
 
 kernel = fh._flash_fwd_hopper_kernel
-constexprs = dict(HEAD_DIM=128, CAUSAL=sys.argv[1] == "causal", BLOCK_N=fh.BLOCK_N, NUM_STAGES=fh.NUM_STAGES,
+constexprs = dict(HEAD_DIM=d, CAUSAL=sys.argv[1] == "causal", BLOCK_N=fh.BLOCK_N, NUM_STAGES=fh.NUM_STAGES,
                   CONSUMER_REGS=fh.CONSUMER_REGS, PRODUCER_REGS=fh.PRODUCER_REGS)
 types = {"q_desc": descriptor(fh.BLOCK_M // 2), "k_desc": descriptor(fh.BLOCK_N), "v_desc": descriptor(fh.BLOCK_N),
          "o_desc": descriptor(fh.BLOCK_M // 2), "LSE": "*fp32", "qk_scale": "fp32",
@@ -531,12 +532,15 @@ out = pathlib.Path(sys.argv[2])
 """
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, tmp_path):
+def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, head_dim, tmp_path):
     """On any machine: the Gluon forward compiles for sm_90 with the installed triton, fits shared memory, spills
-    nothing, and waits for the score MMA while the P V MMA is still in flight (`wgmma.wait_group 1`)."""
+    nothing, and waits for the score MMA while the P V MMA is still in flight (`wgmma.wait_group 1`); at d=128, which
+    it runs, and at d=64, which scripts/attention_backward_variants.py times against the Triton forward."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    args = [sys.executable, "-c", _COMPILE_HOPPER_FORWARD, "causal" if is_causal else "full", str(tmp_path)]
+    args = [sys.executable, "-c", _COMPILE_HOPPER_FORWARD, "causal" if is_causal else "full", str(tmp_path),
+            str(head_dim)]
     result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert int((tmp_path / "shared").read_text()) <= 227 * 1024
@@ -676,6 +680,20 @@ def test_hopper_forward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, mon
     else:
         q = _strided(q_shape, layout, dtype, gpu)
         k, v = (_strided(k_shape, layout, dtype, gpu) for _ in range(2))
+    assert flash_hopper.applies(q, k, v)
+    check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_hopper_forward_at_head_dim_64_gpu(gpu, is_causal, monkeypatch, seed):
+    """The Gluon forward at d=64 (not among its HEAD_DIMS until it is measured faster than the Triton forward there:
+    scripts/attention_backward_variants.py) against float64."""
+    if torch.cuda.get_device_capability(gpu) != (9, 0):
+        pytest.skip("the Gluon forward is for Hopper (compute capability 9.0)")
+    monkeypatch.setattr(flash_hopper, "HEAD_DIMS", (64, 128))
+    monkeypatch.setattr(flash_hopper, "MIN_PROGRAMS_PER_SM", 0)
+    q, k, v = make_inputs((2, 3, 1024, 64), (2, 3, 1024, 64), torch.bfloat16, gpu)
     assert flash_hopper.applies(q, k, v)
     check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
 
