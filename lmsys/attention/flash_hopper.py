@@ -142,6 +142,15 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
     tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, q_col], q_bar, q_smem.index(1))
+    stream_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, k_row, k_col, v_row, v_col, n_tiles,
+              BLOCK_N, NUM_STAGES)
+
+
+@gluon.jit
+def stream_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, k_row, k_col, v_row, v_col,
+              n_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """The producer's loads of n_tiles K and V tiles of BLOCK_N rows into their rings (`ring`), each into a buffer
+    the consumers have released."""
     for j in range(n_tiles):
         slot = j % NUM_STAGES
         # A fresh mbarrier counts as having completed the phase of parity 1: the first round passes at once.

@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from lmsys.attention import flash_hopper, launcher
-from lmsys.attention.flash_hopper import ring
+from lmsys.attention.flash_hopper import ring, stream_kv
 
 BLOCK_KEYS = 128  # keys per _dkdv_kernel program: two consumer warpgroups of 64
 BLOCK_ROWS = 128  # query rows per _dq_kernel program: two consumer warpgroups of 64
@@ -214,17 +214,8 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sme
     for w in gl.static_range(2):
         tma.async_copy_global_to_shared(q_desc, [q_row + w * half, q_col], q_bar, q_smem.index(w))
         tma.async_copy_global_to_shared(do_desc, [do_row + w * half, do_col], q_bar, do_smem.index(w))
-    for j in range(n_tiles):
-        slot = j % NUM_STAGES
-        phase = ((j // NUM_STAGES) & 1) ^ 1
-        mbarrier.wait(k_empty.index(slot), phase)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, k_col], k_ready.index(slot),
-                                        k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), phase)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [v_row + j * BLOCK_N, v_col], v_ready.index(slot),
-                                        v_smem.index(slot))
+    stream_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, k_row, k_col, v_row, v_col, n_tiles,
+              BLOCK_N, NUM_STAGES)
 
 
 @gluon.jit
