@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -91,10 +92,27 @@ def test_main_saves_a_reference_then_reruns_each_case_with_the_delay(monkeypatch
     assert len(rounds) == 9 and all(runs == 1 for _, runs, _ in rounds)  # the cases take turns, a run each
     aa, injected, allocated = rounds[:3]
     assert rounds[3:6] == rounds[:3]
-    assert aa[0][-1] == "--benchmark-compare"
+    assert aa[0][-2:] == ["--benchmark-compare", detection.DURATIONS]  # each run reports its slowest tests
+    assert reference[0][-1] == detection.DURATIONS
     assert aa[2] == {detection.INJECT_DELAY: "0", detection.INJECT_MEMORY: "0"}
     assert injected[2] == {detection.INJECT_DELAY: "0.05", detection.INJECT_MEMORY: "0"}
     assert allocated[2] == {detection.INJECT_DELAY: "0", detection.INJECT_MEMORY: "1048576"}
+
+
+def test_each_run_reports_its_slowest_tests(tmp_path, capsys):
+    """The table pytest's --durations prints (here from a real pytest run) is what a finished run reports."""
+    (tmp_path / "test_d.py").write_text("import time\ndef test_a():\n    time.sleep(0.05)\ndef test_b():\n    pass\n")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", detection.DURATIONS,
+                           str(tmp_path / "test_d.py")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout
+    table = detection.slowest(done.stdout)
+    assert table.splitlines()[0].endswith("test_d.py::test_a") and " call " in table
+    assert "hidden" not in table and "passed" not in table
+    assert detection.slowest("1 passed in 0.01s") == "" and detection.slowest(None) == ""
+    detection._progress("every case", 2)(0, done, [])
+    err = capsys.readouterr().err
+    assert "every case: run 1/2 done, exit 0" in err
+    assert f"its {detection.SLOWEST} slowest:" in err and "test_d.py::test_a" in err
 
 
 def test_main_compares_with_a_named_baseline_when_asked(monkeypatch, capsys):
@@ -105,11 +123,11 @@ def test_main_compares_with_a_named_baseline_when_asked(monkeypatch, capsys):
 
     monkeypatch.setattr(detection.reruns, "rerun", fake_rerun)
     assert detection.main(["--runs", "2", "--inject", "0.1", "--baseline", "7", "--markdown", "--", "perf_tests"]) == 0
-    assert calls[0][-2:] == ["--benchmark-storage=baselines", "--benchmark-compare=7"]
+    assert calls[0][-3:] == ["--benchmark-storage=baselines", "--benchmark-compare=7", detection.DURATIONS]
     assert "| test_x | 0/2 | 0/2 |" in capsys.readouterr().out
     calls.clear()
     assert detection.main(["--runs", "1", "--baseline", "newest", "--", "perf_tests"]) == 0
-    assert calls[0][-2:] == ["--benchmark-storage=baselines", "--benchmark-compare"]  # newest file per benchmark
+    assert calls[0][-3:] == ["--benchmark-storage=baselines", "--benchmark-compare", detection.DURATIONS]  # newest
 
 
 def test_main_reports_each_run_and_the_table_after_each_round_and_can_leave_out_the_aa_case(monkeypatch, capsys):

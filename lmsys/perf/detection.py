@@ -113,13 +113,35 @@ def _markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines + ["| " + " | ".join(map(str, row)) + " |" for row in table.itertuples(index=False)])
 
 
+# Every run (the references too) reports its slowest tests, set-up and compilation included: where a run's time goes
+# on a cold machine, where a reference of the default subset took 19 minutes for 60 s of timed rounds.
+SLOWEST = 10
+DURATIONS = f"--durations={SLOWEST}"
+
+
+DURATION_LINE = re.compile(r"\d+(\.\d+)?s\s+(setup|call|teardown)\s+\S")
+
+
+def slowest(output: str | None) -> str:
+    """The lines of pytest's table of the slowest durations in a run's output ('' when there is none)."""
+    lines = (output or "").splitlines()
+    start = next((i for i, line in enumerate(lines) if "slowest" in line and "durations" in line), None)
+    if start is None:
+        return ""
+    return "\n".join(line for line in lines[start + 1:] if DURATION_LINE.match(line))
+
+
 def _progress(column: str, runs: int) -> Callable[[int, subprocess.CompletedProcess, list[dict]], None]:
-    """Prints one line per finished run to stderr: the case, the run, its exit status and how long it took."""
+    """Prints to stderr, per finished run, a line (the case, the run, its exit status and how long it took) and its
+    slowest tests."""
     started = time.monotonic()
 
     def report(index: int, done: subprocess.CompletedProcess, docs: list[dict]) -> None:
         print(f"  {column}: run {index + 1}/{runs} done, exit {done.returncode}, {time.monotonic() - started:.0f} s",
               file=sys.stderr, flush=True)
+        table = slowest(done.stdout)
+        if table:
+            print(f"  its {SLOWEST} slowest:\n{table}", file=sys.stderr, flush=True)
 
     return report
 
@@ -307,10 +329,8 @@ def _reference(args: list[str], storage: Path, baselines: Path, timeout: float, 
     compare with it. With `keep`, the reference is kept too, as keep/references/<GPU>/reference-N.json (N counting
     the measurement's machine starts): the baseline its runs were judged against, a baseline of that commit, and
     with the runs a calibration's fresh processes."""
-    started = time.monotonic()
-    reruns.rerun([*args, f"--benchmark-storage={storage}", "--benchmark-save=reference"], 1, Path.cwd(),
-                 env=UNCHANGED, timeout=timeout)
-    print(f"a fresh reference saved in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+    reruns.rerun([*args, f"--benchmark-storage={storage}", "--benchmark-save=reference", DURATIONS], 1, Path.cwd(),
+                 env=UNCHANGED, timeout=timeout, progress=_progress("a fresh reference", 1))
     for folder in storage.iterdir():
         calibrated = baselines / folder.name / calibration.FILE_NAME
         if calibrated.exists():
@@ -328,7 +348,9 @@ def _compare_args(args: argparse.Namespace, folder: Path) -> list[str]:
     baseline, each benchmark's newest one, or a fresh reference saved into `folder`."""
     if not args.no_warm_up:
         print("an untimed run first, to fill the compilation caches", file=sys.stderr, flush=True)
+        started = time.monotonic()
         reruns.warm_up(args.pytest_args, Path.cwd(), timeout=args.timeout)
+        print(f"  the untimed run took {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     if args.baseline == "newest":
         return [f"--benchmark-storage={args.storage}", "--benchmark-compare"]
     if args.baseline:
@@ -353,7 +375,7 @@ def _measure_in_process(args: argparse.Namespace, cases: list[Case], held: dict
         compare = _compare_args(args, Path(folder))
         print(f"{args.runs} runs, each measuring every case", file=sys.stderr, flush=True)
         while len(docs) < args.runs:
-            docs += reruns.rerun([*args.pytest_args, *compare], 1, Path.cwd(), env=env, timeout=args.timeout,
+            docs += reruns.rerun([*args.pytest_args, *compare, DURATIONS], 1, Path.cwd(), env=env, timeout=args.timeout,
                                  progress=_progress("every case", args.runs),
                                  keep=None if args.keep is None else args.keep / IN_PROCESS, first=len(docs))
             if len(docs) < args.runs:  # what is measured so far, in case the rest never finishes
@@ -382,7 +404,7 @@ def _measure(args: argparse.Namespace, cases: list[Case], held: dict) -> list[tu
                     if len(docs[name]) > index:
                         continue
                     kept = None if args.keep is None else args.keep / name
-                    docs[name] += reruns.rerun([*args.pytest_args, *compare], 1, Path.cwd(), env=env,
+                    docs[name] += reruns.rerun([*args.pytest_args, *compare, DURATIONS], 1, Path.cwd(), env=env,
                                                timeout=args.timeout, progress=_progress(column, args.runs),
                                                keep=kept, first=len(docs[name]))
                 results = [(case.column, docs[case.name], case.counted) for case in cases]
