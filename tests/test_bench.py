@@ -107,7 +107,9 @@ def test_profile_writes_a_trace_and_operator_tables(tmp_path, capsys):
     assert "top operators ==" in ops and "top operators by input shape ==" in ops and "Input Shapes" in ops
     # Operators only: the ranges (forward, layer_N, ...) would top the table with the time of all they hold.
     table = ops.split("top operators ==")[1].split("==")[0]
-    assert "aten::mm" in table and not re.search(r"^\s*(forward|backward|layer_0|optimizer_step)\s", table, re.M)
+    # Which operators make the top 5 of a tiny CPU step varies from run to run (aten::mm was missing from one): any.
+    assert re.search(r"^\s*aten::\w+", table, re.M)
+    assert not re.search(r"^\s*(forward|backward|layer_0|optimizer_step)\s", table, re.M)
     assert "top operators" in capsys.readouterr().out
 
 
