@@ -67,6 +67,18 @@ def views(q, k, v, do):
     return None if dov is None else (*found, dov)
 
 
+@gluon.constexpr_function
+def _mma_layout(cols):
+    """The layout of a consumer warpgroup's MMA result with `cols` columns (its 4 warps along the rows)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
+
+
+@gluon.constexpr_function
+def _a_layout(cols):
+    """The layout of a 16-bit A operand from registers for an MMA whose result has `cols` columns."""
+    return gl.DotOperandLayout(operand_index=0, parent=_mma_layout(cols), k_width=2)
+
+
 # ------------------------------------------------------------------------------------------------ dK, dV
 
 
@@ -128,11 +140,9 @@ def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_b
                    out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
                    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
     half: gl.constexpr = k_w.shape[0]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M)
+    acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    a_layout: gl.constexpr = _a_layout(HEAD_DIM)
     keys = key0 + gl.arange(0, half, layout=gl.SliceLayout(1, s_layout))
     dk = gl.zeros([half, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([half, HEAD_DIM], gl.float32, acc_layout)
@@ -252,11 +262,9 @@ def _dq_consumer(dq_desc, LSE, DELTA, q_w, do_w, k_smem, v_smem, q_bar, k_ready,
                  out_row, row0, stat_row, n_full, n_tiles, qk_scale, sm_scale,
                  CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
     half: gl.constexpr = q_w.shape[0]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    a_layout: gl.constexpr = _a_layout(HEAD_DIM)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows = row0 + gl.arange(0, half, layout=row_layout)
     lse2 = gl.load(LSE + stat_row + rows) * LOG2E
