@@ -1,6 +1,6 @@
 """The attention kernels' variants side by side in one process: the Triton backward, the Gluon backward for Hopper
 (lmsys.attention.flash_hopper_bwd: as it is, with its dQ kernel beside the dK/dV one on a side stream, with dQ tiles
-of 128 keys, with 3 stages), the Gluon forward at d=64 too (it takes d=128 alone) and SDPA's cuDNN and flash
+of 128 keys, with 3 stages, PIPELINED), the Gluon forward at d=64 too (it takes d=128 alone) and SDPA's cuDNN and flash
 backends, at the CS336 leaderboard's shape and the causal grid's points from 8192 tokens (issue 15).
 
 For each point (causal, bf16): first each variant's output and gradients against the Triton kernels' on the same
@@ -45,12 +45,14 @@ VARIANTS = {
     "hopper-concurrent": ("flash_triton", {**GLUON, "CONCURRENT_DQ": True}),
     "hopper-dq128": ("flash_triton", {**GLUON, "TILES": {64: (64, 128), 128: (64, 128)}}),
     "hopper-3stages": ("flash_triton", {**GLUON, "NUM_STAGES": 3}),
+    "hopper-pipelined": ("flash_triton", {**GLUON, "PIPELINED": True}),
     "sdpa_cudnn": ("sdpa_cudnn", {}),
     "sdpa_flash": ("sdpa_flash", {}),
 }
 DEFAULTS = {
     "HOPPER_BACKWARD": (flash_triton, False),
     "CONCURRENT_DQ": (flash_hopper_bwd, False),
+    "PIPELINED": (flash_hopper_bwd, False),
     "TILES": (flash_hopper_bwd, flash_hopper_bwd.TILES),
     "NUM_STAGES": (flash_hopper_bwd, flash_hopper_bwd.NUM_STAGES),
     "HEAD_DIMS": (flash_hopper, flash_hopper.HEAD_DIMS),  # of the Gluon forward

@@ -552,7 +552,7 @@ def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, head_dim,
 
 
 # Compiles the two kernels of the Gluon backward for sm_90 (no GPU needed), causal and not, at each head dim they take,
-# and writes each one's PTX, cubin and shared-memory size to the folder argv[2]/<kernel>-<causal>-<d>.
+# and writes each one's PTX, cubin and shared-memory size to the folder argv[2]/<kernel>-<causal>-<d>-<pipelined>.
 _COMPILE_HOPPER_BACKWARD = """
 import pathlib, sys
 import triton
@@ -563,32 +563,36 @@ from lmsys.attention import flash_hopper_bwd as hb
 
 which = sys.argv[1]
 kernel = hb._dkdv_kernel if which == "dkdv" else hb._dq_kernel
-for causal in (False, True):
-    for d in hb.HEAD_DIMS:
-        def descriptor(rows):
-            return f"tensordesc<bf16[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
-        if which == "dkdv":
-            half = hb.BLOCK_KEYS // 2
-            descs = {"q_desc": descriptor(hb.TILES[d][0]), "k_desc": descriptor(half), "v_desc": descriptor(half),
-                     "do_desc": descriptor(hb.TILES[d][0]), "dk_desc": descriptor(half), "dv_desc": descriptor(half)}
-        else:
-            half = hb.BLOCK_ROWS // 2
-            keys = hb.TILES[d][1]
-            descs = {"q_desc": descriptor(half), "k_desc": descriptor(keys), "v_desc": descriptor(keys),
-                     "do_desc": descriptor(half), "dq_desc": descriptor(half)}
-        constexprs = dict(HEAD_DIM=d, CAUSAL=causal, NUM_STAGES=hb.NUM_STAGES, CONSUMER_REGS=hb.CONSUMER_REGS,
-                          PRODUCER_REGS=hb.PRODUCER_REGS)
-        types = {**descs, "LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
-                 **dict.fromkeys(constexprs, "constexpr")}
-        names = kernel.arg_names
-        source = GluonASTSource(kernel, {n: types.get(n, "i32") for n in names},
-                                {(names.index(n),): value for n, value in constexprs.items()}, {})
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        out = pathlib.Path(sys.argv[2]) / f"{which}-{causal}-{d}"
-        out.mkdir()
-        (out / "kernel.ptx").write_text(compiled.asm["ptx"])
-        (out / "kernel.cubin").write_bytes(compiled.asm["cubin"])
-        (out / "shared").write_text(str(compiled.metadata.shared))
+# The dK/dV kernel also as PIPELINED, at d=64 (at d=128 that spills a few registers).
+cases = [(causal, d, pipelined) for causal in (False, True) for d in hb.HEAD_DIMS
+         for pipelined in (((False, True) if d == 64 else (False,)) if which == "dkdv" else (None,))]
+for causal, d, pipelined in cases:
+    def descriptor(rows):
+        return f"tensordesc<bf16[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
+    if which == "dkdv":
+        half = hb.BLOCK_KEYS // 2
+        descs = {"q_desc": descriptor(hb.TILES[d][0]), "k_desc": descriptor(half), "v_desc": descriptor(half),
+                 "do_desc": descriptor(hb.TILES[d][0]), "dk_desc": descriptor(half), "dv_desc": descriptor(half)}
+    else:
+        half = hb.BLOCK_ROWS // 2
+        keys = hb.TILES[d][1]
+        descs = {"q_desc": descriptor(half), "k_desc": descriptor(keys), "v_desc": descriptor(keys),
+                 "do_desc": descriptor(half), "dq_desc": descriptor(half)}
+    constexprs = dict(HEAD_DIM=d, CAUSAL=causal, NUM_STAGES=hb.NUM_STAGES, CONSUMER_REGS=hb.CONSUMER_REGS,
+                      PRODUCER_REGS=hb.PRODUCER_REGS)
+    if pipelined is not None:
+        constexprs["PIPELINED"] = pipelined
+    types = {**descs, "LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
+             **dict.fromkeys(constexprs, "constexpr")}
+    names = kernel.arg_names
+    source = GluonASTSource(kernel, {n: types.get(n, "i32") for n in names},
+                            {(names.index(n),): value for n, value in constexprs.items()}, {})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    out = pathlib.Path(sys.argv[2]) / f"{which}-{causal}-{d}-{pipelined}"
+    out.mkdir()
+    (out / "kernel.ptx").write_text(compiled.asm["ptx"])
+    (out / "kernel.cubin").write_bytes(compiled.asm["cubin"])
+    (out / "shared").write_text(str(compiled.metadata.shared))
 """
 
 
@@ -603,7 +607,7 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
     assert result.returncode == 0, result.stderr
     cuobjdump = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
     built = sorted(path for path in tmp_path.iterdir() if path.name.startswith(kernel))
-    assert len(built) == 4
+    assert len(built) == (6 if kernel == "dkdv" else 4)
     for folder in built:
         assert int((folder / "shared").read_text()) <= 227 * 1024, folder.name
         assert "wgmma.wait_group.sync.aligned 1;" in (folder / "kernel.ptx").read_text(), folder.name
@@ -645,6 +649,21 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, mo
     do = _strided(q_shape, layout if layout != "packed" else "transposed", dtype, gpu)
     check_flash("triton", q, k, v, is_causal, do)
     assert len(calls) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("setting, value", [
+    ("CONCURRENT_DQ", True), ("TILES", {64: (64, 128), 128: (64, 128)}), ("NUM_STAGES", 3), ("PIPELINED", True),
+], ids=["concurrent-dq", "dq-tiles-128", "3-stages", "pipelined"])
+@pytest.mark.parametrize("q_shape, is_causal", [((2, 3, 1024, 64), True), ((1, 2, 512, 128), False)])
+def test_hopper_backward_variants_gpu(gpu, setting, value, q_shape, is_causal, monkeypatch, seed):
+    """Each variant of the Gluon backward that scripts/attention_backward_variants.py times, against float64."""
+    if torch.cuda.get_device_capability(gpu) != (9, 0):
+        pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
+    monkeypatch.setattr(flash_triton, "HOPPER_BACKWARD", True)
+    monkeypatch.setattr(flash_hopper_bwd, setting, value)
+    q, k, v = make_inputs(q_shape, q_shape, torch.bfloat16, gpu)
+    check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
 
 
 def _packed_qkv(batch, heads, n, d, dtype, device):
