@@ -106,6 +106,20 @@ def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_s
 
 
 @gluon.jit
+def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, a_layout: gl.constexpr):
+    """A query tile's dV += P^T dO issued, then (once dP^T is in, while dV is on the tensor cores) dS^T = P^T (dP^T -
+    delta) formed and dK += dS^T Q issued: their tokens and the register operands they read, to keep until waited."""
+    p_op = gl.convert_layout(p.to(q_tile.dtype), a_layout)
+    dv_token = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+    delta = gl.load(DELTA + stat_row + cols)
+    dp = warpgroup_mma_wait(1, deps=[dp_token])
+    ds = p * (dp - gl.expand_dims(delta, 0))
+    ds_op = gl.convert_layout(ds.to(q_tile.dtype), a_layout)
+    dk_token = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+    return dv_token, dk_token, p_op, ds_op
+
+
+@gluon.jit
 def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys, lo, hi,
                qk_scale, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
                s_layout: gl.constexpr, a_layout: gl.constexpr):
@@ -127,13 +141,8 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
         if MASK:
             p = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1), p, 0.0)
-        p_op = gl.convert_layout(p.to(q_tile.dtype), a_layout)
-        dv_token = warpgroup_mma(p_op, do_tile, dv, is_async=True)
-        delta = gl.load(DELTA + stat_row + cols)
-        dp = warpgroup_mma_wait(1, deps=[dp_token])
-        ds = p * (dp - gl.expand_dims(delta, 0))
-        ds_op = gl.convert_layout(ds.to(q_tile.dtype), a_layout)
-        dk_token = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+        dv_token, dk_token, p_op, ds_op = _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols,
+                                                       a_layout)
         dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op])
         mbarrier.arrive(empty.index(slot))
     return dk, dv
@@ -162,13 +171,8 @@ def _dkdv_loop_pipelined(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, D
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
         if CAUSAL:
             p = gl.where((gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1)) | (j >= n_masked), p, 0.0)
-        p_op = gl.convert_layout(p.to(q_tile.dtype), a_layout)
-        dv_token = warpgroup_mma(p_op, do_tile, dv, is_async=True)
-        delta = gl.load(DELTA + stat_row + cols)
-        dp = warpgroup_mma_wait(1, deps=[dp_token])
-        ds = p * (dp - gl.expand_dims(delta, 0))
-        ds_op = gl.convert_layout(ds.to(q_tile.dtype), a_layout)
-        dk_token = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+        dv_token, dk_token, p_op, ds_op = _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols,
+                                                       a_layout)
         nxt = j + 1
         if nxt < n_tiles:
             nslot = nxt % NUM_STAGES

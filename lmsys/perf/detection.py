@@ -41,12 +41,7 @@ import pandas as pd
 
 from lmsys.perf import baselines, calibration, report, reruns
 from lmsys.perf.compare import MORE_MEMORY, Verdict, format_bytes
-from lmsys.perf.timing import (
-    INJECT_CASES,
-    INJECT_DELAY,
-    INJECT_MEMORY,
-    INJECTED_CASES_KEY,
-)
+from lmsys.perf.timing import INJECT_CASES, INJECT_DELAY, INJECT_MEMORY, INJECTED_CASES_KEY
 
 UNCHANGED = {INJECT_DELAY: "0", INJECT_MEMORY: "0"}
 
@@ -117,8 +112,6 @@ def _markdown(table: pd.DataFrame) -> str:
 # on a cold machine, where a reference of the default subset took 19 minutes for 60 s of timed rounds.
 SLOWEST = 10
 DURATIONS = f"--durations={SLOWEST}"
-
-
 DURATION_LINE = re.compile(r"\d+(\.\d+)?s\s+(setup|call|teardown)\s+\S")
 
 
