@@ -271,6 +271,35 @@ def test_kept_runs_are_never_overwritten_nor_mixed_with_another_measurement(monk
     assert sorted(p.name for p in Path("kept").rglob("*.json")) == before
 
 
+@pytest.mark.parametrize("in_process", [False, True])
+def test_a_folder_of_runs_without_its_manifest_is_refused_and_nothing_in_it_is_overwritten(monkeypatch, tmp_path,
+                                                                                          in_process):
+    """On the H100 the manifest of a running measurement was deleted under it (its folder synced away), and the next
+    call measured into the folder afresh, numbering from 0 over the kept run: such a folder is refused, with or
+    without --resume, and so is one whose runs are not numbered 0 to n-1 (the next would take a kept one's
+    number)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(detection.reruns, "rerun", keeping_rerun([]))
+    mode = ["--in-process"] * in_process
+    argv = [*mode, "--inject", "0.05", "--keep", "kept", "--", "perf_tests", "-k", "x"]
+    assert detection.main(["--runs", "1", *argv]) == 0
+    (tmp_path / "kept" / detection.MANIFEST).unlink()
+    before = {p: p.read_bytes() for p in Path("kept").rglob("*.json")}
+    for resume in ([], ["--resume"]):
+        with pytest.raises(SystemExit, match=r"holds JSON files but no detection.json: .*would be overwritten"):
+            detection.main(["--runs", "2", *resume, *argv])
+    assert {p: p.read_bytes() for p in Path("kept").rglob("*.json")} == before
+
+    shutil.rmtree("kept")
+    assert detection.main(["--runs", "1", *argv]) == 0
+    case = next(p for p in Path("kept").iterdir() if p.is_dir() and p.name != "references")
+    (case / f"{case.name}-run-0.json").rename(case / f"{case.name}-run-1.json")  # a gap: one run, numbered 1
+    before = {p: p.read_bytes() for p in Path("kept").rglob("*.json")}
+    with pytest.raises(SystemExit, match=r"holds runs numbered \[1\], not 0 to 0: .*written over kept ones"):
+        detection.main(["--runs", "2", "--resume", *argv])
+    assert {p: p.read_bytes() for p in Path("kept").rglob("*.json")} == before  # refused before measuring
+
+
 def test_runs_of_another_gate_are_never_resumed_nor_tabulated_together(monkeypatch, tmp_path, capsys):
     """The manifest records a hash of each file that decides a verdict (lmsys.perf, perf_tests, the calibrations): a
     changed calibration or benchmark is another gate, whose runs go into another folder."""

@@ -152,6 +152,16 @@ def _run_files(folder: Path) -> list[Path]:
     return [path for _, path in sorted(numbered)]
 
 
+def _resumed_runs(folder: Path) -> list[dict]:
+    """kept_runs(folder) for a measurement that adds runs numbered on from them, after checking that they are numbered
+    0 to n-1: a run is never written over one kept under the number it would take."""
+    numbers = [int(path.stem.rsplit("-", 1)[1]) for path in _run_files(folder)]
+    if numbers != list(range(len(numbers))):
+        raise SystemExit(f"{folder} holds runs numbered {numbers}, not 0 to {len(numbers) - 1}: the next runs would "
+                         "be written over kept ones; keep these runs elsewhere")
+    return kept_runs(folder)
+
+
 def kept_runs(folder: Path) -> list[dict]:
     """The JSON documents kept in folder (a case's folder under --keep), in run order; [] when there is none."""
     return [json.loads(path.read_text(encoding="utf-8")) for path in _run_files(folder)]
@@ -307,6 +317,11 @@ def _resume(keep: Path, settings: dict, resume: bool, gate: dict[str, str]) -> N
                              "keep this gate's runs in another folder")
         else:
             return
+    elif keep.is_dir() and any(keep.rglob("*.json")):
+        # runs or references without the manifest written before them: a copy made partway (a folder synced away
+        # under a running measurement) or by hand; measuring into it would number its runs from 0 again
+        raise SystemExit(f"--keep {keep} holds JSON files but no {MANIFEST}: not a measurement this can add to "
+                         "(its runs would be overwritten); restore its manifest, or keep these runs in another folder")
     elif resume:
         raise SystemExit(f"--resume: {keep} holds no measurement to resume ({MANIFEST} is missing)")
     keep.mkdir(parents=True, exist_ok=True)
@@ -356,7 +371,7 @@ def _measure_in_process(args: argparse.Namespace, cases: list[Case], held: dict
                         ) -> list[tuple[str, list[dict], Callable]]:
     """--in-process: each run, one fresh process, measures every benchmark unchanged (its own verdict: the A/A case)
     and then once per injected case (LMSYS_INJECT_CASES); returns the cases' results over every run."""
-    docs = kept_runs(args.keep / IN_PROCESS) if args.resume else []
+    docs = _resumed_runs(args.keep / IN_PROCESS) if args.resume else []
     if args.resume:
         print(f"resuming {args.keep}: {len(docs)} runs", file=sys.stderr, flush=True)
     if len(docs) >= args.runs:
@@ -380,7 +395,7 @@ def _measure_in_process(args: argparse.Namespace, cases: list[Case], held: dict
 
 def _measure(args: argparse.Namespace, cases: list[Case], held: dict) -> list[tuple[str, list[dict], Callable]]:
     """Each case in runs of its own, the cases taking turns a round at a time; returns their results."""
-    docs = {case.name: kept_runs(args.keep / case.name) if args.resume else [] for case in cases}
+    docs = {case.name: _resumed_runs(args.keep / case.name) if args.resume else [] for case in cases}
     if args.resume:
         print(f"resuming {args.keep}: " + ", ".join(f"{name} {len(runs)} runs" for name, runs in docs.items()),
               file=sys.stderr, flush=True)
