@@ -638,6 +638,7 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, mo
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
     monkeypatch.setattr(flash_triton, "HOPPER_BACKWARD", True)
+    monkeypatch.setattr(flash_hopper_bwd, "MIN_PROGRAMS_PER_SM", 0)  # small problems, which it would leave
     calls = []
     hopper_backward = flash_hopper_bwd.backward
     monkeypatch.setattr(flash_hopper_bwd, "backward", lambda *a: calls.append(a) or hopper_backward(*a))
@@ -661,9 +662,35 @@ def test_hopper_backward_variants_gpu(gpu, setting, value, q_shape, is_causal, m
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
     monkeypatch.setattr(flash_triton, "HOPPER_BACKWARD", True)
+    monkeypatch.setattr(flash_hopper_bwd, "MIN_PROGRAMS_PER_SM", 0)
     monkeypatch.setattr(flash_hopper_bwd, setting, value)
     q, k, v = make_inputs(q_shape, q_shape, torch.bfloat16, gpu)
     check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
+
+
+@pytest.mark.gpu
+def test_the_gluon_backward_is_the_default_for_large_problems_alone_gpu(gpu, monkeypatch, seed):
+    """By default (HOPPER_BACKWARD, MIN_PROGRAMS_PER_SM) a backward the Gluon kernels take runs on them from 1.5
+    programs of 128 query rows per multiprocessor, where it was measured faster, and on the Triton kernel below that;
+    both checked against float32 SDPA (the float64 tests run the Gluon kernels on small problems)."""
+    if torch.cuda.get_device_capability(gpu) != (9, 0):
+        pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
+    assert flash_triton.HOPPER_BACKWARD and flash_hopper_bwd.MIN_PROGRAMS_PER_SM == 1.5
+    calls = []
+    hopper_backward = flash_hopper_bwd.backward
+    monkeypatch.setattr(flash_hopper_bwd, "backward", lambda *a: calls.append(a) or hopper_backward(*a))
+    sms = torch.cuda.get_device_properties(gpu).multi_processor_count
+    for rows, runs_gluon in ((sms * 128, False), (2 * sms * 128, True)):  # 1 and 2 programs per multiprocessor
+        calls.clear()
+        q, k, v = make_inputs((1, 1, rows, 64), (1, 1, rows, 64), torch.bfloat16, gpu)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        do = torch.randn_like(q)
+        grads = torch.autograd.grad(flash_attention(q, k, v, is_causal=True, impl="triton"), (q, k, v), do)
+        assert len(calls) == runs_gluon
+        ref = torch.autograd.grad(
+            F.scaled_dot_product_attention(*(t.float() for t in (q, k, v)), is_causal=True), (q, k, v), do.float())
+        for got, want in zip(grads, ref, strict=True):  # bf16 rounding: within 2% of the gradient's largest entry
+            assert (got.float() - want).abs().max() <= 2e-2 * want.abs().max()
 
 
 def _packed_qkv(batch, heads, n, d, dtype, device):

@@ -18,10 +18,18 @@ kernel: no atomics and no fp32 dQ buffer. delta = rowsum(dO * O) comes from the 
 kernels share only their inputs: with CONCURRENT_DQ the dQ kernel runs on a side stream beside the other.
 
 Scope: what the Gluon forward takes (`flash_hopper.views`: sm_90, bf16 or fp16, lengths multiples of 128, q, k, v
-and dO contiguous or the (B, H, T, D) views of (B, T, H, D) tensors), head dims 64 and 128. `flash_triton` runs it
-when `flash_triton.HOPPER_BACKWARD` is set (LMSYS_HOPPER_BACKWARD=1 at import); it is off until it is measured faster
-than the Triton backward on the GPU. tests/test_attention.py compiles both kernels for sm_90 on any machine (no
-spilled register) and checks them against float64 on a Hopper GPU.
+and dO contiguous or the (B, H, T, D) views of (B, T, H, D) tensors), head dims 64 and 128, problems of at least
+MIN_PROGRAMS_PER_SM programs per multiprocessor. `flash_triton` runs it for such inputs unless
+`flash_triton.HOPPER_BACKWARD` is off (LMSYS_HOPPER_BACKWARD=0 at import). tests/test_attention.py compiles both
+kernels for sm_90 on any machine (no spilled register) and checks them against float64 on a Hopper GPU.
+
+Measured on the H100 (2026-11-23, scripts/attention_backward_variants.py, causal bf16 backward, median of 30 calls):
+at the CS336 leaderboard's (16, 16384, 64) 3.456 ms against the Triton backward's 3.542 (cuDNN 3.041); on the causal
+grid (batch 1, one head) from 32768 tokens 0.854-5.53 ms against 1.052-6.344 (13-19% faster; cuDNN 0.795-4.871), but
+at 8192 and 16384 tokens (64 and 128 programs for 132 multiprocessors) up to 1.8x slower at d=128 (0.320 against
+0.178 ms at 8192). Recomputing the scores costs 7 tensor-core products against cuDNN's 5; FA3's cheaper dQ (a TMA
+reduce-add into fp32) has no Gluon API on Hopper in Triton 3.6, and element atomics would move ~8 GB through L2 at
+the leaderboard's shape.
 """
 
 import contextlib
@@ -50,6 +58,10 @@ BLOCK_ROWS = 128  # query rows per _dq_kernel program: two consumer warpgroups o
 TILES = {64: (64, 64), 128: (64, 64)}
 NUM_STAGES = 2
 HEAD_DIMS = (64, 128)
+# Programs (of the dQ kernel: 128 query rows each) per multiprocessor from which flash_triton takes this backward:
+# on the H100 it was faster than the Triton backward at 256 programs (1.9 per multiprocessor) and more, slower at 128
+# and fewer, where the Triton backward's smaller blocks fill more of the GPU (measured: module docstring).
+MIN_PROGRAMS_PER_SM = 1.5
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 # Whether the dQ kernel runs on a side stream beside the dK/dV kernel (they share only their inputs), so that a
@@ -66,7 +78,7 @@ def views(q, k, v, do):
     """The 2-D views (`flash_hopper._view`) of q, k, v and do when these kernels run this backward, else None."""
     if q.shape[-1] not in HEAD_DIMS or do.shape != q.shape:
         return None
-    found = flash_hopper.views(q, k, v, head_dims=HEAD_DIMS, min_programs_per_sm=0)
+    found = flash_hopper.views(q, k, v, head_dims=HEAD_DIMS, min_programs_per_sm=MIN_PROGRAMS_PER_SM)
     dov = flash_hopper._view(do) if found is not None else None
     return None if dov is None else (*found, dov)
 

@@ -18,8 +18,9 @@ there are no atomics; with a causal mask the two halves of a program's work add 
 every program, which keeps the launch balanced.
 
 On Hopper, 16-bit inputs with head dim 128 and lengths that are multiples of 128 take the Gluon forward of
-lmsys.attention.flash_hopper instead (FA3's pipeline, which Triton's compiler does not produce); the backward is
-the same for every input unless HOPPER_BACKWARD sends such inputs (d=64 or 128) to lmsys.attention.flash_hopper_bwd.
+lmsys.attention.flash_hopper instead (FA3's pipeline, which Triton's compiler does not produce); such inputs at d=64
+or 128, on problems of enough programs to fill the GPU, take the Gluon backward of lmsys.attention.flash_hopper_bwd
+(HOPPER_BACKWARD), every other input the Triton backward below.
 
 Tuning: tile sizes, warps and pipeline depth are autotuned per (length rounded up to a power of two, head dim, causal,
 dtype); the forward may load its tiles through tensor descriptors (TMA on Hopper) instead of pointers, whichever is
@@ -59,9 +60,10 @@ _INTERPRET = triton.knobs.runtime.interpret
 # Inputs that lmsys.attention.flash_hopper takes (Hopper, 16-bit, d=128, lengths multiples of 128) go to its Gluon
 # forward, about 20% faster there than the forward below; False sends everything to the Triton-language kernels.
 HOPPER_FORWARD = True
-# The same inputs with head dim 64 or 128 can take the Gluon backward of lmsys.attention.flash_hopper_bwd: off (unless
-# LMSYS_HOPPER_BACKWARD=1 is set when lmsys is imported) until it is measured faster than the Triton backward below.
-HOPPER_BACKWARD = os.environ.get("LMSYS_HOPPER_BACKWARD") == "1"
+# The inputs of the Gluon forward with head dim 64 or 128, on problems large enough, take the Gluon backward of
+# lmsys.attention.flash_hopper_bwd (measured faster there than the Triton backward below), unless
+# LMSYS_HOPPER_BACKWARD=0 is set when lmsys is imported.
+HOPPER_BACKWARD = os.environ.get("LMSYS_HOPPER_BACKWARD") != "0"
 
 
 def _block_d(head_dim):
