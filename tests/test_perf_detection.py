@@ -300,6 +300,25 @@ def test_a_folder_of_runs_without_its_manifest_is_refused_and_nothing_in_it_is_o
     assert {p: p.read_bytes() for p in Path("kept").rglob("*.json")} == before  # refused before measuring
 
 
+def test_a_measurement_resumes_with_or_without_the_plugin_loaded_by_name(monkeypatch, tmp_path, capsys):
+    """`-p lmsys.perf.plugin` (which .ci/detection adds where the plugin's entry point is not installed, as on the
+    H100's image) changes nothing measured: runs kept with it and without it are one measurement, in a manifest
+    written before it was left out too; another selection is still refused."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(detection.reruns, "rerun", keeping_rerun([]))
+    argv = ["--in-process", "--inject", "0.05", "--keep", "kept", "--"]
+    assert detection.main(["--runs", "1", *argv, "perf_tests", "-p", "lmsys.perf.plugin"]) == 0
+    manifest = tmp_path / "kept" / detection.MANIFEST
+    assert json.loads(manifest.read_text())["pytest_args"] == ["perf_tests"]
+    written = json.loads(manifest.read_text())  # as a manifest written before: the plugin in the selection
+    manifest.write_text(json.dumps({**written, "pytest_args": ["perf_tests", "-p", "lmsys.perf.plugin"]}))
+    assert detection.main(["--runs", "2", "--resume", *argv, "perf_tests"]) == 0
+    assert detection.main(["--runs", "3", "--resume", *argv, "perf_tests", "-plmsys.perf.plugin"]) == 0
+    assert len(list((tmp_path / "kept" / detection.IN_PROCESS).glob("*.json"))) == 3
+    with pytest.raises(SystemExit, match="--resume: kept holds runs of"):
+        detection.main(["--runs", "4", "--resume", *argv, "perf_tests", "-p", "other.plugin"])
+
+
 def test_runs_of_another_gate_are_never_resumed_nor_tabulated_together(monkeypatch, tmp_path, capsys):
     """The manifest records a hash of each file that decides a verdict (lmsys.perf, perf_tests, the calibrations): a
     changed calibration or benchmark is another gate, whose runs go into another folder."""

@@ -167,9 +167,27 @@ def kept_runs(folder: Path) -> list[dict]:
     return [json.loads(path.read_text(encoding="utf-8")) for path in _run_files(folder)]
 
 
+PLUGIN = "lmsys.perf.plugin"
+
+
+def _selection(pytest_args: list[str]) -> list[str]:
+    """The pytest arguments without `-p lmsys.perf.plugin`: .ci/detection adds it where the plugin's entry point is not
+    installed, and it changes nothing measured (runs kept on a machine with the entry point and on one without are of
+    the same measurement)."""
+    out, skip = [], False
+    for index, arg in enumerate(pytest_args):
+        if skip:
+            skip = False
+        elif arg == "-p" and pytest_args[index + 1:index + 2] == [PLUGIN]:
+            skip = True
+        elif arg != f"-p{PLUGIN}":
+            out.append(arg)
+    return out
+
+
 def _settings(args: argparse.Namespace) -> dict:
     """What makes runs of two measurements the same cases (kept in DIR/detection.json, compared on --resume)."""
-    settings = {"pytest_args": args.pytest_args, "baseline": args.baseline, "no_aa": args.no_aa,
+    settings = {"pytest_args": _selection(args.pytest_args), "baseline": args.baseline, "no_aa": args.no_aa,
                 "inject": args.inject, "inject_memory": args.inject_memory,
                 "memory_with_delays": args.memory_with_delays}
     return {**settings, "in_process": True} if args.in_process else settings
@@ -226,9 +244,15 @@ def _cases(settings: dict) -> tuple[list[Case], dict]:
 
 
 def _manifest(folder: Path) -> dict | None:
-    """The settings of the measurement whose runs folder keeps (--keep), or None when it keeps none."""
+    """The settings of the measurement whose runs folder keeps (--keep), or None when it keeps none; its test
+    selection as _selection has it (a manifest written before that may hold `-p lmsys.perf.plugin`)."""
     path = folder / MANIFEST
-    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+    if not path.exists():
+        return None
+    manifest = json.loads(path.read_text(encoding="utf-8"))
+    if "pytest_args" in manifest:
+        manifest["pytest_args"] = _selection(manifest["pytest_args"])
+    return manifest
 
 
 def _table_of_kept(folders: list[Path]) -> tuple[pd.DataFrame, dict[Path, list[str]]]:
