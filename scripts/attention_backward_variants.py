@@ -49,7 +49,7 @@ VARIANTS = {
     "hopper-dq128": ("flash_triton", {**GLUON, "TILES": {64: (64, 128), 128: (64, 128)}}),
     "hopper-3stages": ("flash_triton", {**GLUON, "NUM_STAGES": 3}),
     "hopper-pipelined": ("flash_triton", {**GLUON, "PIPELINED": True}),
-    "hopper-fused-dq": ("flash_triton", {**GLUON, "FUSED_DQ": True}),  # at d=64; elsewhere the same as "hopper"
+    "hopper-fused-dq": ("flash_triton", {**GLUON, "FUSED_DQ": True}),
     "sdpa_cudnn": ("sdpa_cudnn", {}),
     "sdpa_flash": ("sdpa_flash", {}),
 }

@@ -12,6 +12,7 @@ import functools
 import inspect
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -563,20 +564,20 @@ from lmsys.attention import flash_hopper_bwd as hb
 
 which = sys.argv[1]
 kernel = hb._dkdv_kernel if which == "dkdv" else hb._dq_kernel
-# The dK/dV kernel also as PIPELINED at d=64 (at d=128 that spills a few registers), and with FUSED_DQ where it applies.
-variants = {64: ("plain", "pipelined", "fused"), 128: ("plain",)}
+# The dK/dV kernel also as PIPELINED at d=64 (at d=128 that spills a few registers), and with FUSED_DQ.
+variants = {64: ("plain", "pipelined", "fused"), 128: ("plain", "fused")}
 cases = [(causal, d, variant) for causal in (False, True) for d in hb.HEAD_DIMS
          for variant in (variants[d] if which == "dkdv" else (None,))]
-assert hb.FUSED_DQ_HEAD_DIMS == (64,)
+assert hb.FUSED_DQ_HEAD_DIMS == (64, 128)
 for causal, d, variant in cases:
-    def descriptor(rows, dtype="bf16"):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, d], {"bf16": gl.bfloat16, "fp32": gl.float32}[dtype])
-        return f"tensordesc<{dtype}[{rows}, {d}],{layout!r}>"
+    def descriptor(rows, dtype="bf16", cols=d):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], {"bf16": gl.bfloat16, "fp32": gl.float32}[dtype])
+        return f"tensordesc<{dtype}[{rows}, {cols}],{layout!r}>"
     if which == "dkdv":
         half = hb.BLOCK_KEYS // 2
         descs = {"q_desc": descriptor(hb.TILES[d][0]), "k_desc": descriptor(half), "v_desc": descriptor(half),
                  "do_desc": descriptor(hb.TILES[d][0]), "dk_desc": descriptor(half), "dv_desc": descriptor(half),
-                 "dq_desc": descriptor(hb.TILES[d][0], "fp32") if variant == "fused" else descriptor(half)}
+                 "dq_desc": descriptor(hb.TILES[d][0], "fp32", hb.DQ_COLS) if variant == "fused" else descriptor(half)}
     else:
         half = hb.BLOCK_ROWS // 2
         keys = hb.TILES[d][1]
@@ -604,14 +605,15 @@ for causal, d, variant in cases:
 def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path):
     """On any machine: each kernel of the Gluon backward compiles for sm_90 with the installed triton at both head dims,
     causal and not, fits shared memory, spills no register, and works on the probabilities while a product is still
-    in flight (`wgmma.wait_group 1`); with FUSED_DQ the dK/dV kernel reduce-adds dQ by TMA."""
+    in flight (`wgmma.wait_group 1`); with FUSED_DQ the dK/dV kernel reduce-adds dQ by TMA (at d=128 spilling at most
+    64 bytes of registers)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
     result = subprocess.run([sys.executable, "-c", _COMPILE_HOPPER_BACKWARD, kernel, str(tmp_path)], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     cuobjdump = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
     built = sorted(path for path in tmp_path.iterdir() if path.name.startswith(kernel))
-    assert len(built) == (8 if kernel == "dkdv" else 4)
+    assert len(built) == (10 if kernel == "dkdv" else 4)
     for folder in built:
         assert int((folder / "shared").read_text()) <= 227 * 1024, folder.name
         ptx = (folder / "kernel.ptx").read_text()
@@ -619,7 +621,9 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
         assert ("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx) == folder.name.endswith("fused")
         usage = subprocess.run([cuobjdump, "-res-usage", str(folder / "kernel.cubin")], capture_output=True,
                                text=True, check=True).stdout
-        assert "STACK:0 " in usage and "LOCAL:0" in usage, (folder.name, usage)  # no register spilled
+        stack = int(re.search(r"STACK:(\d+)", usage)[1])
+        spill_allowed = 64 if folder.name.endswith("-128-fused") else 0
+        assert stack <= spill_allowed and "LOCAL:0" in usage, (folder.name, usage)  # no register spilled (or few)
 
 
 @pytest.mark.gpu
@@ -641,12 +645,11 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
 def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, fused_dq, monkeypatch, seed):
     """The Gluon backward (HOPPER_BACKWARD) against float64, forward and every gradient, on inputs it takes:
     contiguous, transposed views and the model's packed q, k, v, head dims 64 and 128, causal and not, more queries
-    than keys and fewer; and it is the backward that ran. At d=64 also with FUSED_DQ (dQ reduce-added by the dK/dV
-    kernel)."""
+    than keys and fewer; and it is the backward that ran. Also with FUSED_DQ (dQ reduce-added by the dK/dV kernel)."""
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
     if fused_dq and q_shape[-1] not in flash_hopper_bwd.FUSED_DQ_HEAD_DIMS:
-        pytest.skip("FUSED_DQ is for d=64")
+        pytest.skip(f"FUSED_DQ is for head dims {flash_hopper_bwd.FUSED_DQ_HEAD_DIMS}")
     monkeypatch.setattr(flash_hopper_bwd, "FUSED_DQ", fused_dq)
     monkeypatch.setattr(flash_triton, "HOPPER_BACKWARD", True)
     monkeypatch.setattr(flash_hopper_bwd, "MIN_PROGRAMS_PER_SM", 0)  # small problems, which it would leave

@@ -16,7 +16,7 @@ next step needs:
 Like the Triton backward (and unlike FA3, which accumulates dQ with atomics) the scores are computed twice, once per
 kernel: no atomics and no fp32 dQ buffer. delta = rowsum(dO * O) comes from the Triton preprocessing kernel. The two
 kernels share only their inputs: with CONCURRENT_DQ the dQ kernel runs on a side stream beside the other. With
-FUSED_DQ (d=64, off until measured) there is no dQ kernel: the dK/dV kernel also forms each tile's dS K and
+FUSED_DQ (off until measured) there is no dQ kernel: the dK/dV kernel also forms each tile's dS K and
 reduce-adds it into an fp32 dQ by TMA, as FA3 does.
 
 Scope: what the Gluon forward takes (`flash_hopper.views`: sm_90, bf16 or fp16, lengths multiples of 128, q, k, v
@@ -76,12 +76,14 @@ CONCURRENT_DQ = False
 # (_dkdv_loop_pipelined), instead of waiting first. At d=64 it compiles without a spill; at d=128 it spills a few
 # registers.
 PIPELINED = False
-# Whether dQ comes from the dK/dV kernel, FA3's way, instead of the dQ kernel (at the head dims of FUSED_DQ_HEAD_DIMS):
-# each consumer warpgroup also forms its keys' share dS K of a query tile's dQ (dS^T through shared memory, one more
-# tensor-core product), and a TMA reduce-add puts it into an fp32 dQ in global memory, which the L2 sums; no scores
-# are computed twice (5 products instead of 7). Off: compiled for sm_90 (tests/test_attention.py), not yet run on a GPU.
+# Whether dQ comes from the dK/dV kernel, FA3's way, instead of the dQ kernel: each consumer warpgroup also forms its
+# keys' share dS K of a query tile's dQ (dS^T through shared memory, one more tensor-core product), DQ_COLS columns at
+# a time (at d=128 a whole row of dQ would not fit beside dK and dV in a consumer's registers), and TMA reduce-adds put
+# it into an fp32 dQ in global memory, which the L2 sums; no scores are computed twice (5 products instead of 7). Off:
+# compiled for sm_90 (tests/test_attention.py; at d=128 with a few spilled registers), not yet run on a GPU.
 FUSED_DQ = False
-FUSED_DQ_HEAD_DIMS = (64,)  # at d=128 the dQ accumulator would not fit beside dK and dV in a consumer's registers
+FUSED_DQ_HEAD_DIMS = (64, 128)
+DQ_COLS = 64
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
 
@@ -167,7 +169,8 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
     half: gl.constexpr = k_w.shape[0]
     s_zero = gl.zeros([half, BLOCK_M], gl.float32, s_layout)
     head_dim: gl.constexpr = k_w.shape[1]
-    dq_zero = gl.zeros([BLOCK_M, head_dim], gl.float32, _mma_layout(head_dim))
+    dq_cols: gl.constexpr = dq_desc.block_type.shape[1]  # dQ in chunks of columns: one accumulator of them at a time
+    dq_zero = gl.zeros([BLOCK_M, dq_cols], gl.float32, _mma_layout(dq_cols))
     for j in range(lo, hi):
         slot = j % NUM_STAGES
         cols = (m_first + j) * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_layout)
@@ -189,13 +192,18 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
             # this warpgroup's buffer: [query rows, keys] x [keys, d].
             ds_w.store(ds)
             fence_async_shared()
-            dq_token = warpgroup_mma(ds_w.permute((1, 0)), k_w, dq_zero, use_acc=False, is_async=True)
-            dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, dq_token, p_op, ds_op])
-            mbarrier.arrive(empty.index(slot))
-            tma.store_wait(0)  # the previous tile's reduce-add has read dq_w
-            dq_w.store(dq * sm_scale)
-            fence_async_shared()
-            _tma_reduce_add(dq_desc, [dq_row + j * BLOCK_M, 0], dq_w)
+            for c in gl.static_range(head_dim // dq_cols):
+                k_cols = k_w if dq_cols == head_dim else k_w.slice(c * dq_cols, dq_cols, dim=1)
+                dq_token = warpgroup_mma(ds_w.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+                if c == 0:
+                    dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, dq_token, p_op, ds_op])
+                    mbarrier.arrive(empty.index(slot))
+                    tma.store_wait(0)  # the previous tile's reduce-adds have read dq_w
+                else:
+                    dq = warpgroup_mma_wait(0, deps=[dq_token])
+                dq_w.index(c).store(dq * sm_scale)
+                fence_async_shared()
+                _tma_reduce_add(dq_desc, [dq_row + j * BLOCK_M, c * dq_cols], dq_w.index(c))
         else:
             dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op])
             mbarrier.arrive(empty.index(slot))
@@ -310,23 +318,26 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
     # Q and dO tiles share a ring's barriers: a tile's pair arrives, and is released, together.
     q_smem, ready, empty = ring(q_desc, NUM_STAGES, HEAD_DIM)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-    if FUSED_DQ:  # per consumer: its dS^T, and its share of a tile's dQ on the way to the reduce-add
+    if FUSED_DQ:  # per consumer: its dS^T, and its share of a tile's dQ (in chunks of columns) on the way to the reduce
         ds_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_M], _shared_layout(HALF, BLOCK_M, dtype))
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_desc.layout)
+        dq_cols: gl.constexpr = dq_desc.block_type.shape[1]
+        dq_0 = gl.allocate_shared_memory(gl.float32, [HEAD_DIM // dq_cols, BLOCK_M, dq_cols], dq_desc.layout)
+        dq_1 = gl.allocate_shared_memory(gl.float32, [HEAD_DIM // dq_cols, BLOCK_M, dq_cols], dq_desc.layout)
     else:  # unused
         ds_smem = k_smem
-        dq_smem = k_smem
+        dq_0 = k_smem
+        dq_1 = k_smem
 
     stat_row = off_bh * N_Q  # lse and delta: contiguous, one row per head
     out_row = off_bh * N_K + key0  # dK and dV are contiguous: (B*H*N_K, D) views
     dq_row = stat_row + m_first * BLOCK_M  # the fp32 dQ too, (B*H*N_Q, D)
     gl.warp_specialize([
         (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, k_smem.index(0), v_smem.index(0), ds_smem.index(0),
-                          dq_smem.index(0), q_smem, do_smem, kv_bar, ready, empty, out_row, stat_row, dq_row, key0,
+                          dq_0, q_smem, do_smem, kv_bar, ready, empty, out_row, stat_row, dq_row, key0,
                           m_first, n_masked, n_tiles, qk_scale, sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES,
                           PIPELINED, FUSED_DQ)),
         (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, k_smem.index(1), v_smem.index(1), ds_smem.index(1),
-                          dq_smem.index(1), q_smem, do_smem, kv_bar, ready, empty, out_row + HALF, stat_row, dq_row,
+                          dq_1, q_smem, do_smem, kv_bar, ready, empty, out_row + HALF, stat_row, dq_row,
                           key0 + HALF, m_first, n_masked, n_tiles, qk_scale, sm_scale, CAUSAL, BLOCK_M, HEAD_DIM,
                           NUM_STAGES, PIPELINED, FUSED_DQ)),
         (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
@@ -481,8 +492,8 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
     dk_desc, dv_desc = desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half)
     if FUSED_DQ and d in FUSED_DQ_HEAD_DIMS:
         dq_sum = torch.zeros((bh * n_q, d), dtype=torch.float32, device=q.device)  # the reduce-adds' target
-        dq_sum_desc = TensorDescriptor(dq_sum, [bh * n_q, d], [d, 1], [block_m, d],
-                                       flash_hopper._smem_layout(block_m, d, gl.float32))
+        dq_sum_desc = TensorDescriptor(dq_sum, [bh * n_q, d], [d, 1], [block_m, DQ_COLS],
+                                       flash_hopper._smem_layout(block_m, DQ_COLS, gl.float32))
         launcher.launch(
             _dkdv_kernel, (n_k // BLOCK_KEYS, bh),
             (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m), dk_desc, dv_desc,
