@@ -9,8 +9,9 @@ For each point (causal, bf16): first each variant's output and gradients against
 inputs (the largest difference of each of o, dq, dk, dv relative to the Triton tensor's largest magnitude: a wrong
 kernel at a shape the float64 tests do not reach shows here), then every variant in the `fwd`, `bwd` (the forward
 once, untimed; each timed call one backward) and `fwd_bwd` modes, timed as `lmsys-bench attention` times them (the
-regression gate's clock: CUDA events; the median of --steps calls after --warmup). Prints a table and writes every
-row to the CSV file named on the command line.
+regression gate's clock: CUDA events; the median of --steps calls after --warmup), --repeats times, the variants
+taking turns. Prints a table (per variant, point and mode: the median of the repeats' medians and their range) and
+writes every row, each repeat's, to the CSV file named on the command line.
 
     PYTHONPATH=. python scripts/attention_backward_variants.py variants.csv          (from the repository root)
     PYTHONPATH=. python scripts/attention_backward_variants.py variants.csv --points leaderboard --modes bwd
@@ -99,7 +100,12 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", nargs="+", choices=["fwd", "bwd", "fwd_bwd"], default=["fwd", "bwd", "fwd_bwd"])
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="times each point's variants are timed, taking turns (default 3): the table gives the "
+                        "median of their medians and their spread, so that a drift of the machine falls on all alike")
     args = parser.parse_args(argv)
+    if args.repeats < 1 or args.steps < 1 or args.warmup < 0:
+        parser.error("--repeats and --steps must be at least 1, --warmup at least 0")
     if args.csv.suffix != ".csv" or args.csv.exists():
         parser.error(f"{args.csv}: give a new file ending in .csv")
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
@@ -108,7 +114,7 @@ def main(argv=None) -> int:
     device = sweep.backend()
     timing = SimpleNamespace(warmup=args.warmup, steps=args.steps)
     shapes = [shape for name in args.points for shape in POINTS[name]]
-    progress = sweep.Progress(len(shapes) * (1 + len(args.variants) * len(args.modes)))
+    progress = sweep.Progress(len(shapes) * (1 + args.repeats * len(args.variants) * len(args.modes)))
     rows = []
     try:
         for shape in shapes:
@@ -117,22 +123,33 @@ def main(argv=None) -> int:
             checked, status = {}, {}
             with sweep.out_of_memory_as_status(device, status):
                 checked = agreement(shape, changed)
-            for mode in args.modes:
-                for name in args.variants:
-                    provider, settings = VARIANTS[name]
-                    progress.start(f"{shape} {mode} {name}")
-                    apply(settings)
-                    row = run_point(provider, shape, "bf16", mode, True, timing, device)
-                    rows.append({"variant": name, **row, **checked.get(name, {})})
+            for repeat in range(args.repeats):
+                for mode in args.modes:
+                    for name in args.variants:
+                        provider, settings = VARIANTS[name]
+                        progress.start(f"{shape} {mode} {name} ({repeat + 1}/{args.repeats})")
+                        apply(settings)
+                        row = run_point(provider, shape, "bf16", mode, True, timing, device)
+                        rows.append({"variant": name, "repeat": repeat, **row, **checked.get(name, {})})
     finally:
         progress.close()
         apply({})
     frame = pd.DataFrame(rows)
     sweep.write_outputs(frame, [args.csv])
-    columns = ["variant", "batch", "seq", "d", "mode", "status", "median_ms", "tflop_per_s", "o_rel_diff",
-               "dq_rel_diff", "dk_rel_diff", "dv_rel_diff"]
-    print(sweep.format_table(frame[[c for c in columns if c in frame]]))
+    print(sweep.format_table(summary(frame)))
     return 0
+
+
+def summary(frame: pd.DataFrame) -> pd.DataFrame:
+    """A row per variant, point and mode: the median over the repeats of each repeat's median, their smallest and
+    largest (the spread to read a difference against), the status of the first repeat, and the agreement with the
+    Triton kernels."""
+    keys = ["variant", "batch", "seq", "d", "mode"]
+    timed = frame.dropna(subset=["median_ms"]) if "median_ms" in frame else frame.iloc[0:0]
+    spread = timed.groupby(keys, sort=False)["median_ms"].agg(median_ms="median", min_ms="min", max_ms="max")
+    first = frame.groupby(keys, sort=False).first()
+    extra = [c for c in ("status", "o_rel_diff", "dq_rel_diff", "dk_rel_diff", "dv_rel_diff") if c in first]
+    return first[extra].join(spread).reset_index()[keys + ["status", *spread.columns, *extra[1:]]]
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 import pathlib
 import runpy
 
+import pandas as pd
 import pytest
 import torch
 
@@ -28,3 +29,25 @@ def test_refuses_an_existing_output_and_an_unknown_variant(tmp_path, capsys):
     assert existing.read_text() == "kept\n"
     with pytest.raises(SystemExit):
         main([str(tmp_path / "new.csv"), "--variants", "nope"])
+
+
+def test_the_table_gives_each_variant_the_median_of_its_repeats_and_their_range():
+    summary = runpy.run_path(str(SCRIPT))["summary"]
+    point = {"batch": 16, "seq": 16384, "d": 64, "mode": "bwd"}
+    rows = [{"variant": "hopper", "repeat": r, **point, "status": "ok", "median_ms": t, "dq_rel_diff": 0.0}
+            for r, t in enumerate((3.5, 3.3, 3.4))]
+    rows += [{"variant": "triton", "repeat": r, **point, "status": "ok", "median_ms": t}
+             for r, t in enumerate((3.6, 3.5, 3.7))]
+    rows += [{"variant": "sdpa_flash", "repeat": 0, **point, "status": "out of memory", "median_ms": None}]
+    table = summary(pd.DataFrame(rows)).set_index("variant")
+    assert table.loc["hopper", ["median_ms", "min_ms", "max_ms"]].tolist() == [3.4, 3.3, 3.5]
+    assert table.loc["triton", "median_ms"] == 3.6 and table.loc["hopper", "dq_rel_diff"] == 0.0
+    assert table.loc["sdpa_flash", "status"] == "out of memory" and pd.isna(table.loc["sdpa_flash", "median_ms"])
+    assert list(table.index) == ["hopper", "triton", "sdpa_flash"]
+
+
+def test_refuses_no_repeats(tmp_path, capsys):
+    main = runpy.run_path(str(SCRIPT))["main"]
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "new.csv"), "--repeats", "0"])
+    assert "--repeats and --steps must be at least 1" in capsys.readouterr().err
