@@ -1,5 +1,5 @@
 """scripts/attention_backward_variants.py on a machine without a Hopper GPU: it says what it needs and exits with 2
-(the timings are the GPU's to take), and refuses an output it would overwrite."""
+(the timings are the GPU's to take), refuses an output it would overwrite, and sums each variant's repeats up."""
 
 import pathlib
 import runpy
