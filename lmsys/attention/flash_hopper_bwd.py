@@ -160,6 +160,31 @@ def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, a_
 
 
 @gluon.jit
+def _reduce_dq(dv_token, dk_token, p_op, ds_op, ds, ds_w, dq_w, k_w, dq_zero, dq_desc, row, sm_scale, empty):
+    """FUSED_DQ's step after _issue_dv_dk: these keys' share dS K of the query tile's dQ (dS = (dS^T)^T read from
+    shared memory, where the A operand of an MMA may be transposed; K from this warpgroup's buffer), dq_zero's columns
+    at a time, each reduce-added by TMA into the fp32 dQ at `row`. Returns dV and dK, waited for with the first chunk,
+    when the tile's Q and dO buffers are released (`empty`)."""
+    dq_cols: gl.constexpr = dq_zero.shape[1]
+    head_dim: gl.constexpr = k_w.shape[1]
+    ds_w.store(ds)
+    fence_async_shared()
+    for c in gl.static_range(head_dim // dq_cols):
+        k_cols = k_w if dq_cols == head_dim else k_w.slice(c * dq_cols, dq_cols, dim=1)
+        dq_token = warpgroup_mma(ds_w.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+        if c == 0:
+            dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, dq_token, p_op, ds_op])
+            mbarrier.arrive(empty)
+            tma.store_wait(0)  # the previous tile's reduce-adds have read dq_w
+        else:
+            dq = warpgroup_mma_wait(0, deps=[dq_token])
+        dq_w.index(c).store(dq * sm_scale)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [row, c * dq_cols], dq_w.index(c))
+    return dv, dk
+
+
+@gluon.jit
 def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys, lo, hi,
                qk_scale, sm_scale, dq_desc, ds_w, dq_w, dq_row, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                MASK: gl.constexpr, FUSED_DQ: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr):
@@ -168,7 +193,6 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     half: gl.constexpr = k_w.shape[0]
     s_zero = gl.zeros([half, BLOCK_M], gl.float32, s_layout)
-    head_dim: gl.constexpr = k_w.shape[1]
     dq_cols: gl.constexpr = dq_desc.block_type.shape[1]  # dQ in chunks of columns: one accumulator of them at a time
     dq_zero = gl.zeros([BLOCK_M, dq_cols], gl.float32, _mma_layout(dq_cols))
     for j in range(lo, hi):
@@ -188,22 +212,8 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
         dv_token, dk_token, p_op, ds_op, ds = _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row,
                                                            cols, a_layout)
         if FUSED_DQ:
-            # dS = (dS^T)^T from shared memory (the A operand of an MMA may be read transposed from there), K from
-            # this warpgroup's buffer: [query rows, keys] x [keys, d].
-            ds_w.store(ds)
-            fence_async_shared()
-            for c in gl.static_range(head_dim // dq_cols):
-                k_cols = k_w if dq_cols == head_dim else k_w.slice(c * dq_cols, dq_cols, dim=1)
-                dq_token = warpgroup_mma(ds_w.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
-                if c == 0:
-                    dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, dq_token, p_op, ds_op])
-                    mbarrier.arrive(empty.index(slot))
-                    tma.store_wait(0)  # the previous tile's reduce-adds have read dq_w
-                else:
-                    dq = warpgroup_mma_wait(0, deps=[dq_token])
-                dq_w.index(c).store(dq * sm_scale)
-                fence_async_shared()
-                _tma_reduce_add(dq_desc, [dq_row + j * BLOCK_M, c * dq_cols], dq_w.index(c))
+            dv, dk = _reduce_dq(dv_token, dk_token, p_op, ds_op, ds, ds_w, dq_w, k_w, dq_zero, dq_desc,
+                                dq_row + j * BLOCK_M, sm_scale, empty.index(slot))
         else:
             dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op])
             mbarrier.arrive(empty.index(slot))
