@@ -108,14 +108,17 @@ def test_read_baseline_rejects_malformed_cpu_probe_times(tmp_path, key):
 
 def test_cpu_probe_times_count_only_beside_the_rounds_they_were_taken_with():
     host = bench(data=(2e-4, 3e-4))
-    host["extra_info"].update(timing="host", cpu_probe_data=[1e-4, 1e-4])
+    host["extra_info"].update(timing="host", cpu_probe_data=[1e-4, 1e-4], cpu_probe=baselines.PROBE_KIND)
     assert baselines.probes(host, "host") == [1e-4, 1e-4]
+    del host["extra_info"]["cpu_probe"]  # saved with the old probe (the adds alone): its times are another measure
+    assert baselines.probe_kind(host) == "adds" and baselines.probes(host, "host") is None
+    host["extra_info"]["cpu_probe"] = baselines.PROBE_KIND
     assert baselines.device_time(host) == 0.0
     host["extra_info"]["cpu_probe_data"] = [1e-4]  # not one per round: not used
     assert baselines.probes(host, "host") is None
     graph = bench(data=(1e-3,))
     graph["extra_info"].update(timing="graph", eager_data=[3e-3, 3e-3], eager_cpu_probe_data=[1e-4, 2e-4],
-                               eager_timing="launch")
+                               eager_timing="launch", cpu_probe=baselines.PROBE_KIND)
     assert baselines.probes(graph, "launch") == [1e-4, 2e-4]
     assert baselines.probes(graph, "graph") is None
     assert baselines.device_time(graph) == 1e-3
@@ -123,7 +126,8 @@ def test_cpu_probe_times_count_only_beside_the_rounds_they_were_taken_with():
 
 def test_eager_rounds_timed_behind_the_old_sleep_are_not_handed_out():
     graph = bench(data=(1e-3,))
-    graph["extra_info"].update(timing="graph", eager_data=[3e-3, 4e-3], eager_cpu_probe_data=[1e-4, 2e-4])
+    graph["extra_info"].update(timing="graph", eager_data=[3e-3, 4e-3], eager_cpu_probe_data=[1e-4, 2e-4],
+                               cpu_probe=baselines.PROBE_KIND)
     assert baselines.eager_timed_behind_sleep(graph)
     assert baselines.samples(graph, "launch") is None and baselines.probes(graph, "launch") is None
     assert baselines.samples(graph, "eager") is None  # nor as eager rounds of another kind

@@ -11,6 +11,7 @@ import pytest
 from perf_fakes import INNER_CONFTEST, GPU, MACHINE, run, save_baseline
 
 from lmsys.perf import calibration, reruns
+from lmsys.perf.timing import PROBE_KIND
 
 pytest_plugins = ["pytester"]
 
@@ -71,11 +72,11 @@ def _probed(speed: float, device: float = 0.0) -> dict:
     probes = [1e-4 * speed] * 3
     if not device:
         return {"fullname": "t::a", "name": "t::a", "stats": {"median": cpu[1], "data": cpu},
-                "extra_info": {"timing": "host", "cpu_probe_data": probes}}
+                "extra_info": {"timing": "host", "cpu_probe_data": probes, "cpu_probe": PROBE_KIND}}
     eager = [device + x for x in cpu]
     return {"fullname": "t::a", "name": "t::a", "stats": {"median": device, "data": [device] * 3},
             "extra_info": {"timing": "graph", "eager_data": eager, "eager_median": eager[1],
-                           "eager_cpu_probe_data": probes, "eager_timing": "launch"}}
+                           "eager_cpu_probe_data": probes, "eager_timing": "launch", "cpu_probe": PROBE_KIND}}
 
 
 @pytest.mark.parametrize("device", [0.0, 1e-3], ids=["host", "graph-eager"])
@@ -86,7 +87,11 @@ def test_the_cpus_part_is_calibrated_at_one_cpu_speed(device):
     entry = calibration.noise(docs)["t::a"]
     key, flag = ("spread", "cpu_speed") if not device else ("eager_spread", "eager_cpu_speed")
     assert entry[key] == pytest.approx(0.0, abs=1e-9)
-    assert entry[flag] == "probed"
+    assert entry[flag] == f"probed ({PROBE_KIND})"
+    docs[1]["benchmarks"][0]["extra_info"]["cpu_probe"] = "adds"  # one run probed otherwise: the raw medians' spread
+    entry = calibration.noise(docs)["t::a"]
+    assert entry[key] > 0.05 and flag not in entry
+    docs[1]["benchmarks"][0]["extra_info"]["cpu_probe"] = PROBE_KIND
     for doc in docs[1:]:  # without the probe times of one run, the raw medians' spread
         doc["benchmarks"][0]["extra_info"].pop("cpu_probe_data" if not device else "eager_cpu_probe_data")
         entry = calibration.noise(docs)["t::a"]

@@ -184,3 +184,18 @@ def test_at_cpu_speed_scales_the_cpus_part_of_each_round_by_its_probe():
     assert compare.at_cpu_speed([0.4e-3], [0.2e-3], 0.1e-3) == pytest.approx([0.2e-3])
     with pytest.raises(ValueError):
         compare.at_cpu_speed([1e-3, 2e-3], [1e-4], 1e-4)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_the_cpu_probe_runs_its_autograd_backward_under_a_tests_no_grad_or_inference_mode(mode):
+    # The probe's second half is a one-element backward through autograd: a benchmark called under no_grad or
+    # inference_mode (its first probe too, which makes the probe's tensors) must still probe the same work.
+    import torch
+
+    from lmsys.perf.backend import CpuBackend
+
+    backend = CpuBackend()
+    with getattr(torch, mode)():
+        times = [backend.time_probe() for _ in range(3)]
+    assert all(t > 0 for t in times)
+    assert backend.time_probe() > 0

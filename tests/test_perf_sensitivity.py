@@ -53,19 +53,25 @@ def test_graph_mode_judges_device_time_and_eager_time_separately(pytester, now, 
 @pytest.mark.parametrize(("call", "launch_ms", "slower_launch_ms", "label"), [
     (", host=True", 0.2, 0.3, "SLOWER"), (", graph=True", 2.0, 3.0, "SLOWER-EAGER"),
 ], ids=["host", "graph-eager"])
-@pytest.mark.parametrize("probed_baseline", [True, False], ids=["probed-baseline", "unprobed-baseline"])
+@pytest.mark.parametrize("baseline_probe", ["probed", "unprobed", "other-probe"],
+                         ids=["probed-baseline", "unprobed-baseline", "other-probe-baseline"])
 def test_the_cpus_part_is_judged_at_the_baselines_cpu_speed(pytester, monkeypatch, call, launch_ms, slower_launch_ms,
-                                                            label, probed_baseline):
+                                                            label, baseline_probe):
     # On the lent H100 the CPU's speed changed by 2x within seconds. The CPU probe before each round measures that
     # speed; the CPU's part of each round is judged at the baseline's: the same code on a CPU twice as slow passes, a
-    # launch path 50% slower fails on either CPU. A baseline saved without the probe is judged on raw times.
+    # launch path 50% slower fails on either CPU. A baseline saved without the probe, or with another kind of probe
+    # (the adds alone, before the autograd backward joined them), is judged on raw times.
     save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": launch_ms, "noise": 0.0, "call": call}})
     saved = json.loads((path := next((pytester.path / "baselines" / MACHINE).glob("0*.json"))).read_text())
     key = "cpu_probe_data" if "host" in call else "eager_cpu_probe_data"
     assert saved["benchmarks"][0]["extra_info"][key] == [pytest.approx(1e-4)] * 21
-    if not probed_baseline:
+    assert saved["benchmarks"][0]["extra_info"]["cpu_probe"] == "adds+autograd"
+    if baseline_probe == "unprobed":
         del saved["benchmarks"][0]["extra_info"][key]
-        path.write_text(json.dumps(saved))
+    elif baseline_probe == "other-probe":
+        del saved["benchmarks"][0]["extra_info"]["cpu_probe"]
+    path.write_text(json.dumps(saved))
+    probed_baseline = baseline_probe == "probed"
     monkeypatch.setenv("FAKE_CPU_SLOWDOWN", "2")
     for now, outcome in ((launch_ms, "passed" if probed_baseline else "failed"), (slower_launch_ms, "failed")):
         write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": now, "noise": 0.0, "call": call}}, seed=2)
@@ -80,6 +86,8 @@ def test_the_cpus_part_is_judged_at_the_baselines_cpu_speed(pytester, monkeypatc
             result.stdout.fnmatch_lines(["*the CPU probe took +100% against the baseline's*"])
         else:
             assert change == pytest.approx((device + 2 * now) / (device + launch_ms) - 1, abs=0.01)
+        if baseline_probe == "other-probe":
+            result.stdout.fnmatch_lines(["*the baseline's CPU probe (adds) is not this version's (adds+autograd)*"])
         if outcome == "failed":
             result.stdout.fnmatch_lines([f"*{label}: test_a*"])
 

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from lmsys.perf import compare
-from lmsys.perf.timing import EAGER, GRAPH, HOST, LAUNCH, QUEUED
+from lmsys.perf.timing import EAGER, GRAPH, HOST, LAUNCH, PROBE_KIND, QUEUED
 
 try:
     import fcntl
@@ -54,6 +54,9 @@ EAGER_TIMING_KEY = "eager_timing"
 # the stats' data) and the eager rounds of a graph- or queued-timed benchmark (EAGER_PROBE_KEY, beside EAGER_KEY).
 PROBE_KEY = "cpu_probe_data"
 EAGER_PROBE_KEY = "eager_cpu_probe_data"
+# Which probe (timing.PROBE_KIND) those times are of; a file without it was probed with the adds alone.
+PROBE_KIND_KEY = "cpu_probe"
+OLD_PROBE_KIND = "adds"
 TIMINGS = (EAGER, GRAPH, QUEUED, HOST)
 FORBIDDEN_NAME_CHARACTERS = '\\/:*?<>|'
 
@@ -262,11 +265,18 @@ def eager_timed_behind_sleep(bench: dict) -> bool:
     return info.get(EAGER_KEY) is not None and info.get(EAGER_TIMING_KEY) != LAUNCH
 
 
+def probe_kind(bench: dict) -> str:
+    """The kind of CPU probe a baseline benchmark's probe times are of (timing.PROBE_KIND when saved now)."""
+    return (bench.get("extra_info") or {}).get(PROBE_KIND_KEY, OLD_PROBE_KIND)
+
+
 def probes(bench: dict, timed: str = EAGER) -> list[float] | None:
     """The CPU probe's times before a baseline benchmark's rounds timed `timed` (host-timed rounds, or LAUNCH: the
     eager rounds of a graph- or queued-timed benchmark), one per sample; None when it has none for them (saved before
-    the probe, or without its rounds)."""
+    the probe, or without its rounds) or they are of another kind than this version's probe (timing.PROBE_KIND)."""
     info = bench.get("extra_info") or {}
+    if probe_kind(bench) != PROBE_KIND:
+        return None
     key = PROBE_KEY if timing(bench) == timed == HOST else EAGER_PROBE_KEY if timed == LAUNCH else None
     times, rounds = info.get(key), samples(bench, timed)
     if not times or rounds is None or len(times) != len(rounds):

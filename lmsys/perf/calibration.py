@@ -11,7 +11,8 @@ fresh processes (reruns.py); `noise` turns those runs' pytest-benchmark JSON int
 `peaks` are the requested bytes above start where every run read them, else the allocated ones. Where every run kept
 the CPU probe's times beside its rounds (host timing, the eager rounds of graph mode: timing.py), the medians of those
 rounds are taken at one CPU speed (the first run's probe median; baselines.at_cpu_speed), as the gate judges them, and
-the entry says "cpu_speed": "probed" (or "eager_cpu_speed"). Eager rounds count only where every run timed them from
+the entry says "cpu_speed": "probed (KIND)" (or "eager_cpu_speed"; KIND: timing.PROBE_KIND, runs probed otherwise
+count on their raw medians). Eager rounds count only where every run timed them from
 an idle device ("eager_timing": "launch"); an entry without it gives the eager rounds no tolerance.
 
 The runs can also be ones measured before, in fresh processes: `python -m lmsys.perf.calibration FOLDER RUN.json...`
@@ -35,7 +36,7 @@ from statistics import mean, median, stdev
 
 from lmsys.perf import baselines
 from lmsys.perf.compare import format_bytes
-from lmsys.perf.timing import LAUNCH
+from lmsys.perf.timing import LAUNCH, PROBE_KIND
 
 FILE_NAME = "calibration.json"
 SIGMAS = 3.0
@@ -87,7 +88,7 @@ def noise(docs: list[dict]) -> dict[str, dict]:
         probed = _at_one_cpu_speed(runs, timed) if timed == baselines.HOST else None
         entry["spread"] = _spread(probed or medians)
         if probed:
-            entry["cpu_speed"] = "probed"
+            entry["cpu_speed"] = f"probed ({PROBE_KIND})"
         eager = [info.get("eager_median") for info in infos]
         if all(isinstance(value, (int, float)) for value in eager) and all(
             info.get(baselines.EAGER_TIMING_KEY) == LAUNCH for info in infos
@@ -95,7 +96,7 @@ def noise(docs: list[dict]) -> dict[str, dict]:
             probed = _at_one_cpu_speed(runs, LAUNCH)
             entry.update(eager_medians=eager, eager_spread=_spread(probed or eager), eager_timing=LAUNCH)
             if probed:
-                entry["eager_cpu_speed"] = "probed"
+                entry["eager_cpu_speed"] = f"probed ({PROBE_KIND})"
         for key, _ in baselines.PEAK_KEYS:  # the peaks the gate compares, where every run has them
             peaks = [info.get(key) for info in infos]
             if all(isinstance(value, int) for value in peaks):

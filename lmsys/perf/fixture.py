@@ -345,6 +345,7 @@ class GpuBenchmark:
                             (baselines.EAGER_PROBE_KEY, measurement.eager_probes)):
             if probes is not None:
                 bench.extra_info[key] = probes
+                bench.extra_info[baselines.PROBE_KIND_KEY] = timing.PROBE_KIND
         if measurement.machine is not None:
             bench.extra_info["machine"] = measurement.machine
         if record.notes:
@@ -374,12 +375,22 @@ def _cpu_speed_notes(measurement: timing.Measurement, baseline: dict | None) -> 
     for timed, what, probes in ((timing.HOST, "host", measurement.probes),
                                 (timing.LAUNCH, "eager", measurement.eager_probes)):
         reference = baselines.probes(baseline, timed)
+        kind = baselines.probe_kind(baseline)
+        if probes and reference is None and kind != timing.PROBE_KIND and _probed(baseline, timed):
+            notes.append(f"the baseline's CPU probe ({kind}) is not this version's ({timing.PROBE_KIND}): the {what} "
+                         "time was judged on raw times; save a baseline again")
         if probes and reference:
             change = median(probes) / median(reference) - 1
             if abs(change) > CPU_SPEED_NOTE:
                 notes.append(f"the CPU probe took {change:+.0%} against the baseline's: the CPU's part of the {what} "
                              "time was judged at the baseline's CPU speed")
     return notes
+
+
+def _probed(baseline: dict, timed: str) -> bool:
+    """Whether a baseline kept CPU probe times for its rounds timed `timed`, whatever their kind."""
+    key = baselines.PROBE_KEY if timed == timing.HOST else baselines.EAGER_PROBE_KEY
+    return bool((baseline.get("extra_info") or {}).get(key))
 
 
 def _eager_median(baseline: dict | None) -> float | None:

@@ -27,7 +27,7 @@ afterwards, untimed). That is what launching the call costs the CPU: Python, dis
 A time that is the CPU's (host timing, and the eager rounds of graph mode, which include the launch cost) moves with
 the CPU's speed, and a shared machine's CPU changes speed within seconds: on the lent H100 the same launch cost read
 from 0.027 to 0.12 ms in one process. So right before each such round a CPU probe runs (backend.time_probe: a fixed
-number of one-element launches) and its time is kept beside the round's; the gate judges the CPU's part of each round
+number of one-element launches and a one-element autograd backward) and its time is kept beside the round's; the gate judges the CPU's part of each round
 at the baseline's CPU speed (compare.at_cpu_speed), and the samples stay what was measured.
 """
 
@@ -48,6 +48,8 @@ MAX_ADAPTIVE_ROUNDS = 10_000
 MAX_WARMUP_ROUNDS = 100
 WARMUP_SHARE = 0.1
 EAGER, GRAPH, QUEUED, HOST = "eager", "graph", "queued", "host"
+# The CPU probe that backend.time_probe runs, as the saved JSON names it (baselines.PROBE_KIND_KEY).
+PROBE_KIND = "adds+autograd"
 # How the eager rounds of graph and queued mode are timed: from an idle device, the whole launch cost in the span
 # (backend.time_launch). A baseline says so beside its eager rounds (baselines.EAGER_TIMING_KEY); eager rounds timed
 # otherwise (behind the short sleep, before this) are not compared with them.
