@@ -199,3 +199,12 @@ def test_the_cpu_probe_runs_its_autograd_backward_under_a_tests_no_grad_or_infer
         times = [backend.time_probe() for _ in range(3)]
     assert all(t > 0 for t in times)
     assert backend.time_probe() > 0
+
+
+def test_the_cpus_part_gains_tolerance_with_the_log_of_the_probes_ratio_either_way():
+    import math
+
+    assert compare.cpu_speed_allowance(1e-4, 1e-4) == 0.0
+    assert compare.cpu_speed_allowance(2e-4, 1e-4) == pytest.approx(0.5 * math.log(2))
+    assert compare.cpu_speed_allowance(0.5e-4, 1e-4) == pytest.approx(0.5 * math.log(2))  # a faster CPU too
+    assert compare.cpu_speed_allowance(0.0, 1e-4) == compare.cpu_speed_allowance(1e-4, 0.0) == 0.0

@@ -124,6 +124,21 @@ def at_cpu_speed(samples: Sequence[float], probes: Sequence[float], speed: float
     ]
 
 
+# How much wider the CPU's part is judged per unit of |ln(probe now / probe at the baseline)| (cpu_speed_allowance).
+CPU_SPEED_SLACK = 0.5
+
+
+def cpu_speed_allowance(probe: float, baseline_probe: float) -> float:
+    """What the tolerance of a CPU's part judged at the baseline's CPU speed (at_cpu_speed) gains when the CPU ran at
+    another speed: CPU_SPEED_SLACK * |ln(probe / baseline_probe)| (medians of the probe's times), 0 when either is
+    not positive. The probe's scaling is a proxy: on the H100 the CPU's part of launch-bound calls moved more than
+    the probe, by up to half the log of the probes' ratio (a CPU probe +97% slower than the baseline's left an eager
+    time +26% after scaling, one -36% a host time -23%), and the gate must not call that a regression."""
+    if probe <= 0 or baseline_probe <= 0:
+        return 0.0
+    return CPU_SPEED_SLACK * abs(math.log(probe / baseline_probe))
+
+
 def format_tolerance(comparison: TimeComparison) -> str:
     """'5% (default)', '2.1% (calibrated from 20 runs)': a time tolerance and where it came from."""
     return f"{comparison.tolerance * 100:.3g}% ({comparison.source})"

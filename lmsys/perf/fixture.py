@@ -115,10 +115,14 @@ class GpuBenchmark:
         at_speed = None if speed is None else baselines.at_cpu_speed(baseline, timed, speed)
 
         def judge(samples, probes, device_time):
-            now, then = samples, reference
+            now, then, value, source = samples, reference, tolerance.value, tolerance.source
             if probes and at_speed is not None:
                 now, then = compare.at_cpu_speed(samples, probes, speed, device_time), at_speed
-            return compare.compare_time(now, then, tolerance.value, source=tolerance.source)
+                allowance = compare.cpu_speed_allowance(median(probes), speed)
+                if allowance >= 0.001:
+                    value += allowance
+                    source += f"; +{allowance:.1%} for the CPU probe's {median(probes) / speed - 1:+.0%}"
+            return compare.compare_time(now, then, value, source=source)
 
         return judge
 
@@ -293,6 +297,8 @@ class GpuBenchmark:
         `memory_bandwidth=False`: the bytes did not go through device memory, so GB/s has no fraction of its peak."""
         session, bench = self._session, self._benchmark
         tolerance = tolerance or self._tolerance(measurement.timing)
+        if measurement.time_comparison is not None:  # as judged: a CPU's part may have been given more (judge)
+            tolerance = Tolerance(measurement.time_comparison.tolerance, measurement.time_comparison.source)
         baseline = session.baseline(bench.fullname)
         memory = measurement.memory
         verdict = self._verdict(measurement)
