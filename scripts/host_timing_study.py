@@ -182,6 +182,9 @@ def main(argv=None) -> int:
         return 0
     if args.processes < 2 or args.rounds < 1:
         parser.error("--processes must be at least 2 and --rounds at least 1")
+    rounds_file = os.path.splitext(args.out)[0] + ".json"
+    if not args.out.endswith(".csv") or os.path.exists(args.out) or os.path.exists(rounds_file):
+        parser.error(f"{args.out}: give a new file ending in .csv (nothing is overwritten, {rounds_file} neither)")
     settings = [("free", [])] + ([(f"pinned-{args.pin}", ["taskset", "-c", str(args.pin)])] if args.pin is not None
                                  else [])
     processes = []
@@ -199,7 +202,7 @@ def main(argv=None) -> int:
 
     frame = pd.DataFrame(table(processes))
     frame.to_csv(args.out, index=False)
-    with open(os.path.splitext(args.out)[0] + ".json", "w", encoding="utf-8") as fh:
+    with open(rounds_file, "w", encoding="utf-8") as fh:
         json.dump(processes, fh)
     with pd.option_context("display.width", 160, "display.max_rows", 500):
         print(frame.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
