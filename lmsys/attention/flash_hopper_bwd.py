@@ -16,7 +16,7 @@ next step needs:
 Like the Triton backward (and unlike FA3, which accumulates dQ with atomics) the scores are computed twice, once per
 kernel: no atomics and no fp32 dQ buffer. delta = rowsum(dO * O) comes from the Triton preprocessing kernel. The two
 kernels share only their inputs: with CONCURRENT_DQ the dQ kernel runs on a side stream beside the other. With
-FUSED_DQ (off until measured) there is no dQ kernel: the dK/dV kernel also forms each tile's dS K and
+FUSED_DQ (off: slower, below) there is no dQ kernel: the dK/dV kernel also forms each tile's dS K and
 reduce-adds it into an fp32 dQ by TMA, as FA3 does.
 
 Scope: what the Gluon forward takes (`flash_hopper.views`: sm_90, bf16 or fp16, lengths multiples of 128, q, k, v
@@ -31,7 +31,9 @@ grid (batch 1, one head) from 32768 tokens 0.854-5.53 ms against 1.052-6.344 (13
 at 8192 and 16384 tokens (64 and 128 programs for 132 multiprocessors) up to 1.8x slower at d=128 (0.320 against
 0.178 ms at 8192). Recomputing the scores costs 7 tensor-core products against cuDNN's 5: FUSED_DQ does with 5
 (FA3's TMA reduce-add into fp32, which Triton 3.6's Gluon builder has but its hopper.tma module does not expose:
-_tma_reduce_add).
+_tma_reduce_add), and is right (float64 tests pass on the H100) but slower at every point measured (2026-11-23, 3
+repeats): the leaderboard's backward 3.615 ms against 3.513 without it, the grid from 8192 tokens 4-26% slower (6.421
+against 5.536 ms at 65536 tokens, d=128): its fp32 reduce traffic and the staged dS^T cost more than the product saved.
 """
 
 import contextlib
@@ -80,7 +82,7 @@ PIPELINED = False
 # keys' share dS K of a query tile's dQ (dS^T through shared memory, one more tensor-core product), DQ_COLS columns at
 # a time (at d=128 a whole row of dQ would not fit beside dK and dV in a consumer's registers), and TMA reduce-adds put
 # it into an fp32 dQ in global memory, which the L2 sums; no scores are computed twice (5 products instead of 7). Off:
-# compiled for sm_90 (tests/test_attention.py; at d=128 with a few spilled registers), not yet run on a GPU.
+# right on the H100 but slower at every point measured (module docstring); at d=128 it spills a few registers.
 FUSED_DQ = False
 FUSED_DQ_HEAD_DIMS = (64, 128)
 DQ_COLS = 64
