@@ -12,7 +12,6 @@ import functools
 import inspect
 import math
 import os
-import re
 import subprocess
 import sys
 
@@ -553,7 +552,7 @@ def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, head_dim,
 
 
 # Compiles the two kernels of the Gluon backward for sm_90 (no GPU needed), causal and not, at each head dim they take,
-# and writes each one's PTX, cubin and shared-memory size to the folder argv[2]/<kernel>-<causal>-<d>-<variant>.
+# and writes each one's PTX, cubin and shared-memory size to the folder argv[2]/<kernel>-<causal>-<d>-<pipelined>.
 _COMPILE_HOPPER_BACKWARD = """
 import pathlib, sys
 import triton
@@ -564,20 +563,16 @@ from lmsys.attention import flash_hopper_bwd as hb
 
 which = sys.argv[1]
 kernel = hb._dkdv_kernel if which == "dkdv" else hb._dq_kernel
-# The dK/dV kernel also as PIPELINED at d=64 (at d=128 that spills a few registers), and with FUSED_DQ.
-variants = {64: ("plain", "pipelined", "fused"), 128: ("plain", "fused")}
-cases = [(causal, d, variant) for causal in (False, True) for d in hb.HEAD_DIMS
-         for variant in (variants[d] if which == "dkdv" else (None,))]
-assert hb.FUSED_DQ_HEAD_DIMS == (64, 128)
-for causal, d, variant in cases:
-    def descriptor(rows, dtype="bf16", cols=d):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], {"bf16": gl.bfloat16, "fp32": gl.float32}[dtype])
-        return f"tensordesc<{dtype}[{rows}, {cols}],{layout!r}>"
+# The dK/dV kernel also as PIPELINED, at d=64 (at d=128 that spills a few registers).
+cases = [(causal, d, pipelined) for causal in (False, True) for d in hb.HEAD_DIMS
+         for pipelined in (((False, True) if d == 64 else (False,)) if which == "dkdv" else (None,))]
+for causal, d, pipelined in cases:
+    def descriptor(rows):
+        return f"tensordesc<bf16[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
     if which == "dkdv":
         half = hb.BLOCK_KEYS // 2
         descs = {"q_desc": descriptor(hb.TILES[d][0]), "k_desc": descriptor(half), "v_desc": descriptor(half),
-                 "do_desc": descriptor(hb.TILES[d][0]), "dk_desc": descriptor(half), "dv_desc": descriptor(half),
-                 "dq_desc": descriptor(hb.TILES[d][0], "fp32", hb.DQ_COLS) if variant == "fused" else descriptor(half)}
+                 "do_desc": descriptor(hb.TILES[d][0]), "dk_desc": descriptor(half), "dv_desc": descriptor(half)}
     else:
         half = hb.BLOCK_ROWS // 2
         keys = hb.TILES[d][1]
@@ -585,15 +580,15 @@ for causal, d, variant in cases:
                  "do_desc": descriptor(half), "dq_desc": descriptor(half)}
     constexprs = dict(HEAD_DIM=d, CAUSAL=causal, NUM_STAGES=hb.NUM_STAGES, CONSUMER_REGS=hb.CONSUMER_REGS,
                       PRODUCER_REGS=hb.PRODUCER_REGS)
-    if variant is not None:
-        constexprs.update(PIPELINED=variant == "pipelined", FUSED_DQ=variant == "fused")
+    if pipelined is not None:
+        constexprs["PIPELINED"] = pipelined
     types = {**descs, "LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
              **dict.fromkeys(constexprs, "constexpr")}
     names = kernel.arg_names
     source = GluonASTSource(kernel, {n: types.get(n, "i32") for n in names},
                             {(names.index(n),): value for n, value in constexprs.items()}, {})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    out = pathlib.Path(sys.argv[2]) / f"{which}-{causal}-{d}-{variant}"
+    out = pathlib.Path(sys.argv[2]) / f"{which}-{causal}-{d}-{pipelined}"
     out.mkdir()
     (out / "kernel.ptx").write_text(compiled.asm["ptx"])
     (out / "kernel.cubin").write_bytes(compiled.asm["cubin"])
@@ -605,25 +600,20 @@ for causal, d, variant in cases:
 def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path):
     """On any machine: each kernel of the Gluon backward compiles for sm_90 with the installed triton at both head dims,
     causal and not, fits shared memory, spills no register, and works on the probabilities while a product is still
-    in flight (`wgmma.wait_group 1`); with FUSED_DQ the dK/dV kernel reduce-adds dQ by TMA (at d=128 spilling at most
-    64 bytes of registers)."""
+    in flight (`wgmma.wait_group 1`)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
     result = subprocess.run([sys.executable, "-c", _COMPILE_HOPPER_BACKWARD, kernel, str(tmp_path)], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     cuobjdump = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
     built = sorted(path for path in tmp_path.iterdir() if path.name.startswith(kernel))
-    assert len(built) == (10 if kernel == "dkdv" else 4)
+    assert len(built) == (6 if kernel == "dkdv" else 4)
     for folder in built:
         assert int((folder / "shared").read_text()) <= 227 * 1024, folder.name
-        ptx = (folder / "kernel.ptx").read_text()
-        assert "wgmma.wait_group.sync.aligned 1;" in ptx, folder.name
-        assert ("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx) == folder.name.endswith("fused")
+        assert "wgmma.wait_group.sync.aligned 1;" in (folder / "kernel.ptx").read_text(), folder.name
         usage = subprocess.run([cuobjdump, "-res-usage", str(folder / "kernel.cubin")], capture_output=True,
                                text=True, check=True).stdout
-        stack = int(re.search(r"STACK:(\d+)", usage)[1])
-        spill_allowed = 64 if folder.name.endswith("-128-fused") else 0
-        assert stack <= spill_allowed and "LOCAL:0" in usage, (folder.name, usage)  # no register spilled (or few)
+        assert "STACK:0 " in usage and "LOCAL:0" in usage, (folder.name, usage)  # no register spilled
 
 
 @pytest.mark.gpu
@@ -641,16 +631,12 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
         ((2, 3, 512, 128), (2, 3, 512, 128), True, "packed"),
     ],
 )
-@pytest.mark.parametrize("fused_dq", [False, True], ids=["dq-kernel", "fused-dq"])
-def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, fused_dq, monkeypatch, seed):
+def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, monkeypatch, seed):
     """The Gluon backward (HOPPER_BACKWARD) against float64, forward and every gradient, on inputs it takes:
     contiguous, transposed views and the model's packed q, k, v, head dims 64 and 128, causal and not, more queries
-    than keys and fewer; and it is the backward that ran. Also with FUSED_DQ (dQ reduce-added by the dK/dV kernel)."""
+    than keys and fewer; and it is the backward that ran."""
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
-    if fused_dq and q_shape[-1] not in flash_hopper_bwd.FUSED_DQ_HEAD_DIMS:
-        pytest.skip(f"FUSED_DQ is for head dims {flash_hopper_bwd.FUSED_DQ_HEAD_DIMS}")
-    monkeypatch.setattr(flash_hopper_bwd, "FUSED_DQ", fused_dq)
     monkeypatch.setattr(flash_triton, "HOPPER_BACKWARD", True)
     monkeypatch.setattr(flash_hopper_bwd, "MIN_PROGRAMS_PER_SM", 0)  # small problems, which it would leave
     calls = []
@@ -669,8 +655,7 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, fu
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting, value", [
     ("CONCURRENT_DQ", True), ("TILES", {64: (64, 128), 128: (64, 128)}), ("NUM_STAGES", 3), ("PIPELINED", True),
-    ("FUSED_DQ", True),
-], ids=["concurrent-dq", "dq-tiles-128", "3-stages", "pipelined", "fused-dq"])
+], ids=["concurrent-dq", "dq-tiles-128", "3-stages", "pipelined"])
 @pytest.mark.parametrize("q_shape, is_causal", [((2, 3, 1024, 64), True), ((1, 2, 512, 128), False)])
 def test_hopper_backward_variants_gpu(gpu, setting, value, q_shape, is_causal, monkeypatch, seed):
     """Each variant of the Gluon backward that scripts/attention_backward_variants.py times, against float64."""

@@ -15,9 +15,7 @@ next step needs:
 
 Like the Triton backward (and unlike FA3, which accumulates dQ with atomics) the scores are computed twice, once per
 kernel: no atomics and no fp32 dQ buffer. delta = rowsum(dO * O) comes from the Triton preprocessing kernel. The two
-kernels share only their inputs: with CONCURRENT_DQ the dQ kernel runs on a side stream beside the other. With
-FUSED_DQ (off: slower, below) there is no dQ kernel: the dK/dV kernel also forms each tile's dS K and
-reduce-adds it into an fp32 dQ by TMA, as FA3 does.
+kernels share only their inputs: with CONCURRENT_DQ the dQ kernel runs on a side stream beside the other.
 
 Scope: what the Gluon forward takes (`flash_hopper.views`: sm_90, bf16 or fp16, lengths multiples of 128, q, k, v
 and dO contiguous or the (B, H, T, D) views of (B, T, H, D) tensors), head dims 64 and 128, problems of at least
@@ -29,11 +27,12 @@ Measured on the H100 (2026-11-23, scripts/attention_backward_variants.py, causal
 at the CS336 leaderboard's (16, 16384, 64) 3.456 ms against the Triton backward's 3.542 (cuDNN 3.041); on the causal
 grid (batch 1, one head) from 32768 tokens 0.854-5.53 ms against 1.052-6.344 (13-19% faster; cuDNN 0.795-4.871), but
 at 8192 and 16384 tokens (64 and 128 programs for 132 multiprocessors) up to 1.8x slower at d=128 (0.320 against
-0.178 ms at 8192). Recomputing the scores costs 7 tensor-core products against cuDNN's 5: FUSED_DQ does with 5
-(FA3's TMA reduce-add into fp32, which Triton 3.6's Gluon builder has but its hopper.tma module does not expose:
-_tma_reduce_add), and is right (float64 tests pass on the H100) but slower at every point measured (2026-11-23, 3
-repeats): the leaderboard's backward 3.615 ms against 3.513 without it, the grid from 8192 tokens 4-26% slower (6.421
-against 5.536 ms at 65536 tokens, d=128): its fp32 reduce traffic and the staged dS^T cost more than the product saved.
+0.178 ms at 8192). Recomputing the scores costs 7 tensor-core products against cuDNN's 5. FA3's dQ, formed in the
+dK/dV kernel from dS^T staged in shared memory and reduce-added into an fp32 dQ by TMA (through the Gluon builder's
+create_async_tma_reduce, which hopper.tma does not expose), saves two of them; it was built and passed the float64
+tests on the H100 but measured 3-26% slower at the leaderboard and every grid point from 8192 tokens (3.615 against
+3.513 ms at the leaderboard, 6.421 against 5.536 at 65536 tokens and d=128: the fp32 reduce traffic and the staged
+dS^T cost more than the products saved), and was removed (its code: commit 5a184b2).
 """
 
 import contextlib
@@ -41,10 +40,8 @@ import functools
 import math
 
 import torch
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -52,7 +49,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from lmsys.attention import flash_hopper, launcher
 from lmsys.attention.flash_hopper import ring, stream_kv
@@ -78,29 +74,7 @@ CONCURRENT_DQ = False
 # (_dkdv_loop_pipelined), instead of waiting first. At d=64 it compiles without a spill; at d=128 it spills a few
 # registers.
 PIPELINED = False
-# Whether dQ comes from the dK/dV kernel, FA3's way, instead of the dQ kernel: each consumer warpgroup also forms its
-# keys' share dS K of a query tile's dQ (dS^T through shared memory, one more tensor-core product), DQ_COLS columns at
-# a time (at d=128 a whole row of dQ would not fit beside dK and dV in a consumer's registers), and TMA reduce-adds put
-# it into an fp32 dQ in global memory, which the L2 sums; no scores are computed twice (5 products instead of 7). Off:
-# right on the H100 but slower at every point measured (module docstring); at d=128 it spills a few registers.
-FUSED_DQ = False
-FUSED_DQ_HEAD_DIMS = (64, 128)
-DQ_COLS = 64
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
-
-
-@builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """TMA reduce-add of the shared tile `src` into the global tile at `coord` of `tensor_desc` (PTX
-    cp.reduce.async.bulk.tensor .add), asynchronous like tma.async_copy_shared_to_global: tma.store_wait covers it.
-    Triton 3.6's Gluon builder has the op, but its hopper.tma module has no function for it."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
-@gluon.constexpr_function
-def _shared_layout(rows, cols, dtype):
-    return gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
 
 
 def views(q, k, v, do):
@@ -149,54 +123,25 @@ def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_s
 @gluon.jit
 def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, a_layout: gl.constexpr):
     """A query tile's dV += P^T dO issued, then (once dP^T is in, while dV is on the tensor cores) dS^T = P^T (dP^T -
-    delta) formed and dK += dS^T Q issued: their tokens and the register operands they read, to keep until waited,
-    and dS^T in 16 bits."""
+    delta) formed and dK += dS^T Q issued: their tokens and the register operands they read, to keep until waited."""
     p_op = gl.convert_layout(p.to(q_tile.dtype), a_layout)
     dv_token = warpgroup_mma(p_op, do_tile, dv, is_async=True)
     delta = gl.load(DELTA + stat_row + cols)
     dp = warpgroup_mma_wait(1, deps=[dp_token])
-    ds = (p * (dp - gl.expand_dims(delta, 0))).to(q_tile.dtype)
-    ds_op = gl.convert_layout(ds, a_layout)
+    ds = p * (dp - gl.expand_dims(delta, 0))
+    ds_op = gl.convert_layout(ds.to(q_tile.dtype), a_layout)
     dk_token = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
-    return dv_token, dk_token, p_op, ds_op, ds
-
-
-@gluon.jit
-def _reduce_dq(dv_token, dk_token, p_op, ds_op, ds, ds_w, dq_w, k_w, dq_zero, dq_desc, row, sm_scale, empty):
-    """FUSED_DQ's step after _issue_dv_dk: these keys' share dS K of the query tile's dQ (dS = (dS^T)^T read from
-    shared memory, where the A operand of an MMA may be transposed; K from this warpgroup's buffer), dq_zero's columns
-    at a time, each reduce-added by TMA into the fp32 dQ at `row`. Returns dV and dK, waited for with the first chunk,
-    when the tile's Q and dO buffers are released (`empty`)."""
-    dq_cols: gl.constexpr = dq_zero.shape[1]
-    head_dim: gl.constexpr = k_w.shape[1]
-    ds_w.store(ds)
-    fence_async_shared()
-    for c in gl.static_range(head_dim // dq_cols):
-        k_cols = k_w if dq_cols == head_dim else k_w.slice(c * dq_cols, dq_cols, dim=1)
-        dq_token = warpgroup_mma(ds_w.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
-        if c == 0:
-            dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, dq_token, p_op, ds_op])
-            mbarrier.arrive(empty)
-            tma.store_wait(0)  # the previous tile's reduce-adds have read dq_w
-        else:
-            dq = warpgroup_mma_wait(0, deps=[dq_token])
-        dq_w.index(c).store(dq * sm_scale)
-        fence_async_shared()
-        _tma_reduce_add(dq_desc, [row, c * dq_cols], dq_w.index(c))
-    return dv, dk
+    return dv_token, dk_token, p_op, ds_op
 
 
 @gluon.jit
 def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys, lo, hi,
-               qk_scale, sm_scale, dq_desc, ds_w, dq_w, dq_row, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-               MASK: gl.constexpr, FUSED_DQ: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr):
-    """Query tiles [lo, hi) (counted from the first one the program visits, m_first) into dK, dV; with FUSED_DQ each
-    tile's dS K (these keys' share of its dQ) too, reduce-added into the fp32 dQ at row dq_row of the first tile."""
+               qk_scale, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
+               s_layout: gl.constexpr, a_layout: gl.constexpr):
+    """Query tiles [lo, hi) (counted from the first one the program visits, m_first) into dK, dV."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     half: gl.constexpr = k_w.shape[0]
     s_zero = gl.zeros([half, BLOCK_M], gl.float32, s_layout)
-    dq_cols: gl.constexpr = dq_desc.block_type.shape[1]  # dQ in chunks of columns: one accumulator of them at a time
-    dq_zero = gl.zeros([BLOCK_M, dq_cols], gl.float32, _mma_layout(dq_cols))
     for j in range(lo, hi):
         slot = j % NUM_STAGES
         cols = (m_first + j) * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_layout)
@@ -211,14 +156,10 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
         if MASK:
             p = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1), p, 0.0)
-        dv_token, dk_token, p_op, ds_op, ds = _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row,
-                                                           cols, a_layout)
-        if FUSED_DQ:
-            dv, dk = _reduce_dq(dv_token, dk_token, p_op, ds_op, ds, ds_w, dq_w, k_w, dq_zero, dq_desc,
-                                dq_row + j * BLOCK_M, sm_scale, empty.index(slot))
-        else:
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op])
-            mbarrier.arrive(empty.index(slot))
+        dv_token, dk_token, p_op, ds_op = _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols,
+                                                       a_layout)
+        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op])
+        mbarrier.arrive(empty.index(slot))
     return dk, dv
 
 
@@ -245,8 +186,8 @@ def _dkdv_loop_pipelined(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, D
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
         if CAUSAL:
             p = gl.where((gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1)) | (j >= n_masked), p, 0.0)
-        dv_token, dk_token, p_op, ds_op, _ = _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols,
-                                                          a_layout)
+        dv_token, dk_token, p_op, ds_op = _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols,
+                                                       a_layout)
         nxt = j + 1
         if nxt < n_tiles:
             nslot = nxt % NUM_STAGES
@@ -262,10 +203,10 @@ def _dkdv_loop_pipelined(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, D
 
 
 @gluon.jit
-def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, k_w, v_w, ds_w, dq_w, q_smem, do_smem, kv_bar, ready,
-                   empty, out_row, stat_row, dq_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
+def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_bar, ready, empty,
+                   out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
                    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   PIPELINED: gl.constexpr, FUSED_DQ: gl.constexpr):
+                   PIPELINED: gl.constexpr):
     half: gl.constexpr = k_w.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
@@ -281,17 +222,13 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, k_w, v_w, ds_w, dq_w, 
     elif CAUSAL:
         # The query tiles that overlap the program's keys need the mask; those after them do not.
         dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
-                            0, n_masked, qk_scale, sm_scale, dq_desc, ds_w, dq_w, dq_row, BLOCK_M, NUM_STAGES, True,
-                            FUSED_DQ, s_layout, a_layout)
+                            0, n_masked, qk_scale, BLOCK_M, NUM_STAGES, True, s_layout, a_layout)
         dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
-                            n_masked, n_tiles, qk_scale, sm_scale, dq_desc, ds_w, dq_w, dq_row, BLOCK_M, NUM_STAGES,
-                            False, FUSED_DQ, s_layout, a_layout)
+                            n_masked, n_tiles, qk_scale, BLOCK_M, NUM_STAGES, False, s_layout, a_layout)
     else:
         dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
-                            0, n_tiles, qk_scale, sm_scale, dq_desc, ds_w, dq_w, dq_row, BLOCK_M, NUM_STAGES, False,
-                            FUSED_DQ, s_layout, a_layout)
-    # Epilogue: through this warpgroup's K and V buffers (no longer read) and TMA stores; the wait covers the last
-    # reduce-add of dQ too.
+                            0, n_tiles, qk_scale, BLOCK_M, NUM_STAGES, False, s_layout, a_layout)
+    # Epilogue: through this warpgroup's K and V buffers (no longer read) and TMA stores.
     k_w.store((dk * sm_scale).to(dk_desc.dtype))
     v_w.store(dv.to(dv_desc.dtype))
     fence_async_shared()
@@ -301,12 +238,11 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, k_w, v_w, ds_w, dq_w, 
 
 
 @gluon.jit
-def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, N_Q, N_K, H, qk_scale,
-                 sm_scale, Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH,
+def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, N_Q, N_K, H, qk_scale, sm_scale,
+                 Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH,
                  DO_RB, DO_RH, DO_CB, DO_CH,
                  HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPELINED: gl.constexpr,
-                 FUSED_DQ: gl.constexpr):
+                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPELINED: gl.constexpr):
     HALF: gl.constexpr = k_desc.block_type.shape[0]  # keys per consumer warpgroup
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
@@ -330,28 +266,16 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
     # Q and dO tiles share a ring's barriers: a tile's pair arrives, and is released, together.
     q_smem, ready, empty = ring(q_desc, NUM_STAGES, HEAD_DIM)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-    if FUSED_DQ:  # per consumer: its dS^T, and its share of a tile's dQ (in chunks of columns) on the way to the reduce
-        ds_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_M], _shared_layout(HALF, BLOCK_M, dtype))
-        dq_cols: gl.constexpr = dq_desc.block_type.shape[1]
-        dq_0 = gl.allocate_shared_memory(gl.float32, [HEAD_DIM // dq_cols, BLOCK_M, dq_cols], dq_desc.layout)
-        dq_1 = gl.allocate_shared_memory(gl.float32, [HEAD_DIM // dq_cols, BLOCK_M, dq_cols], dq_desc.layout)
-    else:  # unused
-        ds_smem = k_smem
-        dq_0 = k_smem
-        dq_1 = k_smem
 
     stat_row = off_bh * N_Q  # lse and delta: contiguous, one row per head
     out_row = off_bh * N_K + key0  # dK and dV are contiguous: (B*H*N_K, D) views
-    dq_row = stat_row + m_first * BLOCK_M  # the fp32 dQ too, (B*H*N_Q, D)
     gl.warp_specialize([
-        (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, k_smem.index(0), v_smem.index(0), ds_smem.index(0),
-                          dq_0, q_smem, do_smem, kv_bar, ready, empty, out_row, stat_row, dq_row, key0,
-                          m_first, n_masked, n_tiles, qk_scale, sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES,
-                          PIPELINED, FUSED_DQ)),
-        (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, k_smem.index(1), v_smem.index(1), ds_smem.index(1),
-                          dq_1, q_smem, do_smem, kv_bar, ready, empty, out_row + HALF, stat_row, dq_row,
-                          key0 + HALF, m_first, n_masked, n_tiles, qk_scale, sm_scale, CAUSAL, BLOCK_M, HEAD_DIM,
-                          NUM_STAGES, PIPELINED, FUSED_DQ)),
+        (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_smem.index(0), v_smem.index(0), q_smem, do_smem, kv_bar,
+                          ready, empty, out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
+                          CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, PIPELINED)),
+        (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_smem.index(1), v_smem.index(1), q_smem, do_smem, kv_bar,
+                          ready, empty, out_row + HALF, stat_row, key0 + HALF, m_first, n_masked, n_tiles, qk_scale,
+                          sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, PIPELINED)),
         (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
                           b * K_RB + h * K_RH + key0, b * K_CB + h * K_CH, b * V_RB + h * V_RH + key0,
                           b * V_CB + h * V_CH, b * Q_RB + h * Q_RH + m_first * BLOCK_M, b * Q_CB + h * Q_CH,
@@ -501,28 +425,16 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     # dq, dk, dv are new; lse and delta contiguous. The tiles are the descriptors' block shapes, not constexprs.
     key = (q.device, q.dtype, q.shape, k.shape, block_m, block_n, *found)
-    dk_desc, dv_desc = desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half)
-    if FUSED_DQ and d in FUSED_DQ_HEAD_DIMS:
-        dq_sum = torch.zeros((bh * n_q, d), dtype=torch.float32, device=q.device)  # the reduce-adds' target
-        dq_sum_desc = TensorDescriptor(dq_sum, [bh * n_q, d], [d, 1], [block_m, DQ_COLS],
-                                       flash_hopper._smem_layout(block_m, DQ_COLS, gl.float32))
-        launcher.launch(
-            _dkdv_kernel, (n_k // BLOCK_KEYS, bh),
-            (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m), dk_desc, dv_desc,
-             dq_sum_desc, lse, delta, n_q, n_k, heads, qk_scale, sm_scale, *strides),
-            ("dkdv", *key), **common, PIPELINED=False, FUSED_DQ=True,
-        )
-        dq.copy_(dq_sum.view(dq.shape))
-        return
     concurrent = CONCURRENT_DQ and not torch.cuda.is_current_stream_capturing()
     if concurrent:
         current, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
         side.wait_stream(current)  # the inputs, delta included, are ready on it
     launcher.launch(
         _dkdv_kernel, (n_k // BLOCK_KEYS, bh),
-        (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m), dk_desc, dv_desc,
-         dk_desc, lse, delta, n_q, n_k, heads, qk_scale, sm_scale, *strides),  # dQ from the dQ kernel: no dq_desc
-        ("dkdv", *key), **common, PIPELINED=PIPELINED, FUSED_DQ=False,
+        (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m),
+         desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), lse, delta, n_q, n_k,
+         heads, qk_scale, sm_scale, *strides),
+        ("dkdv", *key), **common, PIPELINED=PIPELINED,
     )
     half = BLOCK_ROWS // 2
     with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
