@@ -347,3 +347,14 @@ def test_output_problem_protects_baselines_and_existing_files(tmp_path):
     assert "exists" in baselines.output_problem(tmp_path / "old.csv", False, [store])
     assert baselines.output_problem(tmp_path / "old.csv", True, [store]) is None
     assert "is a folder" in baselines.output_problem(tmp_path, True, [])
+
+
+def test_a_baseline_probed_with_another_kind_of_probe_is_named_so():
+    host = bench(data=(2e-4, 3e-4))
+    host["extra_info"].update(timing="host", cpu_probe_data=[1e-4, 1e-4])  # no kind: the adds alone
+    assert baselines.stale_probe_kind(host, "host") == "adds"
+    host["extra_info"]["cpu_probe"] = baselines.PROBE_KIND
+    assert baselines.stale_probe_kind(host, "host") is None
+    unprobed = bench(data=(2e-4, 3e-4))
+    unprobed["extra_info"].update(timing="host")
+    assert baselines.stale_probe_kind(unprobed, "host") is None

@@ -270,18 +270,28 @@ def probe_kind(bench: dict) -> str:
     return (bench.get("extra_info") or {}).get(PROBE_KIND_KEY, OLD_PROBE_KIND)
 
 
-def probes(bench: dict, timed: str = EAGER) -> list[float] | None:
-    """The CPU probe's times before a baseline benchmark's rounds timed `timed` (host-timed rounds, or LAUNCH: the
-    eager rounds of a graph- or queued-timed benchmark), one per sample; None when it has none for them (saved before
-    the probe, or without its rounds) or they are of another kind than this version's probe (timing.PROBE_KIND)."""
+def _probe_times(bench: dict, timed: str) -> list[float] | None:
+    """The CPU probe's times beside a baseline benchmark's rounds timed `timed`, one per sample, whatever their kind."""
     info = bench.get("extra_info") or {}
-    if probe_kind(bench) != PROBE_KIND:
-        return None
     key = PROBE_KEY if timing(bench) == timed == HOST else EAGER_PROBE_KEY if timed == LAUNCH else None
     times, rounds = info.get(key), samples(bench, timed)
     if not times or rounds is None or len(times) != len(rounds):
         return None
     return times
+
+
+def probes(bench: dict, timed: str = EAGER) -> list[float] | None:
+    """The CPU probe's times before a baseline benchmark's rounds timed `timed` (host-timed rounds, or LAUNCH: the
+    eager rounds of a graph- or queued-timed benchmark), one per sample; None when it has none for them (saved before
+    the probe, or without its rounds) or they are of another kind than this version's probe (timing.PROBE_KIND)."""
+    return _probe_times(bench, timed) if probe_kind(bench) == PROBE_KIND else None
+
+
+def stale_probe_kind(bench: dict, timed: str) -> str | None:
+    """The kind of CPU probe a baseline benchmark's rounds timed `timed` were probed with when it is not this version's
+    (those rounds are then judged on raw times); None when they were probed with it, or not at all."""
+    kind = probe_kind(bench)
+    return kind if kind != PROBE_KIND and _probe_times(bench, timed) is not None else None
 
 
 def device_time(bench: dict) -> float:

@@ -118,10 +118,11 @@ class GpuBenchmark:
             now, then, value, source = samples, reference, tolerance.value, tolerance.source
             if probes and at_speed is not None:
                 now, then = compare.at_cpu_speed(samples, probes, speed, device_time), at_speed
-                allowance = compare.cpu_speed_allowance(median(probes), speed)
+                probe = median(probes)
+                allowance = compare.cpu_speed_allowance(probe, speed)
                 if allowance >= 0.001:
                     value += allowance
-                    source += f"; +{allowance:.1%} for the CPU probe's {median(probes) / speed - 1:+.0%}"
+                    source += f"; +{allowance:.1%} for the CPU probe's {probe / speed - 1:+.0%}"
             return compare.compare_time(now, then, value, source=source)
 
         return judge
@@ -381,9 +382,9 @@ def _cpu_speed_notes(measurement: timing.Measurement, baseline: dict | None) -> 
     for timed, what, probes in ((timing.HOST, "host", measurement.probes),
                                 (timing.LAUNCH, "eager", measurement.eager_probes)):
         reference = baselines.probes(baseline, timed)
-        kind = baselines.probe_kind(baseline)
-        if probes and reference is None and kind != timing.PROBE_KIND and _probed(baseline, timed):
-            notes.append(f"the baseline's CPU probe ({kind}) is not this version's ({timing.PROBE_KIND}): the {what} "
+        stale = baselines.stale_probe_kind(baseline, timed)
+        if probes and stale:
+            notes.append(f"the baseline's CPU probe ({stale}) is not this version's ({timing.PROBE_KIND}): the {what} "
                          "time was judged on raw times; save a baseline again")
         if probes and reference:
             change = median(probes) / median(reference) - 1
@@ -391,12 +392,6 @@ def _cpu_speed_notes(measurement: timing.Measurement, baseline: dict | None) -> 
                 notes.append(f"the CPU probe took {change:+.0%} against the baseline's: the CPU's part of the {what} "
                              "time was judged at the baseline's CPU speed")
     return notes
-
-
-def _probed(baseline: dict, timed: str) -> bool:
-    """Whether a baseline kept CPU probe times for its rounds timed `timed`, whatever their kind."""
-    key = baselines.PROBE_KEY if timed == timing.HOST else baselines.EAGER_PROBE_KEY
-    return bool((baseline.get("extra_info") or {}).get(key))
 
 
 def _eager_median(baseline: dict | None) -> float | None:

@@ -27,8 +27,9 @@ afterwards, untimed). That is what launching the call costs the CPU: Python, dis
 A time that is the CPU's (host timing, and the eager rounds of graph mode, which include the launch cost) moves with
 the CPU's speed, and a shared machine's CPU changes speed within seconds: on the lent H100 the same launch cost read
 from 0.027 to 0.12 ms in one process. So right before each such round a CPU probe runs (backend.time_probe: a fixed
-number of one-element launches and a one-element autograd backward) and its time is kept beside the round's; the gate judges the CPU's part of each round
-at the baseline's CPU speed (compare.at_cpu_speed), and the samples stay what was measured.
+number of one-element launches and a one-element autograd backward) and its time is kept beside the round's; the gate
+judges the CPU's part of each round at the baseline's CPU speed (compare.at_cpu_speed), and the samples stay what was
+measured.
 """
 
 import gc
