@@ -18,25 +18,28 @@ RUN_ARGS = (
 MIB = 2**20
 
 # Rank r's step takes ms * (1 + r * skew) on its fake clock, a quarter of it inside the span "comm_wait", and
-# allocates (r + 1) * memory bytes at its peak.
+# allocates (r + 1) * memory bytes at its peak, and what the rank's backend holds beside (LMSYS_INJECT_MEMORY).
 SUITE = '''
 import random
 
 import pytest
 
 
-def setup(ctx, ms, skew, memory, fail_rank=None, noise=0.0):
+def setup(ctx, ms, skew, memory, fail_rank=None, noise=0.0, launch=0.0):
     if ctx.rank == fail_rank:
         raise ValueError(f"rank {{ctx.rank}} cannot build its model")
     seconds = ms * 1e-3 * (1 + ctx.rank * skew)
     rng = random.Random(ctx.rank)
 
     def step():
+        if not ctx.backend.queued:  # the CPU's launch cost: a queued round has it queued ahead
+            ctx.backend.now += launch * 1e-3
         ctx.backend.now += 0.75 * seconds * (1 + noise * rng.gauss(0.0, 1.0))
         with ctx.span("comm_wait"):
             ctx.backend.now += 0.25 * seconds
-        ctx.backend.allocated = max(ctx.backend.allocated, (ctx.rank + 1) * memory)
-        ctx.backend.requested = max(ctx.backend.requested, (ctx.rank + 1) * memory)
+        peak = (ctx.rank + 1) * memory + ctx.backend.held
+        ctx.backend.allocated = max(ctx.backend.allocated, peak)
+        ctx.backend.requested = max(ctx.backend.requested, peak)
         ctx.mark("after_step")
         return ctx.rank
 
@@ -46,15 +49,17 @@ def setup(ctx, ms, skew, memory, fail_rank=None, noise=0.0):
 @pytest.mark.parametrize("world_size", [2], ids=["ws2-gloo"])
 def test_step(gpu_benchmark, world_size):
     out = gpu_benchmark.distributed(setup, world_size=world_size, timeout=60, ms={ms}, skew={skew},
-                                    memory={memory}, fail_rank={fail_rank}, noise={noise}, flops=10**9)
+                                    memory={memory}, fail_rank={fail_rank}, noise={noise}, launch={launch},
+                                    flops=10**9)
     assert out == [0, 1]
 '''
 
 
-def write(pytester, ms=1.0, skew=0.0, memory=8 * MIB, fail_rank=None, noise=0.0):
+def write(pytester, ms=1.0, skew=0.0, memory=8 * MIB, fail_rank=None, noise=0.0, launch=0.0):
     pytester.makeini("[pytest]\n")
     pytester.makeconftest(INNER_CONFTEST.format(name="Fake GPU 80GB"))
-    pytester.makepyfile(test_suite=SUITE.format(ms=ms, skew=skew, memory=memory, fail_rank=fail_rank, noise=noise))
+    pytester.makepyfile(test_suite=SUITE.format(ms=ms, skew=skew, memory=memory, fail_rank=fail_rank, noise=noise,
+                                                launch=launch))
 
 
 def run(pytester, *args):
@@ -77,6 +82,39 @@ def test_round_time_is_the_slowest_rank_and_memory_the_largest_rank(pytester):
     assert info["peak_allocated_above_start_bytes"] == 16 * MIB
 
 
+def test_on_a_gpu_the_device_time_is_judged_and_the_launch_cost_beside_it(pytester):
+    # Queued rounds hold the device's time; the eager rounds, from an idle device, add the CPU's launch cost and are
+    # judged with the eager tolerance: a slower launch path is a SLOWER-EAGER, not a SLOWER.
+    write(pytester, ms=1.0, launch=0.5)
+    run(pytester, "--benchmark-save=base", "--benchmark-json=out.json").assert_outcomes(passed=1)
+    (bench,) = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    info = bench["extra_info"]
+    assert (info["timing"], info["eager_timing"]) == ("queued", "launch")
+    assert bench["stats"]["median"] == pytest.approx(1e-3)
+    assert info["eager_median"] == pytest.approx(1.5e-3)
+    write(pytester, ms=1.0, launch=1.0)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*SLOWER-EAGER*test_step[[]ws2-gloo[]]*+33.3%*"])
+
+
+def test_a_baseline_timed_eager_is_not_compared_silently(pytester):
+    # Multi-rank baselines saved before the rounds were queued on a GPU hold eager rounds: the device time is not
+    # compared with them, and the verdict says so.
+    write(pytester)
+    run(pytester, "--benchmark-save=base").assert_outcomes(passed=1)
+    (path,) = (pytester.path / "baselines" / "Fake_GPU_80GB").glob("*.json")
+    doc = json.loads(path.read_text())
+    info = doc["benchmarks"][0]["extra_info"]
+    info["timing"] = "eager"
+    for key in ("eager_data", "eager_timing", "eager_median"):
+        del info[key]
+    path.write_text(json.dumps(doc))
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*UNCOMPARED*the baseline was timed eager, this run queued*"])
+
+
 def test_a_slower_rank_fails_the_comparison_and_more_memory_on_one_rank_too(pytester):
     write(pytester, ms=1.0, skew=0.0, memory=8 * MIB)
     run(pytester, "--benchmark-save=base").assert_outcomes(passed=1)
@@ -88,6 +126,42 @@ def test_a_slower_rank_fails_the_comparison_and_more_memory_on_one_rank_too(pyte
         "*MORE-MEMORY: test_step[[]ws2-gloo[]] peak requested above start 18 MiB vs baseline 16 MiB*",
         "*confirmed: the time was re-measured once*",
     ])
+
+
+def test_an_injected_delay_and_allocation_reach_every_rank(pytester, monkeypatch):
+    # The delay is a fraction of the slowest rank's round (1.5 ms), queued on every rank: the judged round (rank 1's)
+    # grows by that fraction; the bytes are held on every rank, so the largest rank's peak grows by them.
+    write(pytester, ms=1.0, skew=0.5, memory=8 * MIB)
+    run(pytester, "--benchmark-save=base").assert_outcomes(passed=1)
+    monkeypatch.setenv("LMSYS_INJECT_DELAY", "0.2")
+    monkeypatch.setenv("LMSYS_INJECT_MEMORY", str(MIB))
+    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*SLOWER: test_step[[]ws2-gloo[]] median 1.8 ms vs baseline 1.5 ms (+20.0%*",
+        "*MORE-MEMORY: test_step[[]ws2-gloo[]] peak requested above start 17 MiB vs baseline 16 MiB*",
+    ])
+    (bench,) = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    info = bench["extra_info"]
+    assert (info["injected_delay"], info["injected_memory"]) == (0.2, MIB)
+    assert [rank["peak_requested_above_start_bytes"] for rank in info["per_rank_memory"]] == [9 * MIB, 17 * MIB]
+
+
+def test_injected_cases_spawn_the_ranks_again_and_fail_nothing(pytester, monkeypatch):
+    # lmsys.perf.detection --in-process: the unchanged step is judged, then each case on ranks spawned for it.
+    write(pytester, ms=1.0, skew=0.5, memory=8 * MIB)
+    run(pytester, "--benchmark-save=base").assert_outcomes(passed=1)
+    monkeypatch.setenv("LMSYS_INJECT_CASES", "0.1:1048576,0.12")
+    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*injected: +10.0% and 1 MiB held: SLOWER+MORE-MEMORY; +12.0%: SLOWER*"])
+    (bench,) = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    info = bench["extra_info"]
+    assert info["verdict"] == "PASS" and "injected_delay" not in info
+    cases = info["injected_cases"]
+    assert [(c["delay"], c["memory"], c["verdict"]) for c in cases] == [(0.1, MIB, "SLOWER+MORE-MEMORY"),
+                                                                         (0.12, 0, "SLOWER")]
+    assert [c["time_change"] for c in cases] == [pytest.approx(0.1), pytest.approx(0.12)]
 
 
 def test_a_failing_rank_fails_the_test_with_its_traceback(pytester):

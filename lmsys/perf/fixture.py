@@ -15,6 +15,7 @@ tensor argument, or bf16 when there is none). The plugin fails the test after it
 SLOWER, SLOWER-EAGER or MORE-MEMORY.
 """
 
+import dataclasses
 import functools
 import re
 from statistics import median
@@ -229,7 +230,12 @@ class GpuBenchmark:
                     f"this run uses {(world_size, transport)}: name them in the test id so each has its own baseline",
                     pytrace=False,
                 )
-        tolerance = self._tolerance(timing.EAGER)
+        # On a GPU the rounds are queued (device time) and the eager rounds, timed from an idle device, are the
+        # CPU's part, as in graph mode; on the CPU the eager rounds are the benchmark's time.
+        queued = backend.is_gpu
+        timed = timing.QUEUED if queued else timing.EAGER
+        tolerance = self._tolerance(timed)
+        eager_tolerance = self._tolerance(timing.LAUNCH, eager=True)
         settings = multirank.Settings(
             setup=setup,
             setup_kwargs=setup_kwargs,
@@ -239,10 +245,17 @@ class GpuBenchmark:
             min_rounds=session.min_rounds,
             warmup_rounds=warmup_rounds,
             disable_gc=session.disable_gc,
-            baseline_samples=None if baseline is None else baselines.samples(baseline, timing.EAGER),
+            baseline_samples=None if baseline is None else baselines.samples(baseline, timed),
             tolerance=tolerance.value,
             tolerance_source=tolerance.source,
             precision=session.precision(tolerance),
+            delay=session.injected_delay,
+            extra_memory=session.injected_memory,
+            queued=queued,
+            eager_baseline_samples=None if baseline is None else baselines.samples(baseline, timing.LAUNCH),
+            eager_tolerance=eager_tolerance.value,
+            eager_tolerance_source=eager_tolerance.source,
+            eager_precision=session.precision(eager_tolerance),
         )
         try:
             if self._benchmark.disabled:
@@ -255,6 +268,8 @@ class GpuBenchmark:
         self._record(
             measurement, flops, bytes, precision or infer_precision((), {}), tolerance, memory_bandwidth=False
         )
+        self._measure_injected_cases(lambda delay, extra_memory: multirank.measure(
+            dataclasses.replace(settings, delay=delay, extra_memory=extra_memory), world_size, timeout))
         return measurement.result
 
     def _verdict(self, measurement: timing.Measurement) -> compare.Verdict | None:

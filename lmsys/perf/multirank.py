@@ -6,9 +6,15 @@ traceback), NCCL on GPUs and gloo on the CPU. On every rank:
 
     step = setup(ctx, **kwargs)        the subject is built on the rank (ctx: RankContext); step() takes no arguments
     one untimed call, one calibration round (the slowest rank's round decides the plan), warmup rounds
-    timed rounds: all ranks meet at a barrier, then each times the round on its own clock (CUDA events)
+    (LMSYS_INJECT_*: the step holds its bytes more, and a device-side delay of a fraction of the slowest rank's
+    round follows it on every rank, a regression of known size as in a single-device benchmark)
+    timed rounds: all ranks meet at a barrier, then each times the round on its own clock (CUDA events); on a GPU
+        the rounds are queued (timing.py: every rank's step behind the same device-side lead, LEAD_FACTOR times the
+        slowest rank's round, so the span holds device time) and eager rounds from an idle device follow, the
+        CPU's launch cost included, judged as the CPU's part (the eager tolerance)
     rank 0 gathers the samples: a round's time is the maximum over the ranks
-    with a baseline, rank 0 compares; when that says SLOWER every rank times the rounds once more, and that decides
+    with a baseline, every rank compares the gathered samples; when that says SLOWER every rank times the rounds
+        once more, and that decides
     one more call per rank under reset peak memory statistics
 
 Back in the test process the result is a timing.Measurement, recorded and judged by the fixture like any other:
@@ -19,6 +25,7 @@ of the round) go into extra_info.
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import time
 from collections.abc import Callable, Iterator
@@ -99,6 +106,13 @@ class Settings:
     tolerance_source: str = "default"
     precision: timing.Precision = timing.Precision()
     once: bool = False
+    delay: float = 0.0
+    extra_memory: int = 0
+    queued: bool = False
+    eager_baseline_samples: list[float] | None = None
+    eager_tolerance: float = 0.0
+    eager_tolerance_source: str = "default"
+    eager_precision: timing.Precision = timing.Precision()
 
 
 def _barrier(ctx: RankContext) -> None:
@@ -108,15 +122,33 @@ def _barrier(ctx: RankContext) -> None:
         dist.barrier()
 
 
-def _time_rounds(ctx: RankContext, step: Callable[[], Any], rounds: int) -> tuple[list[float], list[dict], float]:
-    """This rank's per-round seconds and spans, each round started at a barrier; and the wall seconds per round."""
+def _time_rounds(ctx: RankContext, step: Callable[[], Any], rounds: int, timer=None
+                 ) -> tuple[list[float], list[dict], float]:
+    """This rank's per-round seconds and spans, each round started at a barrier and timed by `timer` (default the
+    backend's time_call); and the wall seconds per round."""
+    timer = timer or ctx.backend.time_call
     samples, spans = [], []
     start = time.perf_counter()
     for _ in range(rounds):
         _barrier(ctx)
-        samples.append(ctx.backend.time_call(step))
+        samples.append(timer(step))
         spans.append(ctx._take_spans())
     return samples, spans, (time.perf_counter() - start) / max(rounds, 1)
+
+
+def _delayed(ctx: RankContext, step: Callable[[], Any], fraction: float, timer) -> Callable[[], Any]:
+    """The step followed by a device-side delay of `fraction` times the median of three rounds of the slowest rank
+    (timed by `timer`, as the judged rounds are): the same delay on every rank, so the judged round, the slowest
+    rank's, grows by that fraction."""
+    samples, _, _ = _time_rounds(ctx, step, 3, timer)
+    wait = ctx.backend.make_delay(fraction * median(_slowest(_gather(samples))))
+
+    def delayed():
+        result = step()
+        wait()
+        return result
+
+    return delayed
 
 
 def _gather(value) -> list:
@@ -156,40 +188,56 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
         step = settings.setup(ctx, **settings.setup_kwargs)
         step()  # compilation, autotuning, allocator growth
         backend.synchronize()
+        if settings.extra_memory:
+            step = timing.with_allocation(backend, step, settings.extra_memory)
         _, _, calibration = _time_rounds(ctx, step, 1)
-        plan = timing.plan(max(_gather(calibration)), settings.max_time, settings.min_rounds, settings.warmup_rounds)
+        walls = _gather(calibration)
+        plan = timing.plan(max(walls), settings.max_time, settings.min_rounds, settings.warmup_rounds)
         _time_rounds(ctx, step, plan.warmup_rounds - 1)
+        # Queued timing: every rank's rounds behind the same device-side lead, long enough for the slowest rank's
+        # CPU to queue its whole step, so that the rounds hold the device's time.
+        timer = backend.time_call
+        if settings.queued:
+            lead = backend.make_delay(min(timing.MAX_LEAD, timing.LEAD_FACTOR * max(walls)))
+            timer = functools.partial(backend.time_call, lead=lead)
+        if settings.delay:
+            step = _delayed(ctx, step, settings.delay, timer)
 
-        def measure_all():
-            per_rank_spans = []
+        def series(timer, precision, reference, tolerance, source):
+            def measure_all():
+                per_rank_spans = []
 
-            def timed(rounds):
-                samples, spans, wall = _time_rounds(ctx, step, rounds)
-                gathered = _gather((samples, spans, wall))
-                per_rank_spans.append([g[1] for g in gathered])
-                return _slowest([g[0] for g in gathered]), max(g[2] for g in gathered) * rounds
+                def timed(rounds):
+                    samples, spans, wall = _time_rounds(ctx, step, rounds, timer)
+                    gathered = _gather((samples, spans, wall))
+                    per_rank_spans.append([g[1] for g in gathered])
+                    return _slowest([g[0] for g in gathered]), max(g[2] for g in gathered) * rounds
 
-            # Every rank holds the same gathered samples and times, so every rank takes the same decision.
-            samples, wall = timing.adapt(timed, plan.rounds, settings.precision)
-            spans = [sum(batch, []) for batch in zip(*per_rank_spans, strict=True)]
-            return samples, spans, wall
+                # Every rank holds the same gathered samples and times, so every rank takes the same decision.
+                samples, wall = timing.adapt(timed, plan.rounds, precision)
+                spans = [sum(batch, []) for batch in zip(*per_rank_spans, strict=True)]
+                return samples, spans, wall
 
-        def judge(measured):
-            samples = measured[0]
-            if settings.baseline_samples is None:
-                return None
-            return compare.compare_time(
-                samples, settings.baseline_samples, settings.tolerance, source=settings.tolerance_source
-            )
+            def judge(measured):
+                if reference is None:
+                    return None
+                return compare.compare_time(measured[0], reference, tolerance, source=source)
 
-        # Every rank judges the same gathered samples, so every rank re-measures, or none does.
-        (samples, spans, wall), comparison, remeasured = timing.judged(measure_all, judge)
+            # Every rank judges the same gathered samples, so every rank re-measures, or none does.
+            return timing.judged(measure_all, judge)
+
+        (samples, spans, wall), comparison, remeasured = series(
+            timer, settings.precision, settings.baseline_samples, settings.tolerance, settings.tolerance_source)
+        eager = None
+        if settings.queued:  # the eager rounds beside, the CPU's launch cost included (from an idle device)
+            eager = series(backend.time_launch, settings.eager_precision, settings.eager_baseline_samples,
+                           settings.eager_tolerance, settings.eager_tolerance_source)
         _barrier(ctx)
         result, memory = backend.measure_memory(step)
         readings = _gather((memory, dict(ctx.marks)))
     if ctx.rank != 0:
         return result, None
-    return result, {
+    out = {
         "samples": samples,
         "wall": wall,
         "warmup_rounds": plan.warmup_rounds,
@@ -198,6 +246,11 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
         "readings": readings,
         "spans": _span_summary(spans, samples),
     }
+    if eager is not None:
+        (eager_samples, _, eager_wall), eager_comparison, eager_remeasured = eager
+        out.update(eager_samples=eager_samples, eager_wall=eager_wall, eager_comparison=eager_comparison,
+                   remeasured=remeasured or eager_remeasured)
+    return result, out
 
 
 def _largest(readings: list) -> Any:
@@ -230,6 +283,12 @@ def measure(settings: Settings, world_size: int, timeout: float) -> timing.Measu
         "per_rank_memory": per_rank,
         "spans": gathered["spans"],
     }
+    if settings.delay:
+        extra["injected_delay"] = settings.delay
+    if settings.extra_memory:
+        extra["injected_memory"] = settings.extra_memory
+    if "eager_samples" in gathered:
+        extra["eager_wall_seconds_per_round"] = gathered["eager_wall"]
     return timing.Measurement(
         samples=gathered["samples"],
         wall_seconds_per_round=gathered["wall"],
@@ -239,4 +298,7 @@ def measure(settings: Settings, world_size: int, timeout: float) -> timing.Measu
         time_comparison=gathered["comparison"],
         remeasured=gathered["remeasured"],
         extra_info=extra,
+        timing=timing.QUEUED if settings.queued else timing.EAGER,
+        eager_samples=gathered.get("eager_samples"),
+        eager_comparison=gathered.get("eager_comparison"),
     )
