@@ -8,11 +8,12 @@ the others) times the causal attention calls of test_attention_launch_cost ((1, 
 (1, 1, 128, 32) fp32 on the CPU), in two blocks a few seconds apart. Every round is queued behind a device-side sleep
 and read on three clocks at once: perf_counter (the gate's), the thread's CPU time, and the instructions the thread
 retired in user space (a hardware counter, where perf_event_open allows it). Before each round three CPU probes run:
-`adds` (the gate's: ten one-element adds), `autograd` (a one-element forward and backward through autograd, the
-shape of a fwd_bwd call) and `python` (a loop of pure Python). The table gives, for each call and each measure, the
-spread between processes of the median (a measure over a probe: the median of the per-round ratios, what
-compare.at_cpu_speed judges): max/min and the coefficient of variation, and the same between the two blocks of one
-process. A measure whose spread between processes is small is one the gate can judge with a small tolerance.
+`adds` (ten one-element adds, the gate's probe when this study ran), `autograd` (a one-element forward and backward
+through autograd, the shape of a fwd_bwd call; the gate's probe is now both) and `python` (a loop of pure Python).
+The table gives, for each call and each measure, the spread between processes of the median (a measure over a
+probe: the median of the per-round ratios, what compare.at_cpu_speed judges): max/min and the coefficient of
+variation, and the same between the two blocks of one process. A measure whose spread between processes is small
+is one the gate can judge with a small tolerance.
 """
 
 import argparse

@@ -141,14 +141,7 @@ def _delayed(ctx: RankContext, step: Callable[[], Any], fraction: float, timer) 
     (timed by `timer`, as the judged rounds are): the same delay on every rank, so the judged round, the slowest
     rank's, grows by that fraction."""
     samples, _, _ = _time_rounds(ctx, step, 3, timer)
-    wait = ctx.backend.make_delay(fraction * median(_slowest(_gather(samples))))
-
-    def delayed():
-        result = step()
-        wait()
-        return result
-
-    return delayed
+    return timing.followed_by(step, ctx.backend.make_delay(fraction * median(_slowest(_gather(samples)))))
 
 
 def _gather(value) -> list:

@@ -286,10 +286,15 @@ def with_delay(backend, call: Callable[[], Any], flush, fraction: float, graph: 
         delay = backend.make_host_delay(fraction * median(time_rounds(backend, call, 3, flush, lead, host=True)))
     else:
         delay = _device_delay(backend, call, flush, fraction, graph)
+    return followed_by(call, delay)
+
+
+def followed_by(call: Callable[[], Any], after: Callable[[], None]) -> Callable[[], Any]:
+    """call, then after() (an injected delay), returning call's result."""
 
     def delayed():
         result = call()
-        delay()
+        after()
         return result
 
     return delayed
