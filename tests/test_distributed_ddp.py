@@ -1,4 +1,5 @@
-"""The four DDP variants against a single process trained on the whole batch (gloo, CPU ranks).
+"""The four DDP variants against a single process trained on the whole batch (gloo, CPU ranks); on GPUs, the
+benchmarked training step captured in a CUDA graph against the same step run eagerly.
 
 Each rank trains the wrapped model on its slice of a batch and, beside it, a single-process copy on the whole batch;
 after every backward the averaged gradients must equal the copy's, and after several steps so must the parameters.
@@ -166,3 +167,42 @@ def test_wrapping_needs_a_process_group():
 def test_bucket_size_must_be_positive():
     with pytest.raises(ValueError, match="bucket_size_mb must be positive, got 0"):
         DDPBucketed(nn.Linear(2, 2), bucket_size_mb=0)
+
+
+def _captured_against_eager(wrapper: str, compute: str) -> float:
+    """On this rank: two copies of the benchmarked step (perf_tests/test_ddp.py, the tiny model), one run eagerly
+    three times, the other captured in a CUDA graph as the gate captures it (a step run on a side stream first, then
+    two replays); returns how far apart their parameters end, relative to how far the eager ones moved."""
+    from lmsys.distributed.steps import build_train_step
+    from lmsys.perf.backend import CudaBackend
+    from lmsys.perf.multirank import RankContext
+
+    device = init_process_group("nccl")
+    ctx = RankContext(dist.get_rank(), dist.get_world_size(), device, CudaBackend())
+    eager, eager_params = build_train_step(ctx, "tiny", 64, 2, compute, wrapper)
+    graphed, graphed_params = build_train_step(ctx, "tiny", 64, 2, compute, wrapper)
+    start = [p.detach().clone() for p in eager_params]
+    for _ in range(3):
+        eager()
+    replay, release = ctx.backend.capture_graph(graphed)
+    replay()
+    replay()
+    torch.cuda.synchronize()
+    release()
+    moved = sum((p - s).double().square().sum() for p, s in zip(eager_params, start, strict=True)).sqrt()
+    apart = sum((p - q).double().square().sum() for p, q in zip(eager_params, graphed_params, strict=True)).sqrt()
+    return float(apart / moved)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("compute", ["fp32", "bf16"])
+@pytest.mark.parametrize("wrapper", ["single", *(pytest.param(name, marks=TWO_GPUS) for name in
+                                                ("torch-ddp", "naive", "flat", "individual", "bucketed-1mb"))])
+def test_the_captured_step_trains_like_the_eager_one(wrapper, compute):
+    # Graph mode of the DDP benchmarks times replays: they must be the step (backward, synchronization, optimizer),
+    # not a part of it. A replay that skipped the update or applied it twice would leave the copies a third apart.
+    world_size = 1 if wrapper == "single" else 2
+    for rank, apart in enumerate(launch(_captured_against_eager, world_size, wrapper, compute, backend="nccl",
+                                                 timeout=300)):
+        assert apart < 0.02, f"rank {rank}: the captured step's parameters end {apart:.1%} from the eager step's"

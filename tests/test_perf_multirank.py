@@ -25,14 +25,19 @@ import random
 import pytest
 
 
-def setup(ctx, ms, skew, memory, fail_rank=None, noise=0.0, launch=0.0):
+def setup(ctx, ms, skew, memory, fail_rank=None, noise=0.0, launch=0.0, uncapturable_rank=None):
     if ctx.rank == fail_rank:
         raise ValueError(f"rank {{ctx.rank}} cannot build its model")
     seconds = ms * 1e-3 * (1 + ctx.rank * skew)
     rng = random.Random(ctx.rank)
 
     def step():
-        if not ctx.backend.queued:  # the CPU's launch cost: a queued round has it queued ahead
+        if ctx.backend.capturing:  # recorded, not run
+            if ctx.rank == uncapturable_rank:
+                raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+            with ctx.span("comm_wait"):
+                return ctx.rank
+        if not (ctx.backend.queued or ctx.backend.replaying):  # the CPU's launch cost: queued ahead, or none
             ctx.backend.now += launch * 1e-3
         ctx.backend.now += 0.75 * seconds * (1 + noise * rng.gauss(0.0, 1.0))
         with ctx.span("comm_wait"):
@@ -50,16 +55,17 @@ def setup(ctx, ms, skew, memory, fail_rank=None, noise=0.0, launch=0.0):
 def test_step(gpu_benchmark, world_size):
     out = gpu_benchmark.distributed(setup, world_size=world_size, timeout=60, ms={ms}, skew={skew},
                                     memory={memory}, fail_rank={fail_rank}, noise={noise}, launch={launch},
-                                    flops=10**9)
+                                    uncapturable_rank={uncapturable_rank}, graph={graph}, flops=10**9)
     assert out == [0, 1]
 '''
 
 
-def write(pytester, ms=1.0, skew=0.0, memory=8 * MIB, fail_rank=None, noise=0.0, launch=0.0):
+def write(pytester, ms=1.0, skew=0.0, memory=8 * MIB, fail_rank=None, noise=0.0, launch=0.0, graph=False,
+          uncapturable_rank=None):
     pytester.makeini("[pytest]\n")
     pytester.makeconftest(INNER_CONFTEST.format(name="Fake GPU 80GB"))
     pytester.makepyfile(test_suite=SUITE.format(ms=ms, skew=skew, memory=memory, fail_rank=fail_rank, noise=noise,
-                                                launch=launch))
+                                                launch=launch, graph=graph, uncapturable_rank=uncapturable_rank))
 
 
 def run(pytester, *args):
@@ -96,6 +102,46 @@ def test_on_a_gpu_the_device_time_is_judged_and_the_launch_cost_beside_it(pytest
     result = run(pytester, "--benchmark-compare")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*SLOWER-EAGER*test_step[[]ws2-gloo[]]*+33.3%*"])
+
+
+def test_graph_mode_times_every_ranks_replays_with_the_eager_rounds_beside(pytester):
+    # A step whose CPU launch cost (2 ms) exceeds its device time (1 ms): the replays hold the device time; the
+    # spans, not timed in a captured step, come from the eager rounds; a slower launch path is a SLOWER-EAGER.
+    write(pytester, ms=1.0, skew=0.5, launch=2.0, graph=True)
+    run(pytester, "--benchmark-save=base", "--benchmark-json=out.json").assert_outcomes(passed=1)
+    (bench,) = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    info = bench["extra_info"]
+    assert (info["timing"], info["eager_timing"]) == ("graph", "launch")
+    assert bench["stats"]["median"] == pytest.approx(1.5e-3)
+    assert info["eager_median"] == pytest.approx(3.5e-3)
+    assert info["spans"]["comm_wait"]["seconds"] == pytest.approx(0.375e-3)
+    assert "notes" not in info
+    write(pytester, ms=1.0, skew=0.5, launch=3.0, graph=True)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*SLOWER-EAGER*test_step[[]ws2-gloo[]]*+28.6%*"])
+    write(pytester, ms=1.1, skew=0.5, launch=2.0, graph=True)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*SLOWER: test_step[[]ws2-gloo[]] median 1.65 ms vs baseline 1.5 ms (+10.0%*"])
+
+
+def test_graph_mode_falls_back_to_queued_rounds_on_every_rank_when_one_cannot_capture(pytester):
+    # Rank 1 cannot capture its step: no rank times replays (its collectives would wait for the other's), and the
+    # verdict compares like with like: queued rounds are not compared with a baseline of replays.
+    write(pytester, ms=1.0, launch=0.5, graph=True)
+    run(pytester, "--benchmark-save=base").assert_outcomes(passed=1)
+    write(pytester, ms=1.0, launch=0.5, graph=True, uncapturable_rank=1)
+    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*UNCOMPARED*the baseline was timed graph, this run queued*",
+        "*timed queued (device time): the CUDA graph capture failed on rank 1 (RuntimeError: CUDA error: "
+        "operation not permitted when stream is capturing)*",
+    ])
+    (bench,) = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    assert bench["extra_info"]["timing"] == "queued"
+    assert bench["stats"]["median"] == pytest.approx(1e-3)
 
 
 def test_a_baseline_timed_eager_is_not_compared_silently(pytester):

@@ -84,13 +84,19 @@ def step_flops(size: str, context: int, batch: int) -> int:
 
 def setup_train_step(ctx, size, context, batch, compute, wrapper, optimizer="torch-adamw", sharded=False):
     """Builds the model, the wrapper and the optimizer on this rank; returns the step (see the module docstring)."""
+    return build_train_step(ctx, size, context, batch, compute, wrapper, optimizer, sharded)[0]
+
+
+def build_train_step(ctx, size, context, batch, compute, wrapper, optimizer="torch-adamw", sharded=False):
+    """setup_train_step's step, and the parameters it updates (this rank's shards under a sharded wrapper)."""
     torch.manual_seed(0)
     with torch.device(ctx.device):
         model = TransformerLM(model_config(size, context))
     dtype = DTYPES[compute]
     wrapped = wrap(wrapper, model, ctx.device, dtype)
     cls = OPTIMIZERS[optimizer]
-    options = {"fused": True} if cls is torch.optim.AdamW and ctx.device.type == "cuda" else {}
+    # Capturable: the step count on the device, so that the whole step can be captured in a CUDA graph (graph mode).
+    options = {"fused": True, "capturable": True} if cls is torch.optim.AdamW and ctx.device.type == "cuda" else {}
     # A fully sharded wrapper's parameters are this rank's shards; the optimizer steps those.
     params = list(wrapped.parameters())
     opt = ShardedOptimizer(params, cls, **options) if sharded else cls(params, **options)
@@ -112,7 +118,7 @@ def setup_train_step(ctx, size, context, batch, compute, wrapper, optimizer="tor
         ctx.mark("after_optimizer_step")
         opt.zero_grad(set_to_none=True)
 
-    return step
+    return step, params
 
 
 def setup_all_reduce(ctx, nbytes):

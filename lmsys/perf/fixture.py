@@ -195,6 +195,7 @@ class GpuBenchmark:
         bytes=None,
         warmup_rounds=None,
         precision=None,
+        graph: bool = False,
         timeout: float = 600.0,
         **setup_kwargs,
     ) -> list:
@@ -208,9 +209,11 @@ class GpuBenchmark:
         each rank moves over the interconnect in one step (for an all-reduce of S bytes, the bus bytes
         2(n-1)/n * S), reported as GB/s with no fraction of a peak (the device table has memory bandwidths, not
         link bandwidths). A rank that fails fails the test with that rank's traceback; ranks still running after
-        `timeout` seconds are killed and the test fails.
+        `timeout` seconds are killed and the test fails. `graph=True` captures each rank's step in a CUDA graph and
+        times the replays (device time even for a step whose CPU time exceeds its device time), with the eager rounds
+        beside; when a rank cannot capture its step, queued rounds on a GPU, eager ones on the CPU, with a note.
         """
-        _check_arguments(flops, bytes, warmup_rounds, precision, False)
+        _check_arguments(flops, bytes, warmup_rounds, precision, graph)
         if not _is_count(world_size) or world_size < 1:
             raise ValueError(f"gpu_benchmark.distributed: world_size must be a positive int, got {world_size!r}")
         if not timeout > 0:
@@ -236,6 +239,7 @@ class GpuBenchmark:
         timed = timing.QUEUED if queued else timing.EAGER
         tolerance = self._tolerance(timed)
         eager_tolerance = self._tolerance(timing.LAUNCH, eager=True)
+        graph_tolerance = self._tolerance(timing.GRAPH)
         settings = multirank.Settings(
             setup=setup,
             setup_kwargs=setup_kwargs,
@@ -256,6 +260,11 @@ class GpuBenchmark:
             eager_tolerance=eager_tolerance.value,
             eager_tolerance_source=eager_tolerance.source,
             eager_precision=session.precision(eager_tolerance),
+            graph=graph,
+            graph_baseline_samples=None if baseline is None else baselines.samples(baseline, timing.GRAPH),
+            graph_tolerance=graph_tolerance.value,
+            graph_tolerance_source=graph_tolerance.source,
+            graph_precision=session.precision(graph_tolerance),
         )
         try:
             if self._benchmark.disabled:
@@ -265,6 +274,8 @@ class GpuBenchmark:
             if "CUDA out of memory" in str(exc):
                 pytest.skip(oom_reason(str(exc), backend.name) + f" on one of {world_size} ranks")
             raise
+        if measurement.timing == timing.GRAPH:
+            tolerance = graph_tolerance
         self._record(
             measurement, flops, bytes, precision or infer_precision((), {}), tolerance, memory_bandwidth=False
         )

@@ -8,10 +8,15 @@ traceback), NCCL on GPUs and gloo on the CPU. On every rank:
     one untimed call, one calibration round (the slowest rank's round decides the plan), warmup rounds
     (LMSYS_INJECT_*: the step holds its bytes more, and a device-side delay of a fraction of the slowest rank's
     round follows it on every rank, a regression of known size as in a single-device benchmark)
+    graph=True: every rank captures its step in a CUDA graph (a step that synchronizes or reads a value back
+        cannot be captured: when any rank fails, every rank times its step as below, and the note names the rank
+        and the error); the replays are timed as queued rounds are, the graph released before the eager rounds
     timed rounds: all ranks meet at a barrier, then each times the round on its own clock (CUDA events); on a GPU
         the rounds are queued (timing.py: every rank's step behind the same device-side lead, LEAD_FACTOR times the
         slowest rank's round, so the span holds device time) and eager rounds from an idle device follow, the
-        CPU's launch cost included, judged as the CPU's part (the eager tolerance)
+        CPU's launch cost included, judged as the CPU's part (the eager tolerance). A step whose CPU time exceeds
+        its device time (thousands of small kernels: the bf16 step of a large model) drains any lead and is the
+        CPU's time even when queued: graph mode is for those
     rank 0 gathers the samples: a round's time is the maximum over the ranks
     with a baseline, every rank compares the gathered samples; when that says SLOWER every rank times the rounds
         once more, and that decides
@@ -59,7 +64,9 @@ class RankContext:
     @contextlib.contextmanager
     def span(self, name: str) -> Iterator[None]:
         """Times the block as part of the current round (on a GPU: events on the current stream, no sync)."""
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            yield  # a span of a captured step is not timed: graph mode's spans come from its eager rounds
+        elif self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             yield
@@ -113,6 +120,11 @@ class Settings:
     eager_tolerance: float = 0.0
     eager_tolerance_source: str = "default"
     eager_precision: timing.Precision = timing.Precision()
+    graph: bool = False
+    graph_baseline_samples: list[float] | None = None
+    graph_tolerance: float = 0.0
+    graph_tolerance_source: str = "default"
+    graph_precision: timing.Precision = timing.Precision()
 
 
 def _barrier(ctx: RankContext) -> None:
@@ -136,12 +148,31 @@ def _time_rounds(ctx: RankContext, step: Callable[[], Any], rounds: int, timer=N
     return samples, spans, (time.perf_counter() - start) / max(rounds, 1)
 
 
-def _delayed(ctx: RankContext, step: Callable[[], Any], fraction: float, timer) -> Callable[[], Any]:
-    """The step followed by a device-side delay of `fraction` times the median of three rounds of the slowest rank
-    (timed by `timer`, as the judged rounds are): the same delay on every rank, so the judged round, the slowest
-    rank's, grows by that fraction."""
+def _delay(ctx: RankContext, step: Callable[[], Any], fraction: float, timer) -> Callable[[], None]:
+    """A device-side delay of `fraction` times the median of three rounds of the slowest rank (timed by `timer`, as
+    the judged rounds are): the same delay on every rank, so the judged round, the slowest rank's, grows by that
+    fraction."""
     samples, _, _ = _time_rounds(ctx, step, 3, timer)
-    return timing.followed_by(step, ctx.backend.make_delay(fraction * median(_slowest(_gather(samples)))))
+    return ctx.backend.make_delay(fraction * median(_slowest(_gather(samples))))
+
+
+def _capture(ctx: RankContext, step: Callable[[], Any]) -> tuple[tuple | None, str | None]:
+    """(replay, release) of the step captured in a CUDA graph on every rank, or (None, a note) when any rank's
+    capture failed (then no rank keeps its graph)."""
+    try:
+        captured, failure = ctx.backend.capture_graph(step), None
+    except Exception as exc:  # a capture can fail in many ways (sync, CPU readback, unsupported op)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        captured, failure = None, f"{type(exc).__name__}: {reason}" if reason else type(exc).__name__
+    ctx._events.clear()  # the spans of the capture's warm-up call
+    failures = [(rank, f) for rank, f in enumerate(_gather(failure)) if f is not None]
+    if not failures:
+        return captured, None
+    if captured is not None:
+        captured[1]()
+    rank, failure = failures[0]
+    how = "timed queued (device time)" if ctx.backend.is_gpu else "timed eagerly"
+    return None, f"{how}: the CUDA graph capture failed on rank {rank} ({failure})"
 
 
 def _gather(value) -> list:
@@ -187,27 +218,34 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
         walls = _gather(calibration)
         plan = timing.plan(max(walls), settings.max_time, settings.min_rounds, settings.warmup_rounds)
         _time_rounds(ctx, step, plan.warmup_rounds - 1)
-        # Queued timing: every rank's rounds behind the same device-side lead, long enough for the slowest rank's
-        # CPU to queue its whole step, so that the rounds hold the device's time.
+        captured, note = _capture(ctx, step) if settings.graph else (None, None)
+        timed = step
+        if captured is not None:
+            timed = captured[0]
+            _, _, replay_wall = _time_rounds(ctx, timed, 1)  # the graph's first replay uploads it
+            walls = _gather(replay_wall)
+        # Queued timing (graph replays too): every rank's rounds behind the same device-side lead, long enough for the
+        # slowest rank's CPU to queue its whole step, so that the rounds hold the device's time.
         timer = backend.time_call
-        if settings.queued:
+        if settings.queued or captured is not None:
             lead = backend.make_delay(min(timing.MAX_LEAD, timing.LEAD_FACTOR * max(walls)))
             timer = functools.partial(backend.time_call, lead=lead)
         if settings.delay:
-            step = _delayed(ctx, step, settings.delay, timer)
+            delay = _delay(ctx, timed, settings.delay, timer)
+            timed, step = timing.followed_by(timed, delay), timing.followed_by(step, delay)
 
-        def series(timer, precision, reference, tolerance, source):
+        def series(subject, timer, precision, reference, tolerance, source):
             def measure_all():
                 per_rank_spans = []
 
-                def timed(rounds):
-                    samples, spans, wall = _time_rounds(ctx, step, rounds, timer)
+                def timed_rounds(rounds):
+                    samples, spans, wall = _time_rounds(ctx, subject, rounds, timer)
                     gathered = _gather((samples, spans, wall))
                     per_rank_spans.append([g[1] for g in gathered])
                     return _slowest([g[0] for g in gathered]), max(g[2] for g in gathered) * rounds
 
                 # Every rank holds the same gathered samples and times, so every rank takes the same decision.
-                samples, wall = timing.adapt(timed, plan.rounds, precision)
+                samples, wall = timing.adapt(timed_rounds, plan.rounds, precision)
                 spans = [sum(batch, []) for batch in zip(*per_rank_spans, strict=True)]
                 return samples, spans, wall
 
@@ -219,11 +257,20 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
             # Every rank judges the same gathered samples, so every rank re-measures, or none does.
             return timing.judged(measure_all, judge)
 
-        (samples, spans, wall), comparison, remeasured = series(
-            timer, settings.precision, settings.baseline_samples, settings.tolerance, settings.tolerance_source)
+        if captured is not None:
+            try:
+                (samples, spans, wall), comparison, remeasured = series(
+                    timed, timer, settings.graph_precision, settings.graph_baseline_samples, settings.graph_tolerance,
+                    settings.graph_tolerance_source)
+            finally:
+                captured[1]()
+        else:
+            (samples, spans, wall), comparison, remeasured = series(
+                timed, timer, settings.precision, settings.baseline_samples, settings.tolerance,
+                settings.tolerance_source)
         eager = None
-        if settings.queued:  # the eager rounds beside, the CPU's launch cost included (from an idle device)
-            eager = series(backend.time_launch, settings.eager_precision, settings.eager_baseline_samples,
+        if settings.queued or captured is not None:  # the eager rounds beside, launch cost included (idle device)
+            eager = series(step, backend.time_launch, settings.eager_precision, settings.eager_baseline_samples,
                            settings.eager_tolerance, settings.eager_tolerance_source)
         _barrier(ctx)
         result, memory = backend.measure_memory(step)
@@ -238,11 +285,15 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
         "remeasured": remeasured,
         "readings": readings,
         "spans": _span_summary(spans, samples),
+        "timing": timing.GRAPH if captured is not None else timing.QUEUED if settings.queued else timing.EAGER,
+        "notes": [] if note is None else [note],
     }
     if eager is not None:
-        (eager_samples, _, eager_wall), eager_comparison, eager_remeasured = eager
+        (eager_samples, eager_spans, eager_wall), eager_comparison, eager_remeasured = eager
         out.update(eager_samples=eager_samples, eager_wall=eager_wall, eager_comparison=eager_comparison,
                    remeasured=remeasured or eager_remeasured)
+        if not out["spans"]:  # a captured step's spans are not timed: the eager rounds' are
+            out["spans"] = _span_summary(eager_spans, eager_samples)
     return result, out
 
 
@@ -291,7 +342,8 @@ def measure(settings: Settings, world_size: int, timeout: float) -> timing.Measu
         time_comparison=gathered["comparison"],
         remeasured=gathered["remeasured"],
         extra_info=extra,
-        timing=timing.QUEUED if settings.queued else timing.EAGER,
+        timing=gathered["timing"],
         eager_samples=gathered.get("eager_samples"),
         eager_comparison=gathered.get("eager_comparison"),
+        notes=gathered["notes"],
     )
