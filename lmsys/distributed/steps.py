@@ -107,6 +107,10 @@ def build_train_step(ctx, size, context, batch, compute, wrapper, optimizer="tor
     ctx.mark("after_init")
 
     def step():
+        if wrapper == "torch-ddp" and ctx.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Refused before anything is recorded: on two H200s its reducer's work failed the capture
+            # (cudaErrorStreamCaptureUnsupported), and the rank then ran out of memory when timed queued.
+            raise RuntimeError("torch's DistributedDataParallel is not captured in a CUDA graph here")
         with torch.autocast(ctx.device.type, dtype=autocast, enabled=autocast is not None):
             loss = cross_entropy(wrapped(inputs), targets)
         loss.backward()
