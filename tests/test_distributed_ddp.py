@@ -14,7 +14,10 @@ from torch import nn
 from lmsys.distributed.ddp import DDPBucketed, DDPFlat, DDPIndividualParameters, DDPNaive
 from lmsys.distributed.launch import init_process_group, launch
 from lmsys.distributed.sharded_optimizer import ShardedOptimizer
+from lmsys.distributed.steps import build_train_step
 from lmsys.model import SIZES, TransformerLM
+from lmsys.perf.backend import CudaBackend
+from lmsys.perf.multirank import RankContext
 from lmsys.train import cross_entropy
 
 # Bucket sizes for the tiny LM (embedding and head 2.4 MiB each, block weights 16-64 KiB): one parameter per
@@ -169,16 +172,17 @@ def test_bucket_size_must_be_positive():
         DDPBucketed(nn.Linear(2, 2), bucket_size_mb=0)
 
 
+def _cuda_rank() -> RankContext:
+    """This rank's context as the gate's multi-rank benchmarks build it, on NCCL."""
+    device = init_process_group("nccl")
+    return RankContext(dist.get_rank(), dist.get_world_size(), device, CudaBackend())
+
+
 def _captured_against_eager(wrapper: str, compute: str) -> float:
     """On this rank: two copies of the benchmarked step (perf_tests/test_ddp.py, the tiny model), one run eagerly
     three times, the other captured in a CUDA graph as the gate captures it (a step run on a side stream first, then
     two replays); returns how far apart their parameters end, relative to how far the eager ones moved."""
-    from lmsys.distributed.steps import build_train_step
-    from lmsys.perf.backend import CudaBackend
-    from lmsys.perf.multirank import RankContext
-
-    device = init_process_group("nccl")
-    ctx = RankContext(dist.get_rank(), dist.get_world_size(), device, CudaBackend())
+    ctx = _cuda_rank()
     eager, eager_params = build_train_step(ctx, "tiny", 64, 2, compute, wrapper)
     graphed, graphed_params = build_train_step(ctx, "tiny", 64, 2, compute, wrapper)
     start = [p.detach().clone() for p in eager_params]
@@ -203,18 +207,13 @@ def test_the_captured_step_trains_like_the_eager_one(wrapper, compute):
     # Graph mode of the DDP benchmarks times replays: they must be the step (backward, synchronization, optimizer),
     # not a part of it. A replay that skipped the update or applied it twice would leave the copies a third apart.
     world_size = 1 if wrapper == "single" else 2
-    for rank, apart in enumerate(launch(_captured_against_eager, world_size, wrapper, compute, backend="nccl",
-                                                 timeout=300)):
+    results = launch(_captured_against_eager, world_size, wrapper, compute, backend="nccl", timeout=300)
+    for rank, apart in enumerate(results):
         assert apart < 0.02, f"rank {rank}: the captured step's parameters end {apart:.1%} from the eager step's"
 
 
 def _refused_then_stepped() -> str:
-    from lmsys.distributed.steps import build_train_step
-    from lmsys.perf.backend import CudaBackend
-    from lmsys.perf.multirank import RankContext
-
-    device = init_process_group("nccl")
-    ctx = RankContext(dist.get_rank(), dist.get_world_size(), device, CudaBackend())
+    ctx = _cuda_rank()
     step, _ = build_train_step(ctx, "tiny", 64, 2, "bf16", "torch-ddp")
     with pytest.raises(RuntimeError, match="not captured") as refused:
         ctx.backend.capture_graph(step)

@@ -104,12 +104,13 @@ def build_train_step(ctx, size, context, batch, compute, wrapper, optimizer="tor
     generator = torch.Generator(ctx.device).manual_seed(1000 + ctx.rank)
     inputs, targets = random_batch(batch, context, model.config.vocab_size, ctx.device, generator)
     finish = getattr(wrapped, "finish_gradient_synchronization", None)
+    # torch's DDP refuses a CUDA graph capture before anything is recorded: on two H200s its reducer's work failed
+    # the capture (cudaErrorStreamCaptureUnsupported) and the benchmark was then skipped out of memory.
+    refuses_capture = wrapper == "torch-ddp" and ctx.device.type == "cuda"
     ctx.mark("after_init")
 
     def step():
-        if wrapper == "torch-ddp" and ctx.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # Refused before anything is recorded: on two H200s its reducer's work failed the capture
-            # (cudaErrorStreamCaptureUnsupported), and the rank then ran out of memory when timed queued.
+        if refuses_capture and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("torch's DistributedDataParallel is not captured in a CUDA graph here")
         with torch.autocast(ctx.device.type, dtype=autocast, enabled=autocast is not None):
             loss = cross_entropy(wrapped(inputs), targets)
