@@ -1,7 +1,7 @@
 """The attention kernels' variants side by side in one process: the Triton backward, the Gluon backward for Hopper
 (lmsys.attention.flash_hopper_bwd, whatever the problem's size: as it is, with its dQ kernel beside the dK/dV one on
-a side stream, with dQ tiles of 128 keys, with 3 stages, PIPELINED), the Gluon forward at d=64 too (it takes d=128
-alone), SDPA's cuDNN and flash backends, and the default (what flash_attention runs: the Gluon backward from
+a side stream, with dQ tiles of 128 keys, with 3 stages), the Gluon forward at d=64 too (it takes d=128 alone),
+SDPA's cuDNN and flash backends, and the default (what flash_attention runs: the Gluon backward from
 flash_hopper_bwd.MIN_PROGRAMS_PER_SM programs per multiprocessor, else the Triton one), at the CS336 leaderboard's
 shape and the causal grid's points from 8192 tokens (issue 15).
 
@@ -49,7 +49,6 @@ VARIANTS = {
     "hopper-concurrent": ("flash_triton", {**GLUON, "CONCURRENT_DQ": True}),
     "hopper-dq128": ("flash_triton", {**GLUON, "TILES": {64: (64, 128), 128: (64, 128)}}),
     "hopper-3stages": ("flash_triton", {**GLUON, "NUM_STAGES": 3}),
-    "hopper-pipelined": ("flash_triton", {**GLUON, "PIPELINED": True}),
     "sdpa_cudnn": ("sdpa_cudnn", {}),
     "sdpa_flash": ("sdpa_flash", {}),
 }
@@ -57,7 +56,6 @@ DEFAULTS = {
     "HOPPER_BACKWARD": (flash_triton, flash_triton.HOPPER_BACKWARD),
     "MIN_PROGRAMS_PER_SM": (flash_hopper_bwd, flash_hopper_bwd.MIN_PROGRAMS_PER_SM),
     "CONCURRENT_DQ": (flash_hopper_bwd, False),
-    "PIPELINED": (flash_hopper_bwd, False),
     "TILES": (flash_hopper_bwd, flash_hopper_bwd.TILES),
     "NUM_STAGES": (flash_hopper_bwd, flash_hopper_bwd.NUM_STAGES),
     "HEAD_DIMS": (flash_hopper, flash_hopper.HEAD_DIMS),  # of the Gluon forward

@@ -552,7 +552,7 @@ def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, head_dim,
 
 
 # Compiles the two kernels of the Gluon backward for sm_90 (no GPU needed), causal and not, at each head dim they take,
-# and writes each one's PTX, cubin and shared-memory size to the folder argv[2]/<kernel>-<causal>-<d>-<pipelined>.
+# and writes each one's PTX, cubin and shared-memory size to the folder argv[2]/<kernel>-<causal>-<d>.
 _COMPILE_HOPPER_BACKWARD = """
 import pathlib, sys
 import triton
@@ -563,10 +563,7 @@ from lmsys.attention import flash_hopper_bwd as hb
 
 which = sys.argv[1]
 kernel = hb._dkdv_kernel if which == "dkdv" else hb._dq_kernel
-# The dK/dV kernel also as PIPELINED, at d=64 (at d=128 that spills a few registers).
-cases = [(causal, d, pipelined) for causal in (False, True) for d in hb.HEAD_DIMS
-         for pipelined in (((False, True) if d == 64 else (False,)) if which == "dkdv" else (None,))]
-for causal, d, pipelined in cases:
+for causal, d in [(causal, d) for causal in (False, True) for d in hb.HEAD_DIMS]:
     def descriptor(rows):
         return f"tensordesc<bf16[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
     if which == "dkdv":
@@ -580,15 +577,13 @@ for causal, d, pipelined in cases:
                  "do_desc": descriptor(half), "dq_desc": descriptor(half)}
     constexprs = dict(HEAD_DIM=d, CAUSAL=causal, NUM_STAGES=hb.NUM_STAGES, CONSUMER_REGS=hb.CONSUMER_REGS,
                       PRODUCER_REGS=hb.PRODUCER_REGS)
-    if pipelined is not None:
-        constexprs["PIPELINED"] = pipelined
     types = {**descs, "LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
              **dict.fromkeys(constexprs, "constexpr")}
     names = kernel.arg_names
     source = GluonASTSource(kernel, {n: types.get(n, "i32") for n in names},
                             {(names.index(n),): value for n, value in constexprs.items()}, {})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    out = pathlib.Path(sys.argv[2]) / f"{which}-{causal}-{d}-{pipelined}"
+    out = pathlib.Path(sys.argv[2]) / f"{which}-{causal}-{d}"
     out.mkdir()
     (out / "kernel.ptx").write_text(compiled.asm["ptx"])
     (out / "kernel.cubin").write_bytes(compiled.asm["cubin"])
@@ -607,7 +602,7 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
     assert result.returncode == 0, result.stderr
     cuobjdump = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
     built = sorted(path for path in tmp_path.iterdir() if path.name.startswith(kernel))
-    assert len(built) == (6 if kernel == "dkdv" else 4)
+    assert len(built) == 4
     for folder in built:
         assert int((folder / "shared").read_text()) <= 227 * 1024, folder.name
         assert "wgmma.wait_group.sync.aligned 1;" in (folder / "kernel.ptx").read_text(), folder.name
@@ -654,8 +649,8 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, mo
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting, value", [
-    ("CONCURRENT_DQ", True), ("TILES", {64: (64, 128), 128: (64, 128)}), ("NUM_STAGES", 3), ("PIPELINED", True),
-], ids=["concurrent-dq", "dq-tiles-128", "3-stages", "pipelined"])
+    ("CONCURRENT_DQ", True), ("TILES", {64: (64, 128), 128: (64, 128)}), ("NUM_STAGES", 3),
+], ids=["concurrent-dq", "dq-tiles-128", "3-stages"])
 @pytest.mark.parametrize("q_shape, is_causal", [((2, 3, 1024, 64), True), ((1, 2, 512, 128), False)])
 def test_hopper_backward_variants_gpu(gpu, setting, value, q_shape, is_causal, monkeypatch, seed):
     """Each variant of the Gluon backward that scripts/attention_backward_variants.py times, against float64."""

@@ -32,7 +32,9 @@ dK/dV kernel from dS^T staged in shared memory and reduce-added into an fp32 dQ 
 create_async_tma_reduce, which hopper.tma does not expose), saves two of them; it was built and passed the float64
 tests on the H100 but measured 3-26% slower at the leaderboard and every grid point from 8192 tokens (3.615 against
 3.513 ms at the leaderboard, 6.421 against 5.536 at 65536 tokens and d=128: the fp32 reduce traffic and the staged
-dS^T cost more than the products saved), and was removed (its code: commit 5a184b2).
+dS^T cost more than the products saved), and was removed (its code: commit 5a184b2). So was PIPELINED, a dK/dV loop
+that issued the next query tile's S^T and dP^T before waiting for this tile's dK and dV: right, and slower at every
+point (4.285 ms at the leaderboard; its code: commit e944207).
 """
 
 import contextlib
@@ -70,10 +72,6 @@ PRODUCER_REGS = 24
 # Whether the dQ kernel runs on a side stream beside the dK/dV kernel (they share only their inputs), so that a
 # problem of few heads, whose two grids each leave multiprocessors idle, fills the GPU with both.
 CONCURRENT_DQ = False
-# Whether the dK/dV kernel issues the next query tile's S^T and dP^T before it waits for this tile's dK and dV
-# (_dkdv_loop_pipelined), instead of waiting first. At d=64 it compiles without a spill; at d=128 it spills a few
-# registers.
-PIPELINED = False
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
 
@@ -164,49 +162,9 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
 
 
 @gluon.jit
-def _dkdv_loop_pipelined(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
-                         n_masked, n_tiles, qk_scale, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-                         CAUSAL: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr):
-    """All query tiles into dK, dV, with the next tile's S^T and dP^T issued right after this tile's dK: the tensor
-    cores have them queued while this warpgroup waits for dK and dV (PIPELINED). The causal mask is applied to the
-    first n_masked tiles by a comparison, in the same loop."""
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    half: gl.constexpr = k_w.shape[0]
-    s_zero = gl.zeros([half, BLOCK_M], gl.float32, s_layout)
-    mbarrier.wait(ready.index(0), 0)
-    s_token = warpgroup_mma(k_w, q_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    dp_token = warpgroup_mma(v_w, do_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    for j in range(n_tiles):
-        slot = j % NUM_STAGES
-        cols = (m_first + j) * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_layout)
-        lse2 = gl.load(LSE + stat_row + cols) * LOG2E
-        q_tile = q_smem.index(slot)
-        do_tile = do_smem.index(slot)
-        s = warpgroup_mma_wait(1, deps=[s_token])
-        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
-        if CAUSAL:
-            p = gl.where((gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1)) | (j >= n_masked), p, 0.0)
-        dv_token, dk_token, p_op, ds_op = _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols,
-                                                       a_layout)
-        nxt = j + 1
-        if nxt < n_tiles:
-            nslot = nxt % NUM_STAGES
-            mbarrier.wait(ready.index(nslot), (nxt // NUM_STAGES) & 1)
-            s_token = warpgroup_mma(k_w, q_smem.index(nslot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dp_token = warpgroup_mma(v_w, do_smem.index(nslot).permute((1, 0)), s_zero, use_acc=False,
-                                     is_async=True)
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(2, deps=[dv_token, dk_token, p_op, ds_op])
-        else:
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op])
-        mbarrier.arrive(empty.index(slot))
-    return dk, dv
-
-
-@gluon.jit
 def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_bar, ready, empty,
                    out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
-                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   PIPELINED: gl.constexpr):
+                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
     half: gl.constexpr = k_w.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
@@ -215,11 +173,7 @@ def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_b
     dk = gl.zeros([half, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([half, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, 0)
-    if PIPELINED:
-        dk, dv = _dkdv_loop_pipelined(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first,
-                                      keys, n_masked, n_tiles, qk_scale, BLOCK_M, NUM_STAGES, CAUSAL, s_layout,
-                                      a_layout)
-    elif CAUSAL:
+    if CAUSAL:
         # The query tiles that overlap the program's keys need the mask; those after them do not.
         dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
                             0, n_masked, qk_scale, BLOCK_M, NUM_STAGES, True, s_layout, a_layout)
@@ -242,7 +196,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, 
                  Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH,
                  DO_RB, DO_RH, DO_CB, DO_CH,
                  HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PIPELINED: gl.constexpr):
+                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     HALF: gl.constexpr = k_desc.block_type.shape[0]  # keys per consumer warpgroup
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
@@ -272,10 +226,10 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, 
     gl.warp_specialize([
         (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_smem.index(0), v_smem.index(0), q_smem, do_smem, kv_bar,
                           ready, empty, out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
-                          CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, PIPELINED)),
+                          CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES)),
         (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_smem.index(1), v_smem.index(1), q_smem, do_smem, kv_bar,
                           ready, empty, out_row + HALF, stat_row, key0 + HALF, m_first, n_masked, n_tiles, qk_scale,
-                          sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, PIPELINED)),
+                          sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES)),
         (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
                           b * K_RB + h * K_RH + key0, b * K_CB + h * K_CH, b * V_RB + h * V_RH + key0,
                           b * V_CB + h * V_CH, b * Q_RB + h * Q_RH + m_first * BLOCK_M, b * Q_CB + h * Q_CH,
@@ -434,7 +388,7 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
         (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m),
          desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), lse, delta, n_q, n_k,
          heads, qk_scale, sm_scale, *strides),
-        ("dkdv", *key), **common, PIPELINED=PIPELINED,
+        ("dkdv", *key), **common,
     )
     half = BLOCK_ROWS // 2
     with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
