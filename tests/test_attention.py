@@ -649,8 +649,9 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, mo
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting, value", [
-    ("CONCURRENT_DQ", True), ("TILES", {64: (64, 128), 128: (64, 128)}), ("NUM_STAGES", 3),
-], ids=["concurrent-dq", "dq-tiles-128", "3-stages"])
+    ("CONCURRENT_DQ", True), ("TILES", {64: (64, 128), 128: (64, 128)}), ("TILES", {64: (128, 64), 128: (64, 64)}),
+    ("NUM_STAGES", 3),
+], ids=["concurrent-dq", "dq-tiles-128", "dkdv-tiles-128-d64", "3-stages"])
 @pytest.mark.parametrize("q_shape, is_causal", [((2, 3, 1024, 64), True), ((1, 2, 512, 128), False)])
 def test_hopper_backward_variants_gpu(gpu, setting, value, q_shape, is_causal, monkeypatch, seed):
     """Each variant of the Gluon backward that scripts/attention_backward_variants.py times, against float64."""
