@@ -72,11 +72,17 @@ def run(pytester, *args):
     return pytester.runpytest_inprocess(*RUN_ARGS, *args)
 
 
+def only_benchmark(pytester) -> dict:
+    """The one benchmark of the last run's --benchmark-json=out.json."""
+    (bench,) = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    return bench
+
+
 def test_round_time_is_the_slowest_rank_and_memory_the_largest_rank(pytester):
     write(pytester, ms=1.0, skew=0.5, memory=8 * MIB)
     result = run(pytester, "--benchmark-save=base", "--benchmark-json=out.json")
     result.assert_outcomes(passed=1)
-    (bench,) = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    bench = only_benchmark(pytester)
     # Rank 1 takes 1.5 ms a round: every round's time is its time.
     assert bench["stats"]["median"] == pytest.approx(1.5e-3)
     assert bench["stats"]["rounds"] == 9
@@ -93,7 +99,7 @@ def test_on_a_gpu_the_device_time_is_judged_and_the_launch_cost_beside_it(pytest
     # judged with the eager tolerance: a slower launch path is a SLOWER-EAGER, not a SLOWER.
     write(pytester, ms=1.0, launch=0.5)
     run(pytester, "--benchmark-save=base", "--benchmark-json=out.json").assert_outcomes(passed=1)
-    (bench,) = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    bench = only_benchmark(pytester)
     info = bench["extra_info"]
     assert (info["timing"], info["eager_timing"]) == ("queued", "launch")
     assert bench["stats"]["median"] == pytest.approx(1e-3)
@@ -109,7 +115,7 @@ def test_graph_mode_times_every_ranks_replays_with_the_eager_rounds_beside(pytes
     # spans, not timed in a captured step, come from the eager rounds; a slower launch path is a SLOWER-EAGER.
     write(pytester, ms=1.0, skew=0.5, launch=2.0, graph=True)
     run(pytester, "--benchmark-save=base", "--benchmark-json=out.json").assert_outcomes(passed=1)
-    (bench,) = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    bench = only_benchmark(pytester)
     info = bench["extra_info"]
     assert (info["timing"], info["eager_timing"]) == ("graph", "launch")
     assert bench["stats"]["median"] == pytest.approx(1.5e-3)
@@ -139,7 +145,7 @@ def test_graph_mode_falls_back_to_queued_rounds_on_every_rank_when_one_cannot_ca
         "*timed queued (device time): the CUDA graph capture failed on rank 1 (RuntimeError: CUDA error: "
         "operation not permitted when stream is capturing)*",
     ])
-    (bench,) = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    bench = only_benchmark(pytester)
     assert bench["extra_info"]["timing"] == "queued"
     assert bench["stats"]["median"] == pytest.approx(1e-3)
 
@@ -187,7 +193,7 @@ def test_an_injected_delay_and_allocation_reach_every_rank(pytester, monkeypatch
         "*SLOWER: test_step[[]ws2-gloo[]] median 1.8 ms vs baseline 1.5 ms (+20.0%*",
         "*MORE-MEMORY: test_step[[]ws2-gloo[]] peak requested above start 17 MiB vs baseline 16 MiB*",
     ])
-    (bench,) = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    bench = only_benchmark(pytester)
     info = bench["extra_info"]
     assert (info["injected_delay"], info["injected_memory"]) == (0.2, MIB)
     assert [rank["peak_requested_above_start_bytes"] for rank in info["per_rank_memory"]] == [9 * MIB, 17 * MIB]
@@ -201,7 +207,7 @@ def test_injected_cases_spawn_the_ranks_again_and_fail_nothing(pytester, monkeyp
     result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*injected: +10.0% and 1 MiB held: SLOWER+MORE-MEMORY; +12.0%: SLOWER*"])
-    (bench,) = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    bench = only_benchmark(pytester)
     info = bench["extra_info"]
     assert info["verdict"] == "PASS" and "injected_delay" not in info
     cases = info["injected_cases"]
@@ -233,7 +239,7 @@ def test_noisy_rounds_are_added_on_every_rank_until_the_median_is_known(pytester
     write(pytester, noise=0.2)
     result = run(pytester, "--benchmark-json=out.json", "--perf-max-time=30")
     result.assert_outcomes(passed=1)
-    (bench,) = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    bench = only_benchmark(pytester)
     # 9 planned rounds cannot pin the median of a 20% noise to a quarter of the 5% tolerance: the rounds doubled.
     assert bench["stats"]["rounds"] > 9
     assert bench["stats"]["rounds"] % 9 == 0
