@@ -52,10 +52,9 @@ VARIANTS = {
     # dK/dV query tiles of 128 rows at d=64, FA3's tile there (128 x 128): twice the work per MMA and per wait; it
     # compiles for sm_90 with 48-64 bytes of spilled registers (d=128 would spill 376-568).
     "hopper-q128": ("flash_triton", {**GLUON, "TILES": {64: (128, 64), 128: (64, 64)}}),
-    # and at d=64 dQ from the dK/dV kernel, both warpgroups' dS^T shared, reduce-added once per tile
-    # (FUSED_DQ_HEAD_DIMS; d=128 runs as hopper)
+    # and dQ from the dK/dV kernel, both warpgroups' dS^T shared, reduce-added once per tile (FUSED_DQ_HEAD_DIMS)
     "hopper-fused-dq": ("flash_triton", {**GLUON, "TILES": {64: (128, 64), 128: (64, 64)},
-                                         "FUSED_DQ_HEAD_DIMS": (64,)}),
+                                         "FUSED_DQ_HEAD_DIMS": (64, 128)}),
     "hopper-3stages": ("flash_triton", {**GLUON, "NUM_STAGES": 3}),
     "sdpa_cudnn": ("sdpa_cudnn", {}),
     "sdpa_flash": ("sdpa_flash", {}),

@@ -78,12 +78,12 @@ PRODUCER_REGS = 24
 # problem of few heads, whose two grids each leave multiprocessors idle, fills the GPU with both.
 CONCURRENT_DQ = False
 # The head dims at which dQ comes from the dK/dV kernel (FA3's way) instead of the dQ kernel: 5 tensor-core products
-# instead of 7.
-# Each consumer warpgroup stages its keys' dS^T in one shared buffer of the program's 128 keys; once both have, each
-# forms half the query tile's rows of dQ, dS K over all 128 keys, and reduce-adds it by TMA into an fp32 dQ, which the
-# L2 sums. So a query tile's dQ is reduce-added once per program, not once per warpgroup as in the FUSED_DQ that was
-# measured slower (module docstring): half the fp32 traffic. Needs query tiles of 128 rows (TILES[d][0] == 128, two
-# warpgroups of 64 rows), which compile at d=64 alone, with 144-184 bytes of spilled registers. Not yet run on a GPU.
+# instead of 7. Each consumer warpgroup stages its keys' dS^T in one shared buffer of the program's 128 keys; once both
+# have, each forms its share of the query tile's dQ, dS K over all 128 keys, and reduce-adds it by TMA into an fp32 dQ,
+# which the L2 sums. So a query tile's dQ is reduce-added once per program, not once per warpgroup as in the FUSED_DQ
+# that was measured slower (module docstring): half the fp32 traffic. A share is 64 rows (a wgmma's M): with query
+# tiles of 128 rows (at d=64, TILES[64] == (128, 64): 144-184 bytes of spilled registers) half the rows, every column;
+# with tiles of 64 at d=128, every row, half the columns. Not yet run on a GPU.
 FUSED_DQ_HEAD_DIMS = ()
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
@@ -160,16 +160,17 @@ def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, a_
 def _fused_dq_step(j, dv_token, dk_token, p_op, ds_op, ds, fused, dq_zero, row, sm_scale, empty):
     """FUSED_DQ's step for the j-th query tile after _issue_dv_dk: this warpgroup's dS^T into its rows of the shared
     dS^T (once both warpgroups' products of the previous tile have read it), then, when the other warpgroup's rows are
-    in too, this warpgroup's half of the tile's rows of dQ, dS K over the program's 128 keys, reduce-added by TMA at
-    `row`. Returns dV and dK, waited for with dQ, when the tile's Q and dO buffers are released (`empty`)."""
-    dq_desc, ds_mine, ds_rows, k_all, dq_w, ds_full, ds_free = fused
+    in too, this warpgroup's share of the tile's dQ over the program's 128 keys (`fused`: dS^T's columns, K's columns,
+    the column of dQ they make), reduce-added by TMA at `row`. Returns dV and dK, waited for with dQ, when the tile's
+    Q and dO buffers are released (`empty`)."""
+    dq_desc, ds_mine, ds_cols, k_cols, dq_col, dq_w, ds_full, ds_free = fused
     mbarrier.wait(ds_free, (j & 1) ^ 1)  # a fresh mbarrier has completed the phase of parity 1: tile 0 goes on
     ds_mine.store(ds.to(ds_mine.dtype))
     fence_async_shared()
     gl.thread_barrier()  # every thread of the warpgroup has stored before its arrival
     mbarrier.arrive(ds_full)
     mbarrier.wait(ds_full, j & 1)
-    dq_token = warpgroup_mma(ds_rows.permute((1, 0)), k_all, dq_zero, use_acc=False, is_async=True)
+    dq_token = warpgroup_mma(ds_cols.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
     dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, dq_token, p_op, ds_op])
     mbarrier.arrive(ds_free)
     mbarrier.arrive(empty)
@@ -177,7 +178,7 @@ def _fused_dq_step(j, dv_token, dk_token, p_op, ds_op, ds, fused, dq_zero, row, 
     dq_w.store(dq * sm_scale)
     fence_async_shared()
     gl.thread_barrier()
-    _tma_reduce_add(dq_desc, [row, 0], dq_w)
+    _tma_reduce_add(dq_desc, [row, dq_col], dq_w)
     return dv, dk
 
 
@@ -191,9 +192,10 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     half: gl.constexpr = k_w.shape[0]
     s_zero = gl.zeros([half, BLOCK_M], gl.float32, s_layout)
-    if FUSED_DQ:
-        head_dim: gl.constexpr = k_w.shape[1]
-        dq_zero = gl.zeros([BLOCK_M // 2, head_dim], gl.float32, _mma_layout(head_dim))
+    if FUSED_DQ:  # the shape of this warpgroup's share of a tile's dQ: its staging buffer's
+        dq_rows: gl.constexpr = fused[5].shape[0]
+        dq_cols: gl.constexpr = fused[5].shape[1]
+        dq_zero = gl.zeros([dq_rows, dq_cols], gl.float32, _mma_layout(dq_cols))
     for j in range(lo, hi):
         slot = j % NUM_STAGES
         cols = (m_first + j) * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_layout)
@@ -247,7 +249,7 @@ def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_b
     # Epilogue: through this warpgroup's K and V buffers (no longer read: with FUSED_DQ the other warpgroup's last dQ
     # product may still read K, so both wait for each other's) and TMA stores; the wait covers the last dQ reduce-add.
     if FUSED_DQ:
-        mbarrier.wait(fused[6], (n_tiles - 1) & 1)  # both warpgroups' last dQ products are done (none: passes)
+        mbarrier.wait(fused[7], (n_tiles - 1) & 1)  # both warpgroups' last dQ products are done (none: passes)
     k_w.store((dk * sm_scale).to(dk_desc.dtype))
     v_w.store(dv.to(dv_desc.dtype))
     fence_async_shared()
@@ -295,29 +297,42 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
 
     stat_row = off_bh * N_Q  # lse and delta: contiguous, one row per head
     out_row = off_bh * N_K + key0  # dK and dV are contiguous: (B*H*N_K, D) views
-    HALF_M: gl.constexpr = BLOCK_M // 2  # with FUSED_DQ, a tile's rows of dQ per consumer warpgroup
     dq_row = stat_row + m_first * BLOCK_M  # the fp32 dQ, (B*H*N_Q, D), at the first tile
-    if FUSED_DQ:  # the program's dS^T (128 keys), each warpgroup's rows of dQ on the way to the reduce, two barriers
+    # With FUSED_DQ a consumer warpgroup forms a share of 64 rows of each tile's dQ (a wgmma's M): with tiles of 128
+    # rows, its half of the rows, every column; with tiles of 64 (d=128), every row, its half of the columns.
+    DQ_ROWS: gl.constexpr = dq_desc.block_type.shape[0]
+    DQ_COLS: gl.constexpr = dq_desc.block_type.shape[1]
+    ROW_SPLIT: gl.constexpr = DQ_ROWS < BLOCK_M
+    if FUSED_DQ:  # the program's dS^T (128 keys), each warpgroup's share of dQ on the way to the reduce, two barriers
         ds_smem = gl.allocate_shared_memory(dtype, [2 * HALF, BLOCK_M],
                                             gl.NVMMASharedLayout.get_default_for([2 * HALF, BLOCK_M], dtype))
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, HALF_M, HEAD_DIM], dq_desc.layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, DQ_ROWS, DQ_COLS], dq_desc.layout)
         ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(ds_bars.index(i), count=2)  # an arrival per consumer warpgroup: ds_full, ds_free
-        fused_0 = (dq_desc, ds_smem.slice(0, HALF), ds_smem.slice(0, HALF_M, dim=1), k_smem, dq_smem.index(0),
-                   ds_bars.index(0), ds_bars.index(1))
-        fused_1 = (dq_desc, ds_smem.slice(HALF, HALF), ds_smem.slice(HALF_M, HALF_M, dim=1), k_smem,
-                   dq_smem.index(1), ds_bars.index(0), ds_bars.index(1))
+        if ROW_SPLIT:
+            fused_0 = (dq_desc, ds_smem.slice(0, HALF), ds_smem.slice(0, DQ_ROWS, dim=1), k_smem, 0,
+                       dq_smem.index(0), ds_bars.index(0), ds_bars.index(1))
+            fused_1 = (dq_desc, ds_smem.slice(HALF, HALF), ds_smem.slice(DQ_ROWS, DQ_ROWS, dim=1), k_smem, 0,
+                       dq_smem.index(1), ds_bars.index(0), ds_bars.index(1))
+            dq_row_1 = dq_row + DQ_ROWS
+        else:
+            fused_0 = (dq_desc, ds_smem.slice(0, HALF), ds_smem, k_smem.slice(0, DQ_COLS, dim=1), 0,
+                       dq_smem.index(0), ds_bars.index(0), ds_bars.index(1))
+            fused_1 = (dq_desc, ds_smem.slice(HALF, HALF), ds_smem, k_smem.slice(DQ_COLS, DQ_COLS, dim=1), DQ_COLS,
+                       dq_smem.index(1), ds_bars.index(0), ds_bars.index(1))
+            dq_row_1 = dq_row
     else:  # unused
         fused_0 = dq_desc
         fused_1 = dq_desc
+        dq_row_1 = dq_row
     gl.warp_specialize([
         (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_0, v_smem.index(0), q_smem, do_smem, kv_bar,
                           ready, empty, out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
                           fused_0, dq_row, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, FUSED_DQ)),
         (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_1, v_smem.index(1), q_smem, do_smem, kv_bar,
                           ready, empty, out_row + HALF, stat_row, key0 + HALF, m_first, n_masked, n_tiles, qk_scale,
-                          sm_scale, fused_1, dq_row + HALF_M, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, FUSED_DQ)),
+                          sm_scale, fused_1, dq_row_1, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, FUSED_DQ)),
         (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_0, k_1, v_smem, q_smem, do_smem, kv_bar, ready, empty,
                           b * K_RB + h * K_RH + key0, b * K_CB + h * K_CH, b * V_RB + h * V_RH + key0,
                           b * V_CB + h * V_CH, b * Q_RB + h * Q_RH + m_first * BLOCK_M, b * Q_CB + h * Q_CH,
@@ -469,12 +484,14 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
     key = (q.device, q.dtype, q.shape, k.shape, block_m, block_n, *found)
     dk_desc, dv_desc = desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half)
     if d in FUSED_DQ_HEAD_DIMS:
-        if block_m != 2 * 64:
-            raise ValueError(f"FUSED_DQ_HEAD_DIMS holds {d}, which needs query tiles of 128 rows: TILES[{d}] is "
-                             f"{TILES[d]}")
+        # A warpgroup's share of a tile's dQ: 64 rows (a wgmma's M) by every column, or by half of them.
+        share = {128: (64, d), 64: (64, d // 2) if d == 128 else None}.get(block_m)
+        if share is None:
+            raise ValueError(f"FUSED_DQ_HEAD_DIMS holds {d}, which needs query tiles of 128 rows, or of 64 at d=128: "
+                             f"TILES[{d}] is {TILES[d]}")
         dq_sum = torch.zeros((bh * n_q, d), dtype=torch.float32, device=q.device)  # the reduce-adds' target
-        dq_sum_desc = TensorDescriptor(dq_sum, [bh * n_q, d], [d, 1], [block_m // 2, d],
-                                       flash_hopper._smem_layout(block_m // 2, d, gl.float32))
+        dq_sum_desc = TensorDescriptor(dq_sum, [bh * n_q, d], [d, 1], list(share),
+                                       flash_hopper._smem_layout(*share, gl.float32))
         launcher.launch(
             _dkdv_kernel, (n_k // BLOCK_KEYS, bh),
             (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m), dk_desc, dv_desc,
