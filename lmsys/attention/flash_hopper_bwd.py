@@ -157,7 +157,7 @@ def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, a_
 
 
 @gluon.jit
-def _fused_dq_step(j, dv_token, dk_token, p_op, ds_op, ds, fused, dq_zero, row, sm_scale, empty):
+def _fused_dq_step(j, dv_token, dk_token, p_op, ds_op, ds, fused, row, sm_scale, empty):
     """FUSED_DQ's step for the j-th query tile after _issue_dv_dk: this warpgroup's dS^T into its rows of the shared
     dS^T (once both warpgroups' products of the previous tile have read it), then, when the other warpgroup's rows are
     in too, this warpgroup's share of the tile's dQ over the program's 128 keys (`fused`: dS^T's columns, K's columns,
@@ -165,11 +165,14 @@ def _fused_dq_step(j, dv_token, dk_token, p_op, ds_op, ds, fused, dq_zero, row, 
     Q and dO buffers are released (`empty`)."""
     dq_desc, ds_mine, ds_cols, k_cols, dq_col, dq_w, ds_full, ds_free = fused
     mbarrier.wait(ds_free, (j & 1) ^ 1)  # a fresh mbarrier has completed the phase of parity 1: tile 0 goes on
+    # Triton puts a barrier of the warpgroup before each arrival and TMA copy below: every thread has stored by then.
     ds_mine.store(ds.to(ds_mine.dtype))
     fence_async_shared()
-    gl.thread_barrier()  # every thread of the warpgroup has stored before its arrival
     mbarrier.arrive(ds_full)
     mbarrier.wait(ds_full, j & 1)
+    dq_rows: gl.constexpr = dq_w.shape[0]
+    dq_cols: gl.constexpr = dq_w.shape[1]
+    dq_zero = gl.zeros([dq_rows, dq_cols], gl.float32, _mma_layout(dq_cols))
     dq_token = warpgroup_mma(ds_cols.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
     dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, dq_token, p_op, ds_op])
     mbarrier.arrive(ds_free)
@@ -177,7 +180,6 @@ def _fused_dq_step(j, dv_token, dk_token, p_op, ds_op, ds, fused, dq_zero, row, 
     tma.store_wait(0)  # the previous tile's reduce-add has read dq_w
     dq_w.store(dq * sm_scale)
     fence_async_shared()
-    gl.thread_barrier()
     _tma_reduce_add(dq_desc, [row, dq_col], dq_w)
     return dv, dk
 
@@ -192,10 +194,6 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     half: gl.constexpr = k_w.shape[0]
     s_zero = gl.zeros([half, BLOCK_M], gl.float32, s_layout)
-    if FUSED_DQ:  # the shape of this warpgroup's share of a tile's dQ: its staging buffer's
-        dq_rows: gl.constexpr = fused[5].shape[0]
-        dq_cols: gl.constexpr = fused[5].shape[1]
-        dq_zero = gl.zeros([dq_rows, dq_cols], gl.float32, _mma_layout(dq_cols))
     for j in range(lo, hi):
         slot = j % NUM_STAGES
         cols = (m_first + j) * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_layout)
@@ -213,8 +211,8 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
         dv_token, dk_token, p_op, ds_op, ds = _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row,
                                                            cols, a_layout)
         if FUSED_DQ:
-            dv, dk = _fused_dq_step(j, dv_token, dk_token, p_op, ds_op, ds, fused, dq_zero, dq_row + j * BLOCK_M,
-                                    sm_scale, empty.index(slot))
+            dv, dk = _fused_dq_step(j, dv_token, dk_token, p_op, ds_op, ds, fused, dq_row + j * BLOCK_M, sm_scale,
+                                    empty.index(slot))
         else:
             dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op])
             mbarrier.arrive(empty.index(slot))
@@ -249,7 +247,8 @@ def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_b
     # Epilogue: through this warpgroup's K and V buffers (no longer read: with FUSED_DQ the other warpgroup's last dQ
     # product may still read K, so both wait for each other's) and TMA stores; the wait covers the last dQ reduce-add.
     if FUSED_DQ:
-        mbarrier.wait(fused[7], (n_tiles - 1) & 1)  # both warpgroups' last dQ products are done (none: passes)
+        ds_free = fused[7]
+        mbarrier.wait(ds_free, (n_tiles - 1) & 1)  # both warpgroups' last dQ products are done (none: passes)
     k_w.store((dk * sm_scale).to(dk_desc.dtype))
     v_w.store(dv.to(dv_desc.dtype))
     fence_async_shared()
@@ -484,9 +483,12 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
     key = (q.device, q.dtype, q.shape, k.shape, block_m, block_n, *found)
     dk_desc, dv_desc = desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half)
     if d in FUSED_DQ_HEAD_DIMS:
-        # A warpgroup's share of a tile's dQ: 64 rows (a wgmma's M) by every column, or by half of them.
-        share = {128: (64, d), 64: (64, d // 2) if d == 128 else None}.get(block_m)
-        if share is None:
+        # A warpgroup's share of a tile's dQ: 64 rows (a wgmma's M) by every column, or at d=128 by half of them.
+        if block_m == 128:
+            share = (64, d)
+        elif block_m == 64 and d == 128:
+            share = (64, d // 2)
+        else:
             raise ValueError(f"FUSED_DQ_HEAD_DIMS holds {d}, which needs query tiles of 128 rows, or of 64 at d=128: "
                              f"TILES[{d}] is {TILES[d]}")
         dq_sum = torch.zeros((bh * n_q, d), dtype=torch.float32, device=q.device)  # the reduce-adds' target
