@@ -1,8 +1,7 @@
 """The attention kernels' variants side by side in one process: the Triton backward, the Gluon backward for Hopper
 (lmsys.attention.flash_hopper_bwd, whatever the problem's size: as it is, with its dQ kernel beside the dK/dV one on
-a side stream, with dQ tiles of 128 keys, with dK/dV query tiles of 128 rows at d=64, and with those and dQ formed in
-the dK/dV kernel (FUSED_DQ_HEAD_DIMS), with 3 stages), the Gluon forward at d=64 too (it takes d=128 alone), SDPA's
-cuDNN and flash backends, and the default (what flash_attention runs: the Gluon backward from
+a side stream, with dQ tiles of 128 keys, with 3 stages), the Gluon forward at d=64 too (it takes d=128 alone),
+SDPA's cuDNN and flash backends, and the default (what flash_attention runs: the Gluon backward from
 flash_hopper_bwd.MIN_PROGRAMS_PER_SM programs per multiprocessor, else the Triton one), at the CS336 leaderboard's
 shape and the causal grid's points from 8192 tokens (issue 15).
 
@@ -49,12 +48,6 @@ VARIANTS = {
     "hopper-fwd64": ("flash_triton", {**GLUON, **FORWARD_64}),
     "hopper-concurrent": ("flash_triton", {**GLUON, "CONCURRENT_DQ": True}),
     "hopper-dq128": ("flash_triton", {**GLUON, "TILES": {64: (64, 128), 128: (64, 128)}}),
-    # dK/dV query tiles of 128 rows at d=64, FA3's tile there (128 x 128): twice the work per MMA and per wait; it
-    # compiles for sm_90 with 48-64 bytes of spilled registers (d=128 would spill 376-568).
-    "hopper-q128": ("flash_triton", {**GLUON, "TILES": {64: (128, 64), 128: (64, 64)}}),
-    # and dQ from the dK/dV kernel, both warpgroups' dS^T shared, reduce-added once per tile (FUSED_DQ_HEAD_DIMS)
-    "hopper-fused-dq": ("flash_triton", {**GLUON, "TILES": {64: (128, 64), 128: (64, 64)},
-                                         "FUSED_DQ_HEAD_DIMS": (64, 128)}),
     "hopper-3stages": ("flash_triton", {**GLUON, "NUM_STAGES": 3}),
     "sdpa_cudnn": ("sdpa_cudnn", {}),
     "sdpa_flash": ("sdpa_flash", {}),
@@ -65,7 +58,6 @@ DEFAULTS = {
     "CONCURRENT_DQ": (flash_hopper_bwd, False),
     "TILES": (flash_hopper_bwd, flash_hopper_bwd.TILES),
     "NUM_STAGES": (flash_hopper_bwd, flash_hopper_bwd.NUM_STAGES),
-    "FUSED_DQ_HEAD_DIMS": (flash_hopper_bwd, flash_hopper_bwd.FUSED_DQ_HEAD_DIMS),
     "HEAD_DIMS": (flash_hopper, flash_hopper.HEAD_DIMS),  # of the Gluon forward
 }
 

@@ -12,7 +12,6 @@ import functools
 import inspect
 import math
 import os
-import re
 import subprocess
 import sys
 
@@ -552,12 +551,8 @@ def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, head_dim,
     assert "STACK:0 " in usage and "LOCAL:0" in usage, usage
 
 
-# The most bytes of spilled registers the dK/dV kernel with FUSED_DQ compiles with (96-200 with triton 3.6).
-SPILL_FUSED_DQ = 256
-
 # Compiles the two kernels of the Gluon backward for sm_90 (no GPU needed), causal and not, at each head dim they take,
-# and writes each one's PTX, cubin and shared-memory size to the folder argv[2]/<kernel>-<causal>-<d>; kernel
-# "dkdv-fused" is the dK/dV kernel with FUSED_DQ: at d=64 with query tiles of 128 rows, at d=128 of 64.
+# and writes each one's PTX, cubin and shared-memory size to the folder argv[2]/<kernel>-<causal>-<d>.
 _COMPILE_HOPPER_BACKWARD = """
 import pathlib, sys
 import triton
@@ -567,28 +562,21 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from lmsys.attention import flash_hopper_bwd as hb
 
 which = sys.argv[1]
-fused = which == "dkdv-fused"
-kernel = hb._dq_kernel if which == "dq" else hb._dkdv_kernel
+kernel = hb._dkdv_kernel if which == "dkdv" else hb._dq_kernel
 for causal, d in [(causal, d) for causal in (False, True) for d in hb.HEAD_DIMS]:
-    def descriptor(rows, dtype=gl.bfloat16, name="bf16"):
-        return f"tensordesc<{name}[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], dtype)!r}>"
-    if which != "dq":
+    def descriptor(rows):
+        return f"tensordesc<bf16[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
+    if which == "dkdv":
         half = hb.BLOCK_KEYS // 2
-        rows = (128 if d == 64 else 64) if fused else hb.TILES[d][0]
-        descs = {"q_desc": descriptor(rows), "k_desc": descriptor(half), "v_desc": descriptor(half),
-                 "do_desc": descriptor(rows), "dk_desc": descriptor(half), "dv_desc": descriptor(half),
-                 "dq_desc": descriptor(half)}
-        if fused:  # a warpgroup's share of a tile's dQ, as flash_hopper_bwd.backward makes its descriptor
-            cols = d if rows == 128 else d // 2
-            layout = gl.NVMMASharedLayout.get_default_for([64, cols], gl.float32)
-            descs["dq_desc"] = f"tensordesc<fp32[64, {cols}],{layout!r}>"
+        descs = {"q_desc": descriptor(hb.TILES[d][0]), "k_desc": descriptor(half), "v_desc": descriptor(half),
+                 "do_desc": descriptor(hb.TILES[d][0]), "dk_desc": descriptor(half), "dv_desc": descriptor(half)}
     else:
         half = hb.BLOCK_ROWS // 2
         keys = hb.TILES[d][1]
         descs = {"q_desc": descriptor(half), "k_desc": descriptor(keys), "v_desc": descriptor(keys),
                  "do_desc": descriptor(half), "dq_desc": descriptor(half)}
     constexprs = dict(HEAD_DIM=d, CAUSAL=causal, NUM_STAGES=hb.NUM_STAGES, CONSUMER_REGS=hb.CONSUMER_REGS,
-                      PRODUCER_REGS=hb.PRODUCER_REGS, **({} if which == "dq" else {"FUSED_DQ": fused}))
+                      PRODUCER_REGS=hb.PRODUCER_REGS)
     types = {**descs, "LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
              **dict.fromkeys(constexprs, "constexpr")}
     names = kernel.arg_names
@@ -603,29 +591,24 @@ for causal, d in [(causal, d) for causal in (False, True) for d in hb.HEAD_DIMS]
 """
 
 
-@pytest.mark.parametrize("kernel", ["dkdv", "dq", "dkdv-fused"])
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
 def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path):
     """On any machine: each kernel of the Gluon backward compiles for sm_90 with the installed triton at both head dims,
     causal and not, fits shared memory, spills no register, and works on the probabilities while a product is still
-    in flight (`wgmma.wait_group 1`). The dK/dV kernel with FUSED_DQ reduce-adds dQ by TMA, and spills a few
-    registers: at most SPILL_FUSED_DQ bytes."""
+    in flight (`wgmma.wait_group 1`)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
     result = subprocess.run([sys.executable, "-c", _COMPILE_HOPPER_BACKWARD, kernel, str(tmp_path)], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     cuobjdump = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
     built = sorted(path for path in tmp_path.iterdir() if path.name.startswith(kernel))
-    fused = kernel == "dkdv-fused"
     assert len(built) == 4
     for folder in built:
-        ptx = (folder / "kernel.ptx").read_text()
         assert int((folder / "shared").read_text()) <= 227 * 1024, folder.name
-        assert "wgmma.wait_group.sync.aligned 1;" in ptx, folder.name
-        assert ("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx) == fused, folder.name
+        assert "wgmma.wait_group.sync.aligned 1;" in (folder / "kernel.ptx").read_text(), folder.name
         usage = subprocess.run([cuobjdump, "-res-usage", str(folder / "kernel.cubin")], capture_output=True,
                                text=True, check=True).stdout
-        stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-        assert stack <= (SPILL_FUSED_DQ if fused else 0) and "LOCAL:0" in usage, (folder.name, usage)
+        assert "STACK:0 " in usage and "LOCAL:0" in usage, (folder.name, usage)  # no register spilled
 
 
 @pytest.mark.gpu
@@ -664,44 +647,20 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, mo
     assert len(calls) == 1
 
 
-Q128 = {64: (128, 64), 128: (64, 64)}  # the Gluon backward's dK/dV query tiles of 128 rows at d=64
-FUSED_DQ = {"TILES": Q128, "FUSED_DQ_HEAD_DIMS": (64, 128)}  # and dQ from the dK/dV kernel at both head dims
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("settings", [
-    {"CONCURRENT_DQ": True}, {"TILES": {64: (64, 128), 128: (64, 128)}}, {"TILES": Q128}, {"NUM_STAGES": 3},
-    FUSED_DQ,
-], ids=["concurrent-dq", "dq-tiles-128", "dkdv-tiles-128-d64", "3-stages", "fused-dq"])
-@pytest.mark.parametrize("q_shape, k_shape, is_causal", [
-    ((2, 3, 1024, 64), (2, 3, 1024, 64), True), ((1, 2, 512, 128), (1, 2, 512, 128), False),
-    ((1, 2, 256, 64), (1, 2, 640, 64), False), ((3, 128, 64), (3, 128, 64), True),
-])
-def test_hopper_backward_variants_gpu(gpu, settings, q_shape, k_shape, is_causal, monkeypatch, seed):
-    """Each variant of the Gluon backward that scripts/attention_backward_variants.py times, against float64: head
-    dims 64 and 128, more keys than queries, a single tile of queries."""
+@pytest.mark.parametrize("setting, value", [
+    ("CONCURRENT_DQ", True), ("TILES", {64: (64, 128), 128: (64, 128)}), ("NUM_STAGES", 3),
+], ids=["concurrent-dq", "dq-tiles-128", "3-stages"])
+@pytest.mark.parametrize("q_shape, is_causal", [((2, 3, 1024, 64), True), ((1, 2, 512, 128), False)])
+def test_hopper_backward_variants_gpu(gpu, setting, value, q_shape, is_causal, monkeypatch, seed):
+    """Each variant of the Gluon backward that scripts/attention_backward_variants.py times, against float64."""
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
     monkeypatch.setattr(flash_triton, "HOPPER_BACKWARD", True)
     monkeypatch.setattr(flash_hopper_bwd, "MIN_PROGRAMS_PER_SM", 0)
-    for name, value in settings.items():
-        monkeypatch.setattr(flash_hopper_bwd, name, value)
-    q, k, v = make_inputs(q_shape, k_shape, torch.bfloat16, gpu)
+    monkeypatch.setattr(flash_hopper_bwd, setting, value)
+    q, k, v = make_inputs(q_shape, q_shape, torch.bfloat16, gpu)
     check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
-
-
-@pytest.mark.gpu
-def test_fused_dq_refuses_query_tiles_of_64_rows_gpu(gpu, monkeypatch):
-    """FUSED_DQ_HEAD_DIMS at d=64 with dK/dV query tiles of 64 rows (a warpgroup's share of dQ would be 32 columns):
-    a clear error, not a wrong dQ."""
-    if torch.cuda.get_device_capability(gpu) != (9, 0):
-        pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
-    monkeypatch.setattr(flash_triton, "HOPPER_BACKWARD", True)
-    monkeypatch.setattr(flash_hopper_bwd, "MIN_PROGRAMS_PER_SM", 0)
-    monkeypatch.setattr(flash_hopper_bwd, "FUSED_DQ_HEAD_DIMS", (64,))
-    q, k, v = (t.requires_grad_() for t in make_inputs((1, 2, 256, 64), (1, 2, 256, 64), torch.bfloat16, gpu))
-    with pytest.raises(ValueError, match="query tiles of 128 rows"):
-        flash_attention(q, k, v, is_causal=True, impl="triton").sum().backward()
 
 
 @pytest.mark.gpu

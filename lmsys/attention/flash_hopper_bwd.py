@@ -15,9 +15,7 @@ next step needs:
 
 Like the Triton backward (and unlike FA3, which accumulates dQ with atomics) the scores are computed twice, once per
 kernel: no atomics and no fp32 dQ buffer. delta = rowsum(dO * O) comes from the Triton preprocessing kernel. The two
-kernels share only their inputs: with CONCURRENT_DQ the dQ kernel runs on a side stream beside the other. At the head
-dims in FUSED_DQ_HEAD_DIMS (none by default: not yet timed) there is no dQ kernel: the dK/dV kernel forms dQ too, FA3's
-way (`_fused_dq_step`).
+kernels share only their inputs: with CONCURRENT_DQ the dQ kernel runs on a side stream beside the other.
 
 Scope: what the Gluon forward takes (`flash_hopper.views`: sm_90, bf16 or fp16, lengths multiples of 128, q, k, v
 and dO contiguous or the (B, H, T, D) views of (B, T, H, D) tensors), head dims 64 and 128, problems of at least
@@ -34,9 +32,14 @@ dK/dV kernel from dS^T staged in shared memory and reduce-added into an fp32 dQ 
 create_async_tma_reduce, which hopper.tma does not expose), saves two of them; it was built and passed the float64
 tests on the H100 but measured 3-26% slower at the leaderboard and every grid point from 8192 tokens (3.615 against
 3.513 ms at the leaderboard, 6.421 against 5.536 at 65536 tokens and d=128: the fp32 reduce traffic and the staged
-dS^T cost more than the products saved), and was removed (its code: commit 5a184b2). So was PIPELINED, a dK/dV loop
-that issued the next query tile's S^T and dP^T before waiting for this tile's dK and dV: right, and slower at every
-point (4.285 ms at the leaderboard; its code: commit e944207).
+dS^T cost more than the products saved), and was removed (its code: commit 5a184b2). A second one, both warpgroups'
+dS^T staged in one buffer so that each query tile's dQ is reduce-added once per program (half that traffic), passed
+the float64 tests on the H100 and was slower still (2026-11-24, same run: 5.023 ms at the leaderboard against this
+backward's 3.565 and cuDNN's 3.019, with the 128-row query tiles it needs there, themselves 5.729 ms; at d=128
+0.336-5.63 ms against 0.319-5.52 from 8192 to 65536 tokens): removed (its code: commit 2cb9bc4). So were query
+tiles of 128 rows at d=64 (FA3's tile there), and PIPELINED, a dK/dV loop that issued the next query tile's S^T and
+dP^T before waiting for this tile's dK and dV: right, and slower at every point (4.285 ms at the leaderboard; its
+code: commit e944207).
 """
 
 import contextlib
@@ -44,10 +47,8 @@ import functools
 import math
 
 import torch
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -55,7 +56,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from lmsys.attention import flash_hopper, launcher
 from lmsys.attention.flash_hopper import ring, stream_kv
@@ -77,14 +77,6 @@ PRODUCER_REGS = 24
 # Whether the dQ kernel runs on a side stream beside the dK/dV kernel (they share only their inputs), so that a
 # problem of few heads, whose two grids each leave multiprocessors idle, fills the GPU with both.
 CONCURRENT_DQ = False
-# The head dims at which dQ comes from the dK/dV kernel (FA3's way) instead of the dQ kernel: 5 tensor-core products
-# instead of 7. Each consumer warpgroup stages its keys' dS^T in one shared buffer of the program's 128 keys; once both
-# have, each forms its share of the query tile's dQ, dS K over all 128 keys, and reduce-adds it by TMA into an fp32 dQ,
-# which the L2 sums. So a query tile's dQ is reduce-added once per program, not once per warpgroup as in the FUSED_DQ
-# that was measured slower (module docstring): half the fp32 traffic. A share is 64 rows (a wgmma's M): with query
-# tiles of 128 rows (at d=64, TILES[64] == (128, 64): 144-184 bytes of spilled registers) half the rows, every column;
-# with tiles of 64 at d=128, every row, half the columns. Not yet run on a GPU.
-FUSED_DQ_HEAD_DIMS = ()
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
 
@@ -109,28 +101,18 @@ def _a_layout(cols):
     return gl.DotOperandLayout(operand_index=0, parent=_mma_layout(cols), k_width=2)
 
 
-@builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """TMA reduce-add of the shared tile `src` into the global tile at `coord` of `tensor_desc` (PTX
-    cp.reduce.async.bulk.tensor .add), asynchronous like tma.async_copy_shared_to_global: tma.store_wait covers it.
-    Triton 3.6's Gluon builder has the op, but its hopper.tma module has no function for it."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
 # ------------------------------------------------------------------------------------------------ dK, dV
 
 
 @gluon.jit
-def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, k_0, k_1, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
                    k_row, k_col, v_row, v_col, q_row, q_col, do_row, do_col, n_tiles,
                    BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr):
     half: gl.constexpr = k_desc.block_type.shape[0]
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_bar, k_0)
-    tma.async_copy_global_to_shared(v_desc, [v_row, v_col], kv_bar, v_smem.index(0))
-    tma.async_copy_global_to_shared(k_desc, [k_row + half, k_col], kv_bar, k_1)
-    tma.async_copy_global_to_shared(v_desc, [v_row + half, v_col], kv_bar, v_smem.index(1))
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [k_row + w * half, k_col], kv_bar, k_smem.index(w))
+        tma.async_copy_global_to_shared(v_desc, [v_row + w * half, v_col], kv_bar, v_smem.index(w))
     for j in range(n_tiles):
         slot = j % NUM_STAGES
         # A fresh mbarrier counts as having completed the phase of parity 1: the first round passes at once.
@@ -144,8 +126,7 @@ def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, k_0, k_1, v_smem, q_smem, do
 @gluon.jit
 def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, a_layout: gl.constexpr):
     """A query tile's dV += P^T dO issued, then (once dP^T is in, while dV is on the tensor cores) dS^T = P^T (dP^T -
-    delta) formed and dK += dS^T Q issued: their tokens and the register operands they read, to keep until waited,
-    and dS^T in fp32."""
+    delta) formed and dK += dS^T Q issued: their tokens and the register operands they read, to keep until waited."""
     p_op = gl.convert_layout(p.to(q_tile.dtype), a_layout)
     dv_token = warpgroup_mma(p_op, do_tile, dv, is_async=True)
     delta = gl.load(DELTA + stat_row + cols)
@@ -153,44 +134,14 @@ def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, a_
     ds = p * (dp - gl.expand_dims(delta, 0))
     ds_op = gl.convert_layout(ds.to(q_tile.dtype), a_layout)
     dk_token = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
-    return dv_token, dk_token, p_op, ds_op, ds
-
-
-@gluon.jit
-def _fused_dq_step(j, dv_token, dk_token, p_op, ds_op, ds, fused, row, sm_scale, empty):
-    """FUSED_DQ's step for the j-th query tile after _issue_dv_dk: this warpgroup's dS^T into its rows of the shared
-    dS^T (once both warpgroups' products of the previous tile have read it), then, when the other warpgroup's rows are
-    in too, this warpgroup's share of the tile's dQ over the program's 128 keys (`fused`: dS^T's columns, K's columns,
-    the column of dQ they make), reduce-added by TMA at `row`. Returns dV and dK, waited for with dQ, when the tile's
-    Q and dO buffers are released (`empty`)."""
-    dq_desc, ds_mine, ds_cols, k_cols, dq_col, dq_w, ds_full, ds_free = fused
-    mbarrier.wait(ds_free, (j & 1) ^ 1)  # a fresh mbarrier has completed the phase of parity 1: tile 0 goes on
-    # Triton puts a barrier of the warpgroup before each arrival and TMA copy below: every thread has stored by then.
-    ds_mine.store(ds.to(ds_mine.dtype))
-    fence_async_shared()
-    mbarrier.arrive(ds_full)
-    mbarrier.wait(ds_full, j & 1)
-    dq_rows: gl.constexpr = dq_w.shape[0]
-    dq_cols: gl.constexpr = dq_w.shape[1]
-    dq_zero = gl.zeros([dq_rows, dq_cols], gl.float32, _mma_layout(dq_cols))
-    dq_token = warpgroup_mma(ds_cols.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
-    dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, dq_token, p_op, ds_op])
-    mbarrier.arrive(ds_free)
-    mbarrier.arrive(empty)
-    tma.store_wait(0)  # the previous tile's reduce-add has read dq_w
-    dq_w.store(dq * sm_scale)
-    fence_async_shared()
-    _tma_reduce_add(dq_desc, [row, dq_col], dq_w)
-    return dv, dk
+    return dv_token, dk_token, p_op, ds_op
 
 
 @gluon.jit
 def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys, lo, hi,
-               qk_scale, sm_scale, fused, dq_row, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-               MASK: gl.constexpr, FUSED_DQ: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr):
-    """Query tiles [lo, hi) (counted from the first one the program visits, m_first) into dK, dV; with FUSED_DQ
-    (`fused`: _fused_dq_step's buffers) this warpgroup's rows of each tile's dQ too, reduce-added at dq_row of the
-    first tile."""
+               qk_scale, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
+               s_layout: gl.constexpr, a_layout: gl.constexpr):
+    """Query tiles [lo, hi) (counted from the first one the program visits, m_first) into dK, dV."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     half: gl.constexpr = k_w.shape[0]
     s_zero = gl.zeros([half, BLOCK_M], gl.float32, s_layout)
@@ -208,22 +159,17 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
         if MASK:
             p = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1), p, 0.0)
-        dv_token, dk_token, p_op, ds_op, ds = _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row,
-                                                           cols, a_layout)
-        if FUSED_DQ:
-            dv, dk = _fused_dq_step(j, dv_token, dk_token, p_op, ds_op, ds, fused, dq_row + j * BLOCK_M, sm_scale,
-                                    empty.index(slot))
-        else:
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op])
-            mbarrier.arrive(empty.index(slot))
+        dv_token, dk_token, p_op, ds_op = _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols,
+                                                       a_layout)
+        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op])
+        mbarrier.arrive(empty.index(slot))
     return dk, dv
 
 
 @gluon.jit
 def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_bar, ready, empty,
-                   out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale, fused, dq_row,
-                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   FUSED_DQ: gl.constexpr):
+                   out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
+                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
     half: gl.constexpr = k_w.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
@@ -235,20 +181,13 @@ def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_b
     if CAUSAL:
         # The query tiles that overlap the program's keys need the mask; those after them do not.
         dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
-                            0, n_masked, qk_scale, sm_scale, fused, dq_row, BLOCK_M, NUM_STAGES, True, FUSED_DQ,
-                            s_layout, a_layout)
+                            0, n_masked, qk_scale, BLOCK_M, NUM_STAGES, True, s_layout, a_layout)
         dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
-                            n_masked, n_tiles, qk_scale, sm_scale, fused, dq_row, BLOCK_M, NUM_STAGES, False,
-                            FUSED_DQ, s_layout, a_layout)
+                            n_masked, n_tiles, qk_scale, BLOCK_M, NUM_STAGES, False, s_layout, a_layout)
     else:
         dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
-                            0, n_tiles, qk_scale, sm_scale, fused, dq_row, BLOCK_M, NUM_STAGES, False, FUSED_DQ,
-                            s_layout, a_layout)
-    # Epilogue: through this warpgroup's K and V buffers (no longer read: with FUSED_DQ the other warpgroup's last dQ
-    # product may still read K, so both wait for each other's) and TMA stores; the wait covers the last dQ reduce-add.
-    if FUSED_DQ:
-        ds_free = fused[7]
-        mbarrier.wait(ds_free, (n_tiles - 1) & 1)  # both warpgroups' last dQ products are done (none: passes)
+                            0, n_tiles, qk_scale, BLOCK_M, NUM_STAGES, False, s_layout, a_layout)
+    # Epilogue: through this warpgroup's K and V buffers (no longer read) and TMA stores.
     k_w.store((dk * sm_scale).to(dk_desc.dtype))
     v_w.store(dv.to(dv_desc.dtype))
     fence_async_shared()
@@ -258,11 +197,11 @@ def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_b
 
 
 @gluon.jit
-def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, N_Q, N_K, H, qk_scale,
-                 sm_scale, Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH,
+def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, N_Q, N_K, H, qk_scale, sm_scale,
+                 Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH,
                  DO_RB, DO_RH, DO_CB, DO_CH,
                  HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FUSED_DQ: gl.constexpr):
+                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     HALF: gl.constexpr = k_desc.block_type.shape[0]  # keys per consumer warpgroup
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
@@ -279,14 +218,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
         n_masked = 0
     n_tiles = N_Q // BLOCK_M - m_first
 
-    if FUSED_DQ:  # one buffer of the program's 128 keys, which each dQ product reads whole
-        k_smem = gl.allocate_shared_memory(dtype, [2 * HALF, HEAD_DIM], k_desc.layout)
-        k_0 = k_smem.slice(0, HALF)
-        k_1 = k_smem.slice(HALF, HALF)
-    else:
-        k_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], k_desc.layout)
-        k_0 = k_smem.index(0)
-        k_1 = k_smem.index(1)
+    k_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], v_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
@@ -296,43 +228,14 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
 
     stat_row = off_bh * N_Q  # lse and delta: contiguous, one row per head
     out_row = off_bh * N_K + key0  # dK and dV are contiguous: (B*H*N_K, D) views
-    dq_row = stat_row + m_first * BLOCK_M  # the fp32 dQ, (B*H*N_Q, D), at the first tile
-    # With FUSED_DQ a consumer warpgroup forms a share of 64 rows of each tile's dQ (a wgmma's M): with tiles of 128
-    # rows, its half of the rows, every column; with tiles of 64 (d=128), every row, its half of the columns.
-    DQ_ROWS: gl.constexpr = dq_desc.block_type.shape[0]
-    DQ_COLS: gl.constexpr = dq_desc.block_type.shape[1]
-    ROW_SPLIT: gl.constexpr = DQ_ROWS < BLOCK_M
-    if FUSED_DQ:  # the program's dS^T (128 keys), each warpgroup's share of dQ on the way to the reduce, two barriers
-        ds_smem = gl.allocate_shared_memory(dtype, [2 * HALF, BLOCK_M],
-                                            gl.NVMMASharedLayout.get_default_for([2 * HALF, BLOCK_M], dtype))
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, DQ_ROWS, DQ_COLS], dq_desc.layout)
-        ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(ds_bars.index(i), count=2)  # an arrival per consumer warpgroup: ds_full, ds_free
-        if ROW_SPLIT:
-            fused_0 = (dq_desc, ds_smem.slice(0, HALF), ds_smem.slice(0, DQ_ROWS, dim=1), k_smem, 0,
-                       dq_smem.index(0), ds_bars.index(0), ds_bars.index(1))
-            fused_1 = (dq_desc, ds_smem.slice(HALF, HALF), ds_smem.slice(DQ_ROWS, DQ_ROWS, dim=1), k_smem, 0,
-                       dq_smem.index(1), ds_bars.index(0), ds_bars.index(1))
-            dq_row_1 = dq_row + DQ_ROWS
-        else:
-            fused_0 = (dq_desc, ds_smem.slice(0, HALF), ds_smem, k_smem.slice(0, DQ_COLS, dim=1), 0,
-                       dq_smem.index(0), ds_bars.index(0), ds_bars.index(1))
-            fused_1 = (dq_desc, ds_smem.slice(HALF, HALF), ds_smem, k_smem.slice(DQ_COLS, DQ_COLS, dim=1), DQ_COLS,
-                       dq_smem.index(1), ds_bars.index(0), ds_bars.index(1))
-            dq_row_1 = dq_row
-    else:  # unused
-        fused_0 = dq_desc
-        fused_1 = dq_desc
-        dq_row_1 = dq_row
     gl.warp_specialize([
-        (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_0, v_smem.index(0), q_smem, do_smem, kv_bar,
+        (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_smem.index(0), v_smem.index(0), q_smem, do_smem, kv_bar,
                           ready, empty, out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
-                          fused_0, dq_row, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, FUSED_DQ)),
-        (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_1, v_smem.index(1), q_smem, do_smem, kv_bar,
+                          CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES)),
+        (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_smem.index(1), v_smem.index(1), q_smem, do_smem, kv_bar,
                           ready, empty, out_row + HALF, stat_row, key0 + HALF, m_first, n_masked, n_tiles, qk_scale,
-                          sm_scale, fused_1, dq_row_1, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, FUSED_DQ)),
-        (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_0, k_1, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+                          sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES)),
+        (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
                           b * K_RB + h * K_RH + key0, b * K_CB + h * K_CH, b * V_RB + h * V_RH + key0,
                           b * V_CB + h * V_CH, b * Q_RB + h * Q_RH + m_first * BLOCK_M, b * Q_CB + h * Q_CH,
                           b * DO_RB + h * DO_RH + m_first * BLOCK_M, b * DO_CB + h * DO_CH, n_tiles, BLOCK_M,
@@ -481,36 +384,16 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     # dq, dk, dv are new; lse and delta contiguous. The tiles are the descriptors' block shapes, not constexprs.
     key = (q.device, q.dtype, q.shape, k.shape, block_m, block_n, *found)
-    dk_desc, dv_desc = desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half)
-    if d in FUSED_DQ_HEAD_DIMS:
-        # A warpgroup's share of a tile's dQ: 64 rows (a wgmma's M) by every column, or at d=128 by half of them.
-        if block_m == 128:
-            share = (64, d)
-        elif block_m == 64 and d == 128:
-            share = (64, d // 2)
-        else:
-            raise ValueError(f"FUSED_DQ_HEAD_DIMS holds {d}, which needs query tiles of 128 rows, or of 64 at d=128: "
-                             f"TILES[{d}] is {TILES[d]}")
-        dq_sum = torch.zeros((bh * n_q, d), dtype=torch.float32, device=q.device)  # the reduce-adds' target
-        dq_sum_desc = TensorDescriptor(dq_sum, [bh * n_q, d], [d, 1], list(share),
-                                       flash_hopper._smem_layout(*share, gl.float32))
-        launcher.launch(
-            _dkdv_kernel, (n_k // BLOCK_KEYS, bh),
-            (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m), dk_desc, dv_desc,
-             dq_sum_desc, lse, delta, n_q, n_k, heads, qk_scale, sm_scale, *strides),
-            ("dkdv", *key), **common, FUSED_DQ=True,
-        )
-        dq.copy_(dq_sum.view(dq.shape))
-        return
     concurrent = CONCURRENT_DQ and not torch.cuda.is_current_stream_capturing()
     if concurrent:
         current, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
         side.wait_stream(current)  # the inputs, delta included, are ready on it
     launcher.launch(
         _dkdv_kernel, (n_k // BLOCK_KEYS, bh),
-        (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m), dk_desc, dv_desc,
-         dk_desc, lse, delta, n_q, n_k, heads, qk_scale, sm_scale, *strides),  # dQ from the dQ kernel: no dq_desc
-        ("dkdv", *key), **common, FUSED_DQ=False,
+        (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m),
+         desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), lse, delta, n_q, n_k,
+         heads, qk_scale, sm_scale, *strides),
+        ("dkdv", *key), **common,
     )
     half = BLOCK_ROWS // 2
     with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
