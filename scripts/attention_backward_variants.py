@@ -11,10 +11,14 @@ kernel at a shape the float64 tests do not reach shows here), then every variant
 once, untimed; each timed call one backward) and `fwd_bwd` modes, timed as `lmsys-bench attention` times them (the
 regression gate's clock: CUDA events; the median of --steps calls after --warmup), --repeats times, the variants
 taking turns. Prints a table (per variant, point and mode: the median of the repeats' medians and their range) and
-writes every row, each repeat's, to the CSV file named on the command line.
+writes every row, each repeat's, to the CSV file named on the command line. With --kernels N, then each variant
+at each point and mode once more, N calls under torch.profiler: where the device time goes, per kernel (launches
+and microseconds per call, share of the call's device time), printed (the largest six of each) and written whole
+to <csv>-kernels.csv.
 
     PYTHONPATH=. python scripts/attention_backward_variants.py variants.csv          (from the repository root)
     PYTHONPATH=. python scripts/attention_backward_variants.py variants.csv --points leaderboard --modes bwd
+    PYTHONPATH=. python scripts/attention_backward_variants.py v.csv --points leaderboard --modes bwd --kernels 10
 
 Needs a Hopper GPU (the Gluon kernels are for sm_90): elsewhere it says so and exits with status 2.
 """
@@ -26,10 +30,14 @@ from types import SimpleNamespace
 
 import pandas as pd
 import torch
+from torch.autograd import DeviceType
 
+from lmsys import profiling
 from lmsys.attention import flash_hopper, flash_hopper_bwd, flash_triton
+from lmsys.attention.providers import attention_function, timed_call
 from lmsys.bench import sweep
 from lmsys.bench.attention import run_point
+from lmsys.bench.ncu import short_name
 
 # (batch, heads, seq, d): the leaderboard's (16, 16384, 64) and the causal grid's (1, T, d) points, as 4-D inputs.
 POINTS = {
@@ -88,6 +96,30 @@ def agreement(shape: tuple, variants: list[str]) -> dict[str, dict[str, float]]:
     return found
 
 
+def kernel_rows(events, steps: int) -> list[dict]:
+    """Per kernel (each device activity of a profile's events, by name) over `steps` calls: launches and device
+    microseconds per call, and its share of the device time; the largest first."""
+    totals: dict[str, list[float]] = {}
+    for event in events:
+        if event.device_type == DeviceType.CUDA:
+            copy = event.name.startswith(("Memcpy", "Memset"))  # "Memset (Device)": not a parameter list
+            total = totals.setdefault(event.name if copy else short_name(event.name, 70), [0, 0.0])
+            total[0] += 1
+            total[1] += event.device_time_total
+    whole = sum(us for _, us in totals.values())
+    rows = [{"kernel": name, "calls_per_step": count / steps, "us_per_step": us / steps,
+             "share": us / whole if whole else None} for name, (count, us) in totals.items()]
+    return sorted(rows, key=lambda row: -row["us_per_step"])
+
+
+def profile_point(provider: str, shape: tuple, mode: str, steps: int) -> list[dict]:
+    """kernel_rows of `steps` calls of one point (causal, bf16), after one untimed call of them."""
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    fn, fn_args = timed_call(attention_function(provider), q, k, v, True, mode)
+    prof = profiling.profile(lambda: [fn(*fn_args) for _ in range(steps)], warmup=1)
+    return kernel_rows(prof.events(), steps)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("csv", type=Path, help="where to write every row (a new .csv file)")
@@ -99,19 +131,25 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3,
                         help="times each point's variants are timed, taking turns (default 3): the table gives the "
                         "median of their medians and their spread, so that a drift of the machine falls on all alike")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="then profile N calls of each variant, point and mode: device time per kernel, to "
+                        "<csv>-kernels.csv (default 0: none)")
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.steps < 1 or args.warmup < 0:
-        parser.error("--repeats and --steps must be at least 1, --warmup at least 0")
-    if args.csv.suffix != ".csv" or args.csv.exists():
-        parser.error(f"{args.csv}: give a new file ending in .csv")
+    if args.repeats < 1 or args.steps < 1 or args.warmup < 0 or args.kernels < 0:
+        parser.error("--repeats and --steps must be at least 1, --warmup and --kernels at least 0")
+    kernels_csv = args.csv.with_name(args.csv.stem + "-kernels.csv")
+    for path in (args.csv, kernels_csv) if args.kernels else (args.csv,):
+        if path.suffix != ".csv" or path.exists():
+            parser.error(f"{path}: give a new file ending in .csv")
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         print("needs a Hopper GPU (compute capability 9.0): the Gluon backward runs nowhere else", file=sys.stderr)
         return 2
     device = sweep.backend()
     timing = SimpleNamespace(warmup=args.warmup, steps=args.steps)
     shapes = [shape for name in args.points for shape in POINTS[name]]
-    progress = sweep.Progress(len(shapes) * (1 + args.repeats * len(args.variants) * len(args.modes)))
-    rows = []
+    profiled = len(args.variants) * len(args.modes) if args.kernels else 0
+    progress = sweep.Progress(len(shapes) * (1 + args.repeats * len(args.variants) * len(args.modes) + profiled))
+    rows, kernels = [], []
     try:
         for shape in shapes:
             progress.start(f"{shape} agreement")
@@ -127,12 +165,27 @@ def main(argv=None) -> int:
                         apply(settings)
                         row = run_point(provider, shape, "bf16", mode, True, timing, device)
                         rows.append({"variant": name, "repeat": repeat, **row, **checked.get(name, {})})
+            for mode in args.modes if args.kernels else ():
+                for name in args.variants:
+                    provider, settings = VARIANTS[name]
+                    progress.start(f"{shape} {mode} {name} profiled")
+                    apply(settings)
+                    point = {"variant": name, "batch": shape[0], "seq": shape[2], "d": shape[3], "mode": mode}
+                    status = {}
+                    with sweep.out_of_memory_as_status(device, status):
+                        kernels += [{**point, **row} for row in profile_point(provider, shape, mode, args.kernels)]
+                    if status:
+                        kernels.append({**point, "kernel": status["status"]})
     finally:
         progress.close()
         apply({})
     frame = pd.DataFrame(rows)
     sweep.write_outputs(frame, [args.csv])
     print(sweep.format_table(summary(frame)))
+    if args.kernels:
+        profiles = pd.DataFrame(kernels)
+        sweep.write_outputs(profiles, [kernels_csv])
+        print(sweep.format_table(profiles.groupby(["variant", "batch", "seq", "d", "mode"], sort=False).head(6)))
     return 0
 
 

@@ -1,8 +1,10 @@
 """scripts/attention_backward_variants.py on a machine without a Hopper GPU: it says what it needs and exits with 2
-(the timings are the GPU's to take), refuses an output it would overwrite, and sums each variant's repeats up."""
+(the timings are the GPU's to take), refuses an output it would overwrite, sums each variant's repeats up and each
+profiled kernel's device time."""
 
 import pathlib
 import runpy
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -51,3 +53,32 @@ def test_refuses_no_repeats(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tmp_path / "new.csv"), "--repeats", "0"])
     assert "--repeats and --steps must be at least 1" in capsys.readouterr().err
+
+
+def test_kernel_rows_sum_each_kernels_launches_and_device_time_per_call():
+    kernel_rows = runpy.run_path(str(SCRIPT))["kernel_rows"]
+    DeviceType = torch.autograd.DeviceType
+
+    def event(name, us, device_type=DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device_type, device_time_total=us)
+
+    events = [event("void _dkdv_kernel(int, float*)", 300.0), event("_dq_kernel", 100.0),
+              event("void _dkdv_kernel(int, float*)", 340.0), event("Memset (Device)", 20.0),
+              event("aten::empty", 5000.0, DeviceType.CPU), event("_dq_kernel", 140.0)]
+    rows = kernel_rows(events, steps=2)
+    assert [row["kernel"] for row in rows] == ["_dkdv_kernel", "_dq_kernel", "Memset (Device)"]
+    assert rows[0] == {"kernel": "_dkdv_kernel", "calls_per_step": 1.0, "us_per_step": 320.0, "share": 640 / 900}
+    assert rows[1]["us_per_step"] == 120.0 and rows[2]["calls_per_step"] == 0.5
+    assert kernel_rows([event("aten::mm", 10.0, DeviceType.CPU)], steps=1) == []
+
+
+def test_refuses_a_kernels_output_it_would_overwrite(tmp_path, capsys):
+    main = runpy.run_path(str(SCRIPT))["main"]
+    existing = tmp_path / "variants-kernels.csv"
+    existing.write_text("kept\n")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "variants.csv"), "--kernels", "5"])
+    assert "variants-kernels.csv: give a new file ending in .csv" in capsys.readouterr().err
+    assert existing.read_text() == "kept\n" and not (tmp_path / "variants.csv").exists()
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "variants.csv"), "--kernels", "-1"])
