@@ -102,8 +102,7 @@ def kernel_rows(events, steps: int) -> list[dict]:
     totals: dict[str, list[float]] = {}
     for event in events:
         if event.device_type == DeviceType.CUDA:
-            copy = event.name.startswith(("Memcpy", "Memset"))  # "Memset (Device)": not a parameter list
-            total = totals.setdefault(event.name if copy else short_name(event.name, 70), [0, 0.0])
+            total = totals.setdefault(short_name(event.name, 70), [0, 0.0])
             total[0] += 1
             total[1] += event.device_time_total
     whole = sum(us for _, us in totals.values())

@@ -139,6 +139,7 @@ def test_phases_follow_the_ranges_and_the_launch_order():
 def test_short_names_drop_void_and_the_parameter_list():
     assert ncu.short_name("void a::k<4, f(int)>(int, T2)") == "a::k<4, f(int)>"
     assert ncu.short_name("nvjet_tst") == "nvjet_tst"
+    assert ncu.short_name("Memcpy DtoD (Device -> Device)") == "Memcpy DtoD (Device -> Device)"
     assert len(ncu.short_name("x" * 200, width=20)) == 20
 
 

@@ -248,14 +248,15 @@ def phases(ranges: list[str]) -> list[str]:
 
 
 def short_name(kernel: str, width: int = 90) -> str:
-    """A kernel name for a table: no 'void ', no parameter list, cut to width."""
+    """A kernel name for a table: no 'void ', no parameter list, cut to width. A parenthesis after a space is not a
+    parameter list: the profiler's "Memset (Device)" stays whole."""
     name = kernel.removeprefix("void ")
     if name.endswith(")") and "(" in name:
         depth = 0
         for i in range(len(name) - 1, -1, -1):
             depth += {")": 1, "(": -1}.get(name[i], 0)
             if depth == 0:
-                name = name[:i]
+                name = name if name[i - 1 : i] == " " else name[:i]
                 break
     return name if len(name) <= width else name[: width - 1] + "…"
 
