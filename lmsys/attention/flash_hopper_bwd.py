@@ -40,6 +40,13 @@ backward's 3.565 and cuDNN's 3.019, with the 128-row query tiles it needs there,
 tiles of 128 rows at d=64 (FA3's tile there), and PIPELINED, a dK/dV loop that issued the next query tile's S^T and
 dP^T before waiting for this tile's dK and dV: right, and slower at every point (4.285 ms at the leaderboard; its
 code: commit e944207).
+
+Where the time goes (2026-11-24, the H100, `scripts/attention_backward_variants.py --points leaderboard --modes bwd
+--kernels 10`, the leaderboard's backward, one product being 16 * 16384^2 * 64 * 2 / 2 FLOPs): this backward 3.494 ms
+(cuDNN 3.049 in the same run), of which the dK/dV kernel 2.112 ms (4 products: 521 TFLOPS), the dQ kernel 1.323 ms
+(3 products: 623 TFLOPS) and the delta kernel 0.026 ms; cuDNN's is one kernel of 2.913 ms (5 products: 472 TFLOPS)
+and 0.085 ms for its delta and its dQ's conversion from fp32. Both kernels here already run faster per product than
+cuDNN's: with 7 products, matching cuDNN needs 642 TFLOPS over both, so the dK/dV kernel is the one to speed up.
 """
 
 import contextlib
