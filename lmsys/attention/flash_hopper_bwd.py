@@ -84,6 +84,12 @@ PRODUCER_REGS = 24
 # Whether the dQ kernel runs on a side stream beside the dK/dV kernel (they share only their inputs), so that a
 # problem of few heads, whose two grids each leave multiprocessors idle, fills the GPU with both.
 CONCURRENT_DQ = False
+# Per kernel, the head dims at which it holds the operands it keeps for its whole loop (K and V in the dK/dV kernel, Q
+# and dO in the dQ kernel) in registers, as the A operand of its S and dP products, instead of reading both operands
+# of every such product from shared memory: a 64-row product of 64 columns with both there reads 128 bytes of it per
+# cycle at the tensor cores' full rate, all that shared memory delivers. Each setting compiles for sm_90 without a
+# spilled register but the dK/dV kernel's at d=128 (256 bytes). None by default until measured on the H100.
+A_IN_REGISTERS = {"dkdv": (), "dq": ()}
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
 
@@ -148,7 +154,8 @@ def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, a_
 def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys, lo, hi,
                qk_scale, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
                s_layout: gl.constexpr, a_layout: gl.constexpr):
-    """Query tiles [lo, hi) (counted from the first one the program visits, m_first) into dK, dV."""
+    """Query tiles [lo, hi) (counted from the first one the program visits, m_first) into dK, dV; k_w and v_w in
+    shared memory or in registers (A_IN_REGISTERS)."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     half: gl.constexpr = k_w.shape[0]
     s_zero = gl.zeros([half, BLOCK_M], gl.float32, s_layout)
@@ -176,7 +183,8 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
 @gluon.jit
 def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_bar, ready, empty,
                    out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
-                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   A_IN_REGS: gl.constexpr):
     half: gl.constexpr = k_w.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
@@ -185,14 +193,20 @@ def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_b
     dk = gl.zeros([half, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([half, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, 0)
+    if A_IN_REGS:
+        k_a = k_w.load(_a_layout(BLOCK_M))
+        v_a = v_w.load(_a_layout(BLOCK_M))
+    else:
+        k_a = k_w
+        v_a = v_w
     if CAUSAL:
         # The query tiles that overlap the program's keys need the mask; those after them do not.
-        dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
+        dk, dv = _dkdv_loop(dk, dv, k_a, v_a, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
                             0, n_masked, qk_scale, BLOCK_M, NUM_STAGES, True, s_layout, a_layout)
-        dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
+        dk, dv = _dkdv_loop(dk, dv, k_a, v_a, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
                             n_masked, n_tiles, qk_scale, BLOCK_M, NUM_STAGES, False, s_layout, a_layout)
     else:
-        dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
+        dk, dv = _dkdv_loop(dk, dv, k_a, v_a, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
                             0, n_tiles, qk_scale, BLOCK_M, NUM_STAGES, False, s_layout, a_layout)
     # Epilogue: through this warpgroup's K and V buffers (no longer read) and TMA stores.
     k_w.store((dk * sm_scale).to(dk_desc.dtype))
@@ -208,7 +222,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, 
                  Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH,
                  DO_RB, DO_RH, DO_CB, DO_CH,
                  HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, A_IN_REGS: gl.constexpr):
     HALF: gl.constexpr = k_desc.block_type.shape[0]  # keys per consumer warpgroup
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
@@ -238,10 +252,10 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, 
     gl.warp_specialize([
         (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_smem.index(0), v_smem.index(0), q_smem, do_smem, kv_bar,
                           ready, empty, out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
-                          CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES)),
+                          CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, A_IN_REGS)),
         (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_smem.index(1), v_smem.index(1), q_smem, do_smem, kv_bar,
                           ready, empty, out_row + HALF, stat_row, key0 + HALF, m_first, n_masked, n_tiles, qk_scale,
-                          sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES)),
+                          sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, A_IN_REGS)),
         (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
                           b * K_RB + h * K_RH + key0, b * K_CB + h * K_CH, b * V_RB + h * V_RH + key0,
                           b * V_CB + h * V_CH, b * Q_RB + h * Q_RH + m_first * BLOCK_M, b * Q_CB + h * Q_CH,
@@ -270,7 +284,7 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sme
 def _dq_loop(dq, q_w, do_w, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lse2, delta, rows, lo, hi,
              qk_scale, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
              s_layout: gl.constexpr, a_layout: gl.constexpr):
-    """Key tiles [lo, hi) into dQ."""
+    """Key tiles [lo, hi) into dQ; q_w and do_w in shared memory or in registers (A_IN_REGISTERS)."""
     half: gl.constexpr = q_w.shape[0]
     s_zero = gl.zeros([half, BLOCK_N], gl.float32, s_layout)
     for j in range(lo, hi):
@@ -298,7 +312,8 @@ def _dq_loop(dq, q_w, do_w, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, 
 @gluon.jit
 def _dq_consumer(dq_desc, LSE, DELTA, q_w, do_w, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                  out_row, row0, stat_row, n_full, n_tiles, qk_scale, sm_scale,
-                 CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+                 CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+                 A_IN_REGS: gl.constexpr):
     half: gl.constexpr = q_w.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
@@ -309,14 +324,20 @@ def _dq_consumer(dq_desc, LSE, DELTA, q_w, do_w, k_smem, v_smem, q_bar, k_ready,
     delta = gl.load(DELTA + stat_row + rows)
     dq = gl.zeros([half, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(q_bar, 0)
+    if A_IN_REGS:
+        q_a = q_w.load(_a_layout(BLOCK_N))
+        do_a = do_w.load(_a_layout(BLOCK_N))
+    else:
+        q_a = q_w
+        do_a = do_w
     if CAUSAL:
         # Key tiles wholly before the program's first row unmasked, then those that overlap its rows masked.
-        dq = _dq_loop(dq, q_w, do_w, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lse2, delta, rows, 0,
+        dq = _dq_loop(dq, q_a, do_a, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lse2, delta, rows, 0,
                       n_full, qk_scale, BLOCK_N, NUM_STAGES, False, s_layout, a_layout)
-        dq = _dq_loop(dq, q_w, do_w, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lse2, delta, rows, n_full,
+        dq = _dq_loop(dq, q_a, do_a, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lse2, delta, rows, n_full,
                       n_tiles, qk_scale, BLOCK_N, NUM_STAGES, True, s_layout, a_layout)
     else:
-        dq = _dq_loop(dq, q_w, do_w, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lse2, delta, rows, 0,
+        dq = _dq_loop(dq, q_a, do_a, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lse2, delta, rows, 0,
                       n_tiles, qk_scale, BLOCK_N, NUM_STAGES, False, s_layout, a_layout)
     q_w.store((dq * sm_scale).to(dq_desc.dtype))
     fence_async_shared()
@@ -328,7 +349,7 @@ def _dq_consumer(dq_desc, LSE, DELTA, q_w, do_w, k_smem, v_smem, q_bar, k_ready,
 def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, N_Q, N_K, H, qk_scale, sm_scale,
                Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH, DO_RB, DO_RH, DO_CB, DO_CH,
                HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, A_IN_REGS: gl.constexpr):
     HALF: gl.constexpr = q_desc.block_type.shape[0]  # query rows per consumer warpgroup
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
@@ -358,10 +379,10 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, N_Q, N_K, H
     gl.warp_specialize([
         (_dq_consumer, (dq_desc, LSE, DELTA, q_smem.index(0), do_smem.index(0), k_smem, v_smem, q_bar, k_ready,
                         k_empty, v_ready, v_empty, out_row, row0, stat_row, n_full, n_tiles, qk_scale, sm_scale,
-                        CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+                        CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES, A_IN_REGS)),
         (_dq_consumer, (dq_desc, LSE, DELTA, q_smem.index(1), do_smem.index(1), k_smem, v_smem, q_bar, k_ready,
                         k_empty, v_ready, v_empty, out_row + HALF, row0 + HALF, stat_row, n_full, n_tiles, qk_scale,
-                        sm_scale, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+                        sm_scale, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES, A_IN_REGS)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
                         v_ready, v_empty, b * Q_RB + h * Q_RH + row0, b * Q_CB + h * Q_CH,
                         b * DO_RB + h * DO_RH + row0, b * DO_CB + h * DO_CH, b * K_RB + h * K_RH,
@@ -400,7 +421,7 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
         (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m),
          desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), lse, delta, n_q, n_k,
          heads, qk_scale, sm_scale, *strides),
-        ("dkdv", *key), **common,
+        ("dkdv", *key), A_IN_REGS=d in A_IN_REGISTERS["dkdv"], **common,
     )
     half = BLOCK_ROWS // 2
     with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
@@ -408,7 +429,7 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
             _dq_kernel, (n_q // BLOCK_ROWS, bh),
             (desc(q, qv, half), desc(k, kv, block_n), desc(v, vv, block_n), desc(do, dov, half),
              desc(dq, flash_hopper._view(dq), half), lse, delta, n_q, n_k, heads, qk_scale, sm_scale, *strides),
-            ("dq", *key), **common,
+            ("dq", *key), A_IN_REGS=d in A_IN_REGISTERS["dq"], **common,
         )
     if concurrent:
         # dq, allocated on the current stream, is written on the side one: the current stream waits for it before
