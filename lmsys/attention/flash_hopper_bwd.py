@@ -114,6 +114,16 @@ def _a_layout(cols):
     return gl.DotOperandLayout(operand_index=0, parent=_mma_layout(cols), k_width=2)
 
 
+@gluon.jit
+def _kept_operands(first, second, COLS: gl.constexpr, A_IN_REGS: gl.constexpr):
+    """The two shared buffers a consumer reads as the A operand of its S and dP products in every step, or with
+    A_IN_REGS their values, loaded once into the registers of an A operand for a product with COLS columns."""
+    if A_IN_REGS:
+        return first.load(_a_layout(COLS)), second.load(_a_layout(COLS))
+    else:
+        return first, second
+
+
 # ------------------------------------------------------------------------------------------------ dK, dV
 
 
@@ -193,12 +203,7 @@ def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_b
     dk = gl.zeros([half, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([half, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, 0)
-    if A_IN_REGS:
-        k_a = k_w.load(_a_layout(BLOCK_M))
-        v_a = v_w.load(_a_layout(BLOCK_M))
-    else:
-        k_a = k_w
-        v_a = v_w
+    k_a, v_a = _kept_operands(k_w, v_w, BLOCK_M, A_IN_REGS)
     if CAUSAL:
         # The query tiles that overlap the program's keys need the mask; those after them do not.
         dk, dv = _dkdv_loop(dk, dv, k_a, v_a, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
@@ -324,12 +329,7 @@ def _dq_consumer(dq_desc, LSE, DELTA, q_w, do_w, k_smem, v_smem, q_bar, k_ready,
     delta = gl.load(DELTA + stat_row + rows)
     dq = gl.zeros([half, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(q_bar, 0)
-    if A_IN_REGS:
-        q_a = q_w.load(_a_layout(BLOCK_N))
-        do_a = do_w.load(_a_layout(BLOCK_N))
-    else:
-        q_a = q_w
-        do_a = do_w
+    q_a, do_a = _kept_operands(q_w, do_w, BLOCK_N, A_IN_REGS)
     if CAUSAL:
         # Key tiles wholly before the program's first row unmasked, then those that overlap its rows masked.
         dq = _dq_loop(dq, q_a, do_a, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lse2, delta, rows, 0,
