@@ -552,7 +552,7 @@ def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, head_dim,
     assert "STACK:0 " in usage and "LOCAL:0" in usage, usage
 
 
-# Compiles the two kernels of the Gluon backward for sm_90 (no GPU needed), causal and not, at each head dim they take,
+# Compiles the two kernels of the Gluon backward for sm_90 (no GPU needed), causal and not, at each head dim they take
 # (and with A_IN_REGS), and writes each one's PTX, cubin and shared-memory size to the folder
 # argv[2]/<kernel>-<causal>-<d>/<smem or regs>.
 _COMPILE_HOPPER_BACKWARD = """
