@@ -553,8 +553,8 @@ def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, head_dim,
 
 
 # Compiles the two kernels of the Gluon backward for sm_90 (no GPU needed), causal and not, at each head dim they take
-# (and with A_IN_REGS), and writes each one's PTX, cubin and shared-memory size to the folder
-# argv[2]/<kernel>-<causal>-<d>/<smem or regs>.
+# (and with the settings its variants take), and writes each one's PTX, cubin and shared-memory size to the folder
+# argv[2]/<kernel>-<causal>-<d>/<default, regs or prefetch>.
 _COMPILE_HOPPER_BACKWARD = """
 import pathlib, sys
 import triton
@@ -565,10 +565,12 @@ from lmsys.attention import flash_hopper_bwd as hb
 
 which = sys.argv[1]
 kernel = hb._dkdv_kernel if which == "dkdv" else hb._dq_kernel
-# Every head dim causal and not; with the A operands in registers, causal, where that compiles without a spill.
-builds = [(causal, d, False) for causal in (False, True) for d in hb.HEAD_DIMS]
-builds += [(True, d, True) for d in ((64,) if which == "dkdv" else hb.HEAD_DIMS)]
-for causal, d, a_in_regs in builds:
+# Every head dim causal and not; causal, the variants where they compile without a spill: A operands in registers
+# (A_IN_REGISTERS), the dK/dV kernel's statistics loaded a step ahead (PREFETCH_STATS).
+builds = [(causal, d, "default") for causal in (False, True) for d in hb.HEAD_DIMS]
+builds += [(True, d, "regs") for d in ((64,) if which == "dkdv" else hb.HEAD_DIMS)]
+builds += [(True, 64, "prefetch")] if which == "dkdv" else []
+for causal, d, variant in builds:
     def descriptor(rows):
         return f"tensordesc<bf16[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
     if which == "dkdv":
@@ -581,14 +583,16 @@ for causal, d, a_in_regs in builds:
         descs = {"q_desc": descriptor(half), "k_desc": descriptor(keys), "v_desc": descriptor(keys),
                  "do_desc": descriptor(half), "dq_desc": descriptor(half)}
     constexprs = dict(HEAD_DIM=d, CAUSAL=causal, NUM_STAGES=hb.NUM_STAGES, CONSUMER_REGS=hb.CONSUMER_REGS,
-                      PRODUCER_REGS=hb.PRODUCER_REGS, A_IN_REGS=a_in_regs)
+                      PRODUCER_REGS=hb.PRODUCER_REGS, A_IN_REGS=variant == "regs")
+    if which == "dkdv":
+        constexprs["PREFETCH"] = variant == "prefetch"
     types = {**descs, "LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
              **dict.fromkeys(constexprs, "constexpr")}
     names = kernel.arg_names
     source = GluonASTSource(kernel, {n: types.get(n, "i32") for n in names},
                             {(names.index(n),): value for n, value in constexprs.items()}, {})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    out = pathlib.Path(sys.argv[2]) / f"{which}-{causal}-{d}" / ("regs" if a_in_regs else "smem")
+    out = pathlib.Path(sys.argv[2]) / f"{which}-{causal}-{d}" / variant
     out.mkdir(parents=True)
     (out / "kernel.ptx").write_text(compiled.asm["ptx"])
     (out / "kernel.cubin").write_bytes(compiled.asm["cubin"])
@@ -608,15 +612,17 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
     assert result.returncode == 0, result.stderr
     cuobjdump = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
     built = sorted(tmp_path.glob(f"{kernel}-*/*"))
-    assert [folder.name for folder in built].count("smem") == 4
-    assert [folder.name for folder in built].count("regs") == (1 if kernel == "dkdv" else 2)
+    variants = [folder.name for folder in built]
+    assert variants.count("default") == 4
+    assert variants.count("regs") == (1 if kernel == "dkdv" else 2)
+    assert variants.count("prefetch") == (1 if kernel == "dkdv" else 0)
     # A wgmma's operands: its accumulator's registers, then A (registers in braces, or a descriptor), then B.
     a_from_shared = re.compile(r"wgmma\.mma_async\S*\s*\{[^}]*\},\s*%rd")
     for folder in built:
         assert int((folder / "shared").read_text()) <= 227 * 1024, folder.name
         ptx = (folder / "kernel.ptx").read_text()
         assert "wgmma.wait_group.sync.aligned 1;" in ptx, folder.name
-        assert bool(a_from_shared.search(ptx)) == (folder.name == "smem"), folder
+        assert bool(a_from_shared.search(ptx)) == (folder.name != "regs"), folder
         usage = subprocess.run([cuobjdump, "-res-usage", str(folder / "kernel.cubin")], capture_output=True,
                                text=True, check=True).stdout
         assert "STACK:0 " in usage and "LOCAL:0" in usage, (folder.name, usage)  # no register spilled
@@ -661,8 +667,8 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, mo
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting, value", [
     ("CONCURRENT_DQ", True), ("TILES", {64: (64, 128), 128: (64, 128)}), ("NUM_STAGES", 3),
-    ("A_IN_REGISTERS", {"dkdv": (64,), "dq": (64, 128)}),
-], ids=["concurrent-dq", "dq-tiles-128", "3-stages", "a-in-registers"])
+    ("A_IN_REGISTERS", {"dkdv": (64,), "dq": (64, 128)}), ("PREFETCH_STATS", (64,)),
+], ids=["concurrent-dq", "dq-tiles-128", "3-stages", "a-in-registers", "prefetch-stats"])
 @pytest.mark.parametrize("q_shape, is_causal", [((2, 3, 1024, 64), True), ((1, 2, 512, 128), False)])
 def test_hopper_backward_variants_gpu(gpu, setting, value, q_shape, is_causal, monkeypatch, seed):
     """Each variant of the Gluon backward that scripts/attention_backward_variants.py times, against float64."""

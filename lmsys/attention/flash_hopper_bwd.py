@@ -90,6 +90,11 @@ CONCURRENT_DQ = False
 # cycle at the tensor cores' full rate, all that shared memory delivers. Each setting compiles for sm_90 without a
 # spilled register but the dK/dV kernel's at d=128 (256 bytes). None by default until measured on the H100.
 A_IN_REGISTERS = {"dkdv": (), "dq": ()}
+# The head dims at which the dK/dV kernel loads each query tile's log-sum-exp and delta (from global memory: one
+# latency per step, the step's S^T and softmax waiting on the first, its dS^T on the second) one step ahead, into
+# registers kept across the step. It compiles for sm_90 without a spill at d=64 alone (at d=128, or at d=64 with the
+# kernel's A operands in registers, registers spill). None by default until measured on the H100.
+PREFETCH_STATS = ()
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
 
@@ -147,12 +152,17 @@ def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_s
 
 
 @gluon.jit
-def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, a_layout: gl.constexpr):
+def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, delta_ahead, a_layout: gl.constexpr,
+                 PREFETCH: gl.constexpr):
     """A query tile's dV += P^T dO issued, then (once dP^T is in, while dV is on the tensor cores) dS^T = P^T (dP^T -
-    delta) formed and dK += dS^T Q issued: their tokens and the register operands they read, to keep until waited."""
+    delta) formed and dK += dS^T Q issued: their tokens and the register operands they read, to keep until waited.
+    delta is loaded here, or with PREFETCH it is delta_ahead, loaded a step earlier."""
     p_op = gl.convert_layout(p.to(q_tile.dtype), a_layout)
     dv_token = warpgroup_mma(p_op, do_tile, dv, is_async=True)
-    delta = gl.load(DELTA + stat_row + cols)
+    if PREFETCH:
+        delta = delta_ahead
+    else:
+        delta = gl.load(DELTA + stat_row + cols)
     dp = warpgroup_mma_wait(1, deps=[dp_token])
     ds = p * (dp - gl.expand_dims(delta, 0))
     ds_op = gl.convert_layout(ds.to(q_tile.dtype), a_layout)
@@ -163,16 +173,30 @@ def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, a_
 @gluon.jit
 def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys, lo, hi,
                qk_scale, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
-               s_layout: gl.constexpr, a_layout: gl.constexpr):
+               s_layout: gl.constexpr, a_layout: gl.constexpr, PREFETCH: gl.constexpr):
     """Query tiles [lo, hi) (counted from the first one the program visits, m_first) into dK, dV; k_w and v_w in
-    shared memory or in registers (A_IN_REGISTERS)."""
+    shared memory or in registers (A_IN_REGISTERS). Each tile's log-sum-exp and delta are loaded from global memory
+    in its step, or with PREFETCH one step ahead (PREFETCH_STATS)."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     half: gl.constexpr = k_w.shape[0]
     s_zero = gl.zeros([half, BLOCK_M], gl.float32, s_layout)
+    if PREFETCH:
+        end = (m_first + hi) * BLOCK_M
+        ahead = (m_first + lo) * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_layout)
+        lse_ahead = gl.load(LSE + stat_row + ahead, mask=ahead < end, other=0.0)
+        delta_ahead = gl.load(DELTA + stat_row + ahead, mask=ahead < end, other=0.0)
     for j in range(lo, hi):
         slot = j % NUM_STAGES
         cols = (m_first + j) * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_layout)
-        lse2 = gl.load(LSE + stat_row + cols) * LOG2E
+        if PREFETCH:
+            lse2 = lse_ahead * LOG2E
+            delta = delta_ahead
+            ahead = cols + BLOCK_M
+            lse_ahead = gl.load(LSE + stat_row + ahead, mask=ahead < end, other=0.0)
+            delta_ahead = gl.load(DELTA + stat_row + ahead, mask=ahead < end, other=0.0)
+        else:
+            lse2 = gl.load(LSE + stat_row + cols) * LOG2E
+            delta = 0.0  # _issue_dv_dk loads it
         mbarrier.wait(ready.index(slot), (j // NUM_STAGES) & 1)
         q_tile = q_smem.index(slot)
         do_tile = do_smem.index(slot)
@@ -184,7 +208,7 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
         if MASK:
             p = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1), p, 0.0)
         dv_token, dk_token, p_op, ds_op = _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols,
-                                                       a_layout)
+                                                       delta, a_layout, PREFETCH)
         dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op])
         mbarrier.arrive(empty.index(slot))
     return dk, dv
@@ -194,7 +218,7 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
 def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_bar, ready, empty,
                    out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
                    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   A_IN_REGS: gl.constexpr):
+                   A_IN_REGS: gl.constexpr, PREFETCH: gl.constexpr):
     half: gl.constexpr = k_w.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
@@ -207,12 +231,15 @@ def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_b
     if CAUSAL:
         # The query tiles that overlap the program's keys need the mask; those after them do not.
         dk, dv = _dkdv_loop(dk, dv, k_a, v_a, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
-                            0, n_masked, qk_scale, BLOCK_M, NUM_STAGES, True, s_layout, a_layout)
+                            0, n_masked, qk_scale, BLOCK_M, NUM_STAGES, True, s_layout, a_layout,
+                            PREFETCH)
         dk, dv = _dkdv_loop(dk, dv, k_a, v_a, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
-                            n_masked, n_tiles, qk_scale, BLOCK_M, NUM_STAGES, False, s_layout, a_layout)
+                            n_masked, n_tiles, qk_scale, BLOCK_M, NUM_STAGES, False, s_layout, a_layout,
+                            PREFETCH)
     else:
         dk, dv = _dkdv_loop(dk, dv, k_a, v_a, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
-                            0, n_tiles, qk_scale, BLOCK_M, NUM_STAGES, False, s_layout, a_layout)
+                            0, n_tiles, qk_scale, BLOCK_M, NUM_STAGES, False, s_layout, a_layout,
+                            PREFETCH)
     # Epilogue: through this warpgroup's K and V buffers (no longer read) and TMA stores.
     k_w.store((dk * sm_scale).to(dk_desc.dtype))
     v_w.store(dv.to(dv_desc.dtype))
@@ -227,7 +254,8 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, 
                  Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH,
                  DO_RB, DO_RH, DO_CB, DO_CH,
                  HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, A_IN_REGS: gl.constexpr):
+                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, A_IN_REGS: gl.constexpr,
+                 PREFETCH: gl.constexpr):
     HALF: gl.constexpr = k_desc.block_type.shape[0]  # keys per consumer warpgroup
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
@@ -257,10 +285,10 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, 
     gl.warp_specialize([
         (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_smem.index(0), v_smem.index(0), q_smem, do_smem, kv_bar,
                           ready, empty, out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
-                          CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, A_IN_REGS)),
+                          CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, A_IN_REGS, PREFETCH)),
         (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_smem.index(1), v_smem.index(1), q_smem, do_smem, kv_bar,
                           ready, empty, out_row + HALF, stat_row, key0 + HALF, m_first, n_masked, n_tiles, qk_scale,
-                          sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, A_IN_REGS)),
+                          sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, A_IN_REGS, PREFETCH)),
         (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
                           b * K_RB + h * K_RH + key0, b * K_CB + h * K_CH, b * V_RB + h * V_RH + key0,
                           b * V_CB + h * V_CH, b * Q_RB + h * Q_RH + m_first * BLOCK_M, b * Q_CB + h * Q_CH,
@@ -421,7 +449,7 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
         (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m),
          desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), lse, delta, n_q, n_k,
          heads, qk_scale, sm_scale, *strides),
-        ("dkdv", *key), A_IN_REGS=d in A_IN_REGISTERS["dkdv"], **common,
+        ("dkdv", *key), A_IN_REGS=d in A_IN_REGISTERS["dkdv"], PREFETCH=d in PREFETCH_STATS, **common,
     )
     half = BLOCK_ROWS // 2
     with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
