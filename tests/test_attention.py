@@ -12,7 +12,6 @@ import functools
 import inspect
 import math
 import os
-import re
 import subprocess
 import sys
 
@@ -553,8 +552,9 @@ def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, head_dim,
 
 
 # Compiles the two kernels of the Gluon backward for sm_90 (no GPU needed), causal and not, at each head dim they take
-# (and with the settings its variants take), and writes each one's PTX, cubin and shared-memory size to the folder
-# argv[2]/<kernel>-<causal>-<d>/<default, regs or prefetch>.
+# (and, for the dK/dV kernel, causal at d=64 without PREFETCH_STATS, a variant scripts/attention_backward_variants.py
+# times), and writes each one's PTX, cubin and shared-memory size to argv[2]/<kernel>-<causal>-<d>/<default or
+# no-prefetch>.
 _COMPILE_HOPPER_BACKWARD = """
 import pathlib, sys
 import triton
@@ -565,11 +565,8 @@ from lmsys.attention import flash_hopper_bwd as hb
 
 which = sys.argv[1]
 kernel = hb._dkdv_kernel if which == "dkdv" else hb._dq_kernel
-# Every head dim causal and not; causal, the variants where they compile without a spill: A operands in registers
-# (A_IN_REGISTERS), the dK/dV kernel's statistics loaded a step ahead (PREFETCH_STATS).
 builds = [(causal, d, "default") for causal in (False, True) for d in hb.HEAD_DIMS]
-builds += [(True, d, "regs") for d in ((64,) if which == "dkdv" else hb.HEAD_DIMS)]
-builds += [(True, 64, "prefetch")] if which == "dkdv" else []
+builds += [(True, 64, "no-prefetch")] if which == "dkdv" else []
 for causal, d, variant in builds:
     def descriptor(rows):
         return f"tensordesc<bf16[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
@@ -583,9 +580,9 @@ for causal, d, variant in builds:
         descs = {"q_desc": descriptor(half), "k_desc": descriptor(keys), "v_desc": descriptor(keys),
                  "do_desc": descriptor(half), "dq_desc": descriptor(half)}
     constexprs = dict(HEAD_DIM=d, CAUSAL=causal, NUM_STAGES=hb.NUM_STAGES, CONSUMER_REGS=hb.CONSUMER_REGS,
-                      PRODUCER_REGS=hb.PRODUCER_REGS, A_IN_REGS=variant == "regs")
+                      PRODUCER_REGS=hb.PRODUCER_REGS)
     if which == "dkdv":
-        constexprs["PREFETCH"] = variant == "prefetch"
+        constexprs["PREFETCH"] = variant == "default" and causal and d in hb.PREFETCH_STATS
     types = {**descs, "LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
              **dict.fromkeys(constexprs, "constexpr")}
     names = kernel.arg_names
@@ -604,8 +601,7 @@ for causal, d, variant in builds:
 def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path):
     """On any machine: each kernel of the Gluon backward compiles for sm_90 with the installed triton at both head dims,
     causal and not, fits shared memory, spills no register, and works on the probabilities while a product is still
-    in flight (`wgmma.wait_group 1`); with A_IN_REGISTERS' settings too, where every product then reads its A operand
-    from registers (by default the S and dP products read it from shared memory, through a descriptor)."""
+    in flight (`wgmma.wait_group 1`); the dK/dV kernel without PREFETCH_STATS at d=64 too."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
     result = subprocess.run([sys.executable, "-c", _COMPILE_HOPPER_BACKWARD, kernel, str(tmp_path)], env=env,
                             capture_output=True, text=True, timeout=600)
@@ -614,15 +610,11 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
     built = sorted(tmp_path.glob(f"{kernel}-*/*"))
     variants = [folder.name for folder in built]
     assert variants.count("default") == 4
-    assert variants.count("regs") == (1 if kernel == "dkdv" else 2)
-    assert variants.count("prefetch") == (1 if kernel == "dkdv" else 0)
-    # A wgmma's operands: its accumulator's registers, then A (registers in braces, or a descriptor), then B.
-    a_from_shared = re.compile(r"wgmma\.mma_async\S*\s*\{[^}]*\},\s*%rd")
+    assert variants.count("no-prefetch") == (1 if kernel == "dkdv" else 0)
     for folder in built:
         assert int((folder / "shared").read_text()) <= 227 * 1024, folder.name
         ptx = (folder / "kernel.ptx").read_text()
         assert "wgmma.wait_group.sync.aligned 1;" in ptx, folder.name
-        assert bool(a_from_shared.search(ptx)) == (folder.name != "regs"), folder
         usage = subprocess.run([cuobjdump, "-res-usage", str(folder / "kernel.cubin")], capture_output=True,
                                text=True, check=True).stdout
         assert "STACK:0 " in usage and "LOCAL:0" in usage, (folder.name, usage)  # no register spilled
@@ -667,8 +659,8 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, mo
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting, value", [
     ("CONCURRENT_DQ", True), ("TILES", {64: (64, 128), 128: (64, 128)}), ("NUM_STAGES", 3),
-    ("A_IN_REGISTERS", {"dkdv": (64,), "dq": (64, 128)}), ("PREFETCH_STATS", (64,)),
-], ids=["concurrent-dq", "dq-tiles-128", "3-stages", "a-in-registers", "prefetch-stats"])
+    ("PREFETCH_STATS", ()),
+], ids=["concurrent-dq", "dq-tiles-128", "3-stages", "no-prefetch"])
 @pytest.mark.parametrize("q_shape, is_causal", [((2, 3, 1024, 64), True), ((1, 2, 512, 128), False)])
 def test_hopper_backward_variants_gpu(gpu, setting, value, q_shape, is_causal, monkeypatch, seed):
     """Each variant of the Gluon backward that scripts/attention_backward_variants.py times, against float64."""

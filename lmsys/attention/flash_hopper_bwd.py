@@ -47,6 +47,20 @@ Where the time goes (2026-11-24, the H100, `scripts/attention_backward_variants.
 (3 products: 623 TFLOPS) and the delta kernel 0.026 ms; cuDNN's is one kernel of 2.913 ms (5 products: 472 TFLOPS)
 and 0.085 ms for its delta and its dQ's conversion from fp32. Both kernels here already run faster per product than
 cuDNN's: with 7 products, matching cuDNN needs 642 TFLOPS over both, so the dK/dV kernel is the one to speed up.
+
+Two tries at that (2026-11-24, the H100, `scripts/attention_backward_variants.py --points leaderboard grid --modes bwd
+fwd_bwd --repeats 3 --kernels 5`, causal bf16, medians of 3 repeats of 30 calls, kernels from 5 profiled calls):
+* PREFETCH_STATS, each query tile's log-sum-exp and delta loaded a step ahead, is the default at d=64 (causal): the
+  dK/dV kernel 0.6-5.0% faster (at the leaderboard 2.004 against 2.110 ms; on the grid from 8192 to 65536 tokens 123.9,
+  252.5, 498.5 and 2033 us against 129.2, 256.4, 518.3 and 2046), the backward 3.395 ms at the leaderboard against
+  3.470 (cuDNN 3.029; forward and backward 4.654 against 4.720, cuDNN 4.333) and 0.213-3.33 ms on the grid against
+  0.218-3.48 (cuDNN 0.195-3.04). At d=128, where it spills 256 bytes of registers, it gained nothing (0.322-5.55 ms
+  against 0.322-5.54).
+* A_IN_REGISTERS, the operands each kernel keeps for its whole loop (K and V in the dK/dV kernel, Q and dO in the dQ
+  kernel) loaded once into registers as the A operand of the S and dP products, instead of both operands of each
+  read from shared memory: slower at every point, in both kernels (the backward 3.530 ms at the leaderboard; the dK/dV
+  kernel at d=64 3-8% slower, the dQ kernel at d=128 3-11% slower; the dQ kernel's alone, at d=64, no faster).
+  Removed (its code: commit d988373).
 """
 
 import contextlib
@@ -84,17 +98,12 @@ PRODUCER_REGS = 24
 # Whether the dQ kernel runs on a side stream beside the dK/dV kernel (they share only their inputs), so that a
 # problem of few heads, whose two grids each leave multiprocessors idle, fills the GPU with both.
 CONCURRENT_DQ = False
-# Per kernel, the head dims at which it holds the operands it keeps for its whole loop (K and V in the dK/dV kernel, Q
-# and dO in the dQ kernel) in registers, as the A operand of its S and dP products, instead of reading both operands
-# of every such product from shared memory: a 64-row product of 64 columns with both there reads 128 bytes of it per
-# cycle at the tensor cores' full rate, all that shared memory delivers. Each setting compiles for sm_90 without a
-# spilled register but the dK/dV kernel's at d=128 (256 bytes). None by default until measured on the H100.
-A_IN_REGISTERS = {"dkdv": (), "dq": ()}
 # The head dims at which the dK/dV kernel loads each query tile's log-sum-exp and delta (from global memory: one
 # latency per step, the step's S^T and softmax waiting on the first, its dS^T on the second) one step ahead, into
-# registers kept across the step. It compiles for sm_90 without a spill at d=64 alone (at d=128, or at d=64 with the
-# kernel's A operands in registers, registers spill). None by default until measured on the H100.
-PREFETCH_STATS = ()
+# registers kept across the step. It compiles for sm_90 without a spill at d=64 alone (256 bytes spill at d=128), and
+# there it made the causal dK/dV kernel 0.6-5.0% faster on the H100 (module docstring). Causal problems alone: it
+# has not yet run on a GPU without the mask.
+PREFETCH_STATS = (64,)
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
 
@@ -117,16 +126,6 @@ def _mma_layout(cols):
 def _a_layout(cols):
     """The layout of a 16-bit A operand from registers for an MMA whose result has `cols` columns."""
     return gl.DotOperandLayout(operand_index=0, parent=_mma_layout(cols), k_width=2)
-
-
-@gluon.jit
-def _kept_operands(first, second, COLS: gl.constexpr, A_IN_REGS: gl.constexpr):
-    """The two shared buffers a consumer reads as the A operand of its S and dP products in every step, or with
-    A_IN_REGS their values, loaded once into the registers of an A operand for a product with COLS columns."""
-    if A_IN_REGS:
-        return first.load(_a_layout(COLS)), second.load(_a_layout(COLS))
-    else:
-        return first, second
 
 
 # ------------------------------------------------------------------------------------------------ dK, dV
@@ -174,9 +173,9 @@ def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, de
 def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys, lo, hi,
                qk_scale, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
                s_layout: gl.constexpr, a_layout: gl.constexpr, PREFETCH: gl.constexpr):
-    """Query tiles [lo, hi) (counted from the first one the program visits, m_first) into dK, dV; k_w and v_w in
-    shared memory or in registers (A_IN_REGISTERS). Each tile's log-sum-exp and delta are loaded from global memory
-    in its step, or with PREFETCH one step ahead (PREFETCH_STATS)."""
+    """Query tiles [lo, hi) (counted from the first one the program visits, m_first) into dK, dV. Each tile's
+    log-sum-exp and delta are loaded from global memory in its step, or with PREFETCH one step ahead
+    (PREFETCH_STATS)."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     half: gl.constexpr = k_w.shape[0]
     s_zero = gl.zeros([half, BLOCK_M], gl.float32, s_layout)
@@ -218,7 +217,7 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
 def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_bar, ready, empty,
                    out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
                    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   A_IN_REGS: gl.constexpr, PREFETCH: gl.constexpr):
+                   PREFETCH: gl.constexpr):
     half: gl.constexpr = k_w.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
@@ -227,17 +226,16 @@ def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_b
     dk = gl.zeros([half, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([half, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, 0)
-    k_a, v_a = _kept_operands(k_w, v_w, BLOCK_M, A_IN_REGS)
     if CAUSAL:
         # The query tiles that overlap the program's keys need the mask; those after them do not.
-        dk, dv = _dkdv_loop(dk, dv, k_a, v_a, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
+        dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
                             0, n_masked, qk_scale, BLOCK_M, NUM_STAGES, True, s_layout, a_layout,
                             PREFETCH)
-        dk, dv = _dkdv_loop(dk, dv, k_a, v_a, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
+        dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
                             n_masked, n_tiles, qk_scale, BLOCK_M, NUM_STAGES, False, s_layout, a_layout,
                             PREFETCH)
     else:
-        dk, dv = _dkdv_loop(dk, dv, k_a, v_a, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
+        dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
                             0, n_tiles, qk_scale, BLOCK_M, NUM_STAGES, False, s_layout, a_layout,
                             PREFETCH)
     # Epilogue: through this warpgroup's K and V buffers (no longer read) and TMA stores.
@@ -254,8 +252,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, 
                  Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH,
                  DO_RB, DO_RH, DO_CB, DO_CH,
                  HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, A_IN_REGS: gl.constexpr,
-                 PREFETCH: gl.constexpr):
+                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PREFETCH: gl.constexpr):
     HALF: gl.constexpr = k_desc.block_type.shape[0]  # keys per consumer warpgroup
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
@@ -285,10 +282,10 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, 
     gl.warp_specialize([
         (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_smem.index(0), v_smem.index(0), q_smem, do_smem, kv_bar,
                           ready, empty, out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
-                          CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, A_IN_REGS, PREFETCH)),
+                          CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, PREFETCH)),
         (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_smem.index(1), v_smem.index(1), q_smem, do_smem, kv_bar,
                           ready, empty, out_row + HALF, stat_row, key0 + HALF, m_first, n_masked, n_tiles, qk_scale,
-                          sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, A_IN_REGS, PREFETCH)),
+                          sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, PREFETCH)),
         (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
                           b * K_RB + h * K_RH + key0, b * K_CB + h * K_CH, b * V_RB + h * V_RH + key0,
                           b * V_CB + h * V_CH, b * Q_RB + h * Q_RH + m_first * BLOCK_M, b * Q_CB + h * Q_CH,
@@ -317,7 +314,7 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sme
 def _dq_loop(dq, q_w, do_w, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lse2, delta, rows, lo, hi,
              qk_scale, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
              s_layout: gl.constexpr, a_layout: gl.constexpr):
-    """Key tiles [lo, hi) into dQ; q_w and do_w in shared memory or in registers (A_IN_REGISTERS)."""
+    """Key tiles [lo, hi) into dQ."""
     half: gl.constexpr = q_w.shape[0]
     s_zero = gl.zeros([half, BLOCK_N], gl.float32, s_layout)
     for j in range(lo, hi):
@@ -345,8 +342,7 @@ def _dq_loop(dq, q_w, do_w, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, 
 @gluon.jit
 def _dq_consumer(dq_desc, LSE, DELTA, q_w, do_w, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                  out_row, row0, stat_row, n_full, n_tiles, qk_scale, sm_scale,
-                 CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 A_IN_REGS: gl.constexpr):
+                 CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
     half: gl.constexpr = q_w.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
@@ -357,15 +353,14 @@ def _dq_consumer(dq_desc, LSE, DELTA, q_w, do_w, k_smem, v_smem, q_bar, k_ready,
     delta = gl.load(DELTA + stat_row + rows)
     dq = gl.zeros([half, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(q_bar, 0)
-    q_a, do_a = _kept_operands(q_w, do_w, BLOCK_N, A_IN_REGS)
     if CAUSAL:
         # Key tiles wholly before the program's first row unmasked, then those that overlap its rows masked.
-        dq = _dq_loop(dq, q_a, do_a, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lse2, delta, rows, 0,
+        dq = _dq_loop(dq, q_w, do_w, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lse2, delta, rows, 0,
                       n_full, qk_scale, BLOCK_N, NUM_STAGES, False, s_layout, a_layout)
-        dq = _dq_loop(dq, q_a, do_a, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lse2, delta, rows, n_full,
+        dq = _dq_loop(dq, q_w, do_w, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lse2, delta, rows, n_full,
                       n_tiles, qk_scale, BLOCK_N, NUM_STAGES, True, s_layout, a_layout)
     else:
-        dq = _dq_loop(dq, q_a, do_a, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lse2, delta, rows, 0,
+        dq = _dq_loop(dq, q_w, do_w, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lse2, delta, rows, 0,
                       n_tiles, qk_scale, BLOCK_N, NUM_STAGES, False, s_layout, a_layout)
     q_w.store((dq * sm_scale).to(dq_desc.dtype))
     fence_async_shared()
@@ -377,7 +372,7 @@ def _dq_consumer(dq_desc, LSE, DELTA, q_w, do_w, k_smem, v_smem, q_bar, k_ready,
 def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, N_Q, N_K, H, qk_scale, sm_scale,
                Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH, DO_RB, DO_RH, DO_CB, DO_CH,
                HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, A_IN_REGS: gl.constexpr):
+               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     HALF: gl.constexpr = q_desc.block_type.shape[0]  # query rows per consumer warpgroup
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
@@ -407,10 +402,10 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, N_Q, N_K, H
     gl.warp_specialize([
         (_dq_consumer, (dq_desc, LSE, DELTA, q_smem.index(0), do_smem.index(0), k_smem, v_smem, q_bar, k_ready,
                         k_empty, v_ready, v_empty, out_row, row0, stat_row, n_full, n_tiles, qk_scale, sm_scale,
-                        CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES, A_IN_REGS)),
+                        CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
         (_dq_consumer, (dq_desc, LSE, DELTA, q_smem.index(1), do_smem.index(1), k_smem, v_smem, q_bar, k_ready,
                         k_empty, v_ready, v_empty, out_row + HALF, row0 + HALF, stat_row, n_full, n_tiles, qk_scale,
-                        sm_scale, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES, A_IN_REGS)),
+                        sm_scale, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
                         v_ready, v_empty, b * Q_RB + h * Q_RH + row0, b * Q_CB + h * Q_CH,
                         b * DO_RB + h * DO_RH + row0, b * DO_CB + h * DO_CH, b * K_RB + h * K_RH,
@@ -449,7 +444,7 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
         (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m),
          desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), lse, delta, n_q, n_k,
          heads, qk_scale, sm_scale, *strides),
-        ("dkdv", *key), A_IN_REGS=d in A_IN_REGISTERS["dkdv"], PREFETCH=d in PREFETCH_STATS, **common,
+        ("dkdv", *key), PREFETCH=is_causal and d in PREFETCH_STATS, **common,
     )
     half = BLOCK_ROWS // 2
     with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
@@ -457,7 +452,7 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
             _dq_kernel, (n_q // BLOCK_ROWS, bh),
             (desc(q, qv, half), desc(k, kv, block_n), desc(v, vv, block_n), desc(do, dov, half),
              desc(dq, flash_hopper._view(dq), half), lse, delta, n_q, n_k, heads, qk_scale, sm_scale, *strides),
-            ("dq", *key), A_IN_REGS=d in A_IN_REGISTERS["dq"], **common,
+            ("dq", *key), **common,
         )
     if concurrent:
         # dq, allocated on the current stream, is written on the side one: the current stream waits for it before
