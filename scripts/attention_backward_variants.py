@@ -5,16 +5,16 @@ d=64), the Gluon forward at d=64 too (it takes d=128 alone), SDPA's cuDNN and fl
 flash_attention runs: the Gluon backward from flash_hopper_bwd.MIN_PROGRAMS_PER_SM programs per multiprocessor, else
 the Triton one), at the CS336 leaderboard's shape and the causal grid's points from 8192 tokens (issue 15).
 
-For each point (causal, bf16): first each variant's output and gradients against the Triton kernels' on the same
-inputs (the largest difference of each of o, dq, dk, dv relative to the Triton tensor's largest magnitude: a wrong
-kernel at a shape the float64 tests do not reach shows here), then every variant in the `fwd`, `bwd` (the forward
-once, untimed; each timed call one backward) and `fwd_bwd` modes, timed as `lmsys-bench attention` times them (the
-regression gate's clock: CUDA events; the median of --steps calls after --warmup), --repeats times, the variants
-taking turns. Prints a table (per variant, point and mode: the median of the repeats' medians and their range) and
-writes every row, each repeat's, to the CSV file named on the command line. With --kernels N, then each variant
-at each point and mode once more, N calls under torch.profiler: where the device time goes, per kernel (launches
-and microseconds per call, share of the call's device time), printed (the largest six of each) and written whole
-to <csv>-kernels.csv.
+For each point (bf16, causal unless --not-causal): first each variant's output and gradients against the Triton
+kernels' on the same inputs (the largest difference of each of o, dq, dk, dv relative to the Triton tensor's largest
+magnitude: a wrong kernel at a shape the float64 tests do not reach shows here), then every variant in the `fwd`,
+`bwd` (the forward once, untimed; each timed call one backward) and `fwd_bwd` modes, timed as `lmsys-bench
+attention` times them (the regression gate's clock: CUDA events; the median of --steps calls after --warmup),
+--repeats times, the variants taking turns. Prints a table (per variant, point and mode: the median of the repeats'
+medians and their range) and writes every row, each repeat's, to the CSV file named on the command line. With
+--kernels N, then each variant at each point and mode once more, N calls under torch.profiler: where the device time
+goes, per kernel (launches and microseconds per call, share of the call's device time), printed (the largest six of
+each) and written whole to <csv>-kernels.csv.
 
     PYTHONPATH=. python scripts/attention_backward_variants.py variants.csv          (from the repository root)
     PYTHONPATH=. python scripts/attention_backward_variants.py variants.csv --points leaderboard --modes bwd
@@ -78,14 +78,14 @@ def apply(settings: dict) -> None:
         setattr(module, name, settings.get(name, default))
 
 
-def agreement(shape: tuple, variants: list[str]) -> dict[str, dict[str, float]]:
+def agreement(shape: tuple, variants: list[str], is_causal: bool) -> dict[str, dict[str, float]]:
     """Each variant's output and gradients against those of the Triton kernels (the "triton" variant: the Triton
     backward, the forward as flash_triton picks it) on one draw: max |a - b| / max |b|, per tensor."""
     q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
 
     def run() -> tuple:
-        o, lse = flash_triton.forward(q, k, v, True)
-        return (o, *flash_triton.backward(q, k, v, o, lse, do, True))
+        o, lse = flash_triton.forward(q, k, v, is_causal)
+        return (o, *flash_triton.backward(q, k, v, o, lse, do, is_causal))
 
     apply(VARIANTS["triton"][1])
     expected = run()
@@ -113,10 +113,10 @@ def kernel_rows(events, steps: int) -> list[dict]:
     return sorted(rows, key=lambda row: -row["us_per_step"])
 
 
-def profile_point(provider: str, shape: tuple, mode: str, steps: int) -> list[dict]:
-    """kernel_rows of `steps` calls of one point (causal, bf16), after one untimed call of them."""
+def profile_point(provider: str, shape: tuple, mode: str, is_causal: bool, steps: int) -> list[dict]:
+    """kernel_rows of `steps` calls of one point (bf16), after one untimed call of them."""
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    fn, fn_args = timed_call(attention_function(provider), q, k, v, True, mode)
+    fn, fn_args = timed_call(attention_function(provider), q, k, v, is_causal, mode)
     prof = profiling.profile(lambda: [fn(*fn_args) for _ in range(steps)], warmup=1)
     return kernel_rows(prof.events(), steps)
 
@@ -127,6 +127,7 @@ def main(argv=None) -> int:
     parser.add_argument("--points", nargs="+", choices=POINTS, default=list(POINTS))
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--modes", nargs="+", choices=["fwd", "bwd", "fwd_bwd"], default=["fwd", "bwd", "fwd_bwd"])
+    parser.add_argument("--not-causal", action="store_true", help="time the points without the causal mask")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3,
@@ -136,6 +137,7 @@ def main(argv=None) -> int:
                         help="then profile N calls of each variant, point and mode: device time per kernel, to "
                         "<csv>-kernels.csv (default 0: none)")
     args = parser.parse_args(argv)
+    is_causal = not args.not_causal
     if args.repeats < 1 or args.steps < 1 or args.warmup < 0 or args.kernels < 0:
         parser.error("--repeats and --steps must be at least 1, --warmup and --kernels at least 0")
     kernels_csv = args.csv.with_name(args.csv.stem + "-kernels.csv")
@@ -157,24 +159,26 @@ def main(argv=None) -> int:
             changed = [name for name in args.variants if VARIANTS[name][0] == "flash_triton" and name != "triton"]
             checked, status = {}, {}
             with sweep.out_of_memory_as_status(device, status):
-                checked = agreement(shape, changed)
+                checked = agreement(shape, changed, is_causal)
             for repeat in range(args.repeats):
                 for mode in args.modes:
                     for name in args.variants:
                         provider, settings = VARIANTS[name]
                         progress.start(f"{shape} {mode} {name} ({repeat + 1}/{args.repeats})")
                         apply(settings)
-                        row = run_point(provider, shape, "bf16", mode, True, timing, device)
+                        row = run_point(provider, shape, "bf16", mode, is_causal, timing, device)
                         rows.append({"variant": name, "repeat": repeat, **row, **checked.get(name, {})})
             for mode in args.modes if args.kernels else ():
                 for name in args.variants:
                     provider, settings = VARIANTS[name]
                     progress.start(f"{shape} {mode} {name} profiled")
                     apply(settings)
-                    point = {"variant": name, "batch": shape[0], "seq": shape[2], "d": shape[3], "mode": mode}
+                    point = {"variant": name, "batch": shape[0], "seq": shape[2], "d": shape[3], "mode": mode,
+                             "causal": is_causal}
                     status = {}
                     with sweep.out_of_memory_as_status(device, status):
-                        kernels += [{**point, **row} for row in profile_point(provider, shape, mode, args.kernels)]
+                        kernels += [{**point, **row} for row in profile_point(provider, shape, mode, is_causal,
+                                                                            args.kernels)]
                     if status:
                         kernels.append({**point, "kernel": status["status"]})
     finally:
@@ -182,6 +186,7 @@ def main(argv=None) -> int:
         apply({})
     frame = pd.DataFrame(rows)
     sweep.write_outputs(frame, [args.csv])
+    print("causal" if is_causal else "not causal", "bf16")
     print(sweep.format_table(summary(frame)))
     if args.kernels:
         profiles = pd.DataFrame(kernels)
