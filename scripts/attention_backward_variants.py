@@ -1,9 +1,10 @@
 """The attention kernels' variants side by side in one process: the Triton backward, the Gluon backward for Hopper
 (lmsys.attention.flash_hopper_bwd, whatever the problem's size: as it is, with its dQ kernel beside the dK/dV one on
 a side stream, with dQ tiles of 128 keys, with 3 stages, without the dK/dV kernel's statistics loaded a step ahead at
-d=64), the Gluon forward at d=64 too (it takes d=128 alone), SDPA's cuDNN and flash backends, and the default (what
-flash_attention runs: the Gluon backward from flash_hopper_bwd.MIN_PROGRAMS_PER_SM programs per multiprocessor, else
-the Triton one), at the CS336 leaderboard's shape and the causal grid's points from 8192 tokens (issue 15).
+d=64, or with them loaded so without the mask too), the Gluon forward at d=64 too (it takes d=128 alone), SDPA's
+cuDNN and flash backends, and the default (what flash_attention runs: the Gluon backward from
+flash_hopper_bwd.MIN_PROGRAMS_PER_SM programs per multiprocessor, else the Triton one), at the CS336 leaderboard's
+shape and the causal grid's points from 8192 tokens (issue 15).
 
 For each point (bf16, causal unless --not-causal): first each variant's output and gradients against the Triton
 kernels' on the same inputs (the largest difference of each of o, dq, dk, dv relative to the Triton tensor's largest
@@ -57,7 +58,8 @@ VARIANTS = {
     "hopper-concurrent": ("flash_triton", {**GLUON, "CONCURRENT_DQ": True}),
     "hopper-dq128": ("flash_triton", {**GLUON, "TILES": {64: (64, 128), 128: (64, 128)}}),
     "hopper-3stages": ("flash_triton", {**GLUON, "NUM_STAGES": 3}),
-    "hopper-no-prefetch": ("flash_triton", {**GLUON, "PREFETCH_STATS": ()}),
+    "hopper-no-prefetch": ("flash_triton", {**GLUON, "PREFETCH_STATS": set()}),
+    "hopper-prefetch-all": ("flash_triton", {**GLUON, "PREFETCH_STATS": {(True, 64), (False, 64)}}),
     "sdpa_cudnn": ("sdpa_cudnn", {}),
     "sdpa_flash": ("sdpa_flash", {}),
 }

@@ -552,9 +552,9 @@ def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, head_dim,
 
 
 # Compiles the two kernels of the Gluon backward for sm_90 (no GPU needed), causal and not, at each head dim they take
-# (and, for the dK/dV kernel, causal at d=64 without PREFETCH_STATS, a variant scripts/attention_backward_variants.py
-# times), and writes each one's PTX, cubin and shared-memory size to argv[2]/<kernel>-<causal>-<d>/<default or
-# no-prefetch>.
+# (and the dK/dV kernel at d=64 with the other PREFETCH setting: causal without it, not causal with it, variants
+# scripts/attention_backward_variants.py times), and writes each one's PTX, cubin and shared-memory size to
+# argv[2]/<kernel>-<causal>-<d>/<default or other-prefetch>.
 _COMPILE_HOPPER_BACKWARD = """
 import pathlib, sys
 import triton
@@ -566,7 +566,7 @@ from lmsys.attention import flash_hopper_bwd as hb
 which = sys.argv[1]
 kernel = hb._dkdv_kernel if which == "dkdv" else hb._dq_kernel
 builds = [(causal, d, "default") for causal in (False, True) for d in hb.HEAD_DIMS]
-builds += [(True, 64, "no-prefetch")] if which == "dkdv" else []
+builds += [(causal, 64, "other-prefetch") for causal in (False, True)] if which == "dkdv" else []
 for causal, d, variant in builds:
     def descriptor(rows):
         return f"tensordesc<bf16[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
@@ -582,7 +582,7 @@ for causal, d, variant in builds:
     constexprs = dict(HEAD_DIM=d, CAUSAL=causal, NUM_STAGES=hb.NUM_STAGES, CONSUMER_REGS=hb.CONSUMER_REGS,
                       PRODUCER_REGS=hb.PRODUCER_REGS)
     if which == "dkdv":
-        constexprs["PREFETCH"] = variant == "default" and causal and d in hb.PREFETCH_STATS
+        constexprs["PREFETCH"] = ((causal, d) in hb.PREFETCH_STATS) != (variant == "other-prefetch")
     types = {**descs, "LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
              **dict.fromkeys(constexprs, "constexpr")}
     names = kernel.arg_names
@@ -601,7 +601,7 @@ for causal, d, variant in builds:
 def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path):
     """On any machine: each kernel of the Gluon backward compiles for sm_90 with the installed triton at both head dims,
     causal and not, fits shared memory, spills no register, and works on the probabilities while a product is still
-    in flight (`wgmma.wait_group 1`); the dK/dV kernel without PREFETCH_STATS at d=64 too."""
+    in flight (`wgmma.wait_group 1`); the dK/dV kernel at d=64 with the other PREFETCH_STATS setting too."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
     result = subprocess.run([sys.executable, "-c", _COMPILE_HOPPER_BACKWARD, kernel, str(tmp_path)], env=env,
                             capture_output=True, text=True, timeout=600)
@@ -610,7 +610,7 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
     built = sorted(tmp_path.glob(f"{kernel}-*/*"))
     variants = [folder.name for folder in built]
     assert variants.count("default") == 4
-    assert variants.count("no-prefetch") == (1 if kernel == "dkdv" else 0)
+    assert variants.count("other-prefetch") == (2 if kernel == "dkdv" else 0)
     for folder in built:
         assert int((folder / "shared").read_text()) <= 227 * 1024, folder.name
         ptx = (folder / "kernel.ptx").read_text()
@@ -659,9 +659,10 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, mo
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting, value", [
     ("CONCURRENT_DQ", True), ("TILES", {64: (64, 128), 128: (64, 128)}), ("NUM_STAGES", 3),
-    ("PREFETCH_STATS", ()),
-], ids=["concurrent-dq", "dq-tiles-128", "3-stages", "no-prefetch"])
-@pytest.mark.parametrize("q_shape, is_causal", [((2, 3, 1024, 64), True), ((1, 2, 512, 128), False)])
+    ("PREFETCH_STATS", set()), ("PREFETCH_STATS", {(True, 64), (False, 64)}),
+], ids=["concurrent-dq", "dq-tiles-128", "3-stages", "no-prefetch", "prefetch-all"])
+@pytest.mark.parametrize("q_shape, is_causal", [((2, 3, 1024, 64), True), ((1, 2, 512, 128), False),
+                                                ((2, 3, 640, 64), False)])
 def test_hopper_backward_variants_gpu(gpu, setting, value, q_shape, is_causal, monkeypatch, seed):
     """Each variant of the Gluon backward that scripts/attention_backward_variants.py times, against float64."""
     if torch.cuda.get_device_capability(gpu) != (9, 0):

@@ -98,12 +98,12 @@ PRODUCER_REGS = 24
 # Whether the dQ kernel runs on a side stream beside the dK/dV kernel (they share only their inputs), so that a
 # problem of few heads, whose two grids each leave multiprocessors idle, fills the GPU with both.
 CONCURRENT_DQ = False
-# The head dims at which the dK/dV kernel loads each query tile's log-sum-exp and delta (from global memory: one
-# latency per step, the step's S^T and softmax waiting on the first, its dS^T on the second) one step ahead, into
-# registers kept across the step. It compiles for sm_90 without a spill at d=64 alone (256 bytes spill at d=128), and
-# there it made the causal dK/dV kernel 0.6-5.0% faster on the H100 (module docstring). Causal problems alone: it
-# has not yet run on a GPU without the mask.
-PREFETCH_STATS = (64,)
+# The problems, as (is_causal, head dim), for which the dK/dV kernel loads each query tile's log-sum-exp and delta
+# (from global memory: one latency per step, the step's S^T and softmax waiting on the first, its dS^T on the second)
+# one step ahead, into registers kept across the step. It compiles for sm_90 without a spill at d=64 alone (256 bytes
+# spill at d=128), and there it made the causal dK/dV kernel 0.6-5.0% faster on the H100 (module docstring); without
+# the mask it has not yet run on a GPU.
+PREFETCH_STATS = {(True, 64)}
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
 
@@ -444,7 +444,7 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
         (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m),
          desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), lse, delta, n_q, n_k,
          heads, qk_scale, sm_scale, *strides),
-        ("dkdv", *key), PREFETCH=is_causal and d in PREFETCH_STATS, **common,
+        ("dkdv", *key), PREFETCH=(is_causal, d) in PREFETCH_STATS, **common,
     )
     half = BLOCK_ROWS // 2
     with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
