@@ -613,8 +613,7 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
     assert variants.count("other-prefetch") == (2 if kernel == "dkdv" else 0)
     for folder in built:
         assert int((folder / "shared").read_text()) <= 227 * 1024, folder.name
-        ptx = (folder / "kernel.ptx").read_text()
-        assert "wgmma.wait_group.sync.aligned 1;" in ptx, folder.name
+        assert "wgmma.wait_group.sync.aligned 1;" in (folder / "kernel.ptx").read_text(), folder.name
         usage = subprocess.run([cuobjdump, "-res-usage", str(folder / "kernel.cubin")], capture_output=True,
                                text=True, check=True).stdout
         assert "STACK:0 " in usage and "LOCAL:0" in usage, (folder.name, usage)  # no register spilled
