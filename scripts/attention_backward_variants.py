@@ -59,7 +59,6 @@ VARIANTS = {
     "hopper-dq128": ("flash_triton", {**GLUON, "TILES": {64: (64, 128), 128: (64, 128)}}),
     "hopper-3stages": ("flash_triton", {**GLUON, "NUM_STAGES": 3}),
     "hopper-no-prefetch": ("flash_triton", {**GLUON, "PREFETCH_STATS": set()}),
-    "hopper-prefetch-all": ("flash_triton", {**GLUON, "PREFETCH_STATS": {(True, 64), (False, 64)}}),
     "sdpa_cudnn": ("sdpa_cudnn", {}),
     "sdpa_flash": ("sdpa_flash", {}),
 }

@@ -658,8 +658,8 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, mo
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting, value", [
     ("CONCURRENT_DQ", True), ("TILES", {64: (64, 128), 128: (64, 128)}), ("NUM_STAGES", 3),
-    ("PREFETCH_STATS", set()), ("PREFETCH_STATS", {(True, 64), (False, 64)}),
-], ids=["concurrent-dq", "dq-tiles-128", "3-stages", "no-prefetch", "prefetch-all"])
+    ("PREFETCH_STATS", set()),
+], ids=["concurrent-dq", "dq-tiles-128", "3-stages", "no-prefetch"])
 @pytest.mark.parametrize("q_shape, is_causal", [((2, 3, 1024, 64), True), ((1, 2, 512, 128), False),
                                                 ((2, 3, 640, 64), False)])
 def test_hopper_backward_variants_gpu(gpu, setting, value, q_shape, is_causal, monkeypatch, seed):

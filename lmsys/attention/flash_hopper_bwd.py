@@ -50,12 +50,16 @@ cuDNN's: with 7 products, matching cuDNN needs 642 TFLOPS over both, so the dK/d
 
 Two tries at that (2026-11-24, the H100, `scripts/attention_backward_variants.py --points leaderboard grid --modes bwd
 fwd_bwd --repeats 3 --kernels 5`, causal bf16, medians of 3 repeats of 30 calls, kernels from 5 profiled calls):
-* PREFETCH_STATS, each query tile's log-sum-exp and delta loaded a step ahead, is the default at d=64 (causal): the
+* PREFETCH_STATS, each query tile's log-sum-exp and delta loaded a step ahead, is the default at d=64: causal, the
   dK/dV kernel 0.6-5.0% faster (at the leaderboard 2.004 against 2.110 ms; on the grid from 8192 to 65536 tokens 123.9,
   252.5, 498.5 and 2033 us against 129.2, 256.4, 518.3 and 2046), the backward 3.395 ms at the leaderboard against
   3.470 (cuDNN 3.029; forward and backward 4.654 against 4.720, cuDNN 4.333) and 0.213-3.33 ms on the grid against
   0.218-3.48 (cuDNN 0.195-3.04). At d=128, where it spills 256 bytes of registers, it gained nothing (0.322-5.55 ms
-  against 0.322-5.54).
+  against 0.322-5.54). Without the mask (the same command with --not-causal, the same day) the dK/dV kernel ran
+  4.5-14% faster at d=64 (the leaderboard's shape 3.805 against 3.983 ms; on the grid 115.1, 235.7, 905.9 and 3612 us
+  against 125.4, 252.7, 1001 and 4211), the backward 6.656 ms at the leaderboard's shape against 6.854 (cuDNN 5.861;
+  forward and backward 9.085 against 9.363, cuDNN 8.314) and 0.203-6.56 ms on the grid against 0.213-6.94 (cuDNN
+  0.187-5.81).
 * A_IN_REGISTERS, the operands each kernel keeps for its whole loop (K and V in the dK/dV kernel, Q and dO in the dQ
   kernel) loaded once into registers as the A operand of the S and dP products, instead of both operands of each
   read from shared memory: slower at every point, in both kernels (the backward 3.530 ms at the leaderboard; the dK/dV
@@ -101,9 +105,9 @@ CONCURRENT_DQ = False
 # The problems, as (is_causal, head dim), for which the dK/dV kernel loads each query tile's log-sum-exp and delta
 # (from global memory: one latency per step, the step's S^T and softmax waiting on the first, its dS^T on the second)
 # one step ahead, into registers kept across the step. It compiles for sm_90 without a spill at d=64 alone (256 bytes
-# spill at d=128), and there it made the causal dK/dV kernel 0.6-5.0% faster on the H100 (module docstring); without
-# the mask it has not yet run on a GPU.
-PREFETCH_STATS = {(True, 64)}
+# spill at d=128), and there it made the dK/dV kernel 0.6-5.0% faster with the mask and 4.5-14% without it on the H100
+# (module docstring).
+PREFETCH_STATS = {(True, 64), (False, 64)}
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
 
