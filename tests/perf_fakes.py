@@ -174,6 +174,9 @@ class FakeGpu:
 
         return delay
 
+    def make_work(self, seconds: float):
+        return self.make_delay(seconds)
+
     def make_host_delay(self, seconds: float):
         def delay():
             self.now += seconds

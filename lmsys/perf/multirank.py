@@ -6,7 +6,7 @@ traceback), NCCL on GPUs and gloo on the CPU. On every rank:
 
     step = setup(ctx, **kwargs)        the subject is built on the rank (ctx: RankContext); step() takes no arguments
     one untimed call, one calibration round (the slowest rank's round decides the plan), warmup rounds
-    (LMSYS_INJECT_*: the step holds its bytes more, and a device-side delay of a fraction of the slowest rank's
+    (LMSYS_INJECT_*: the step holds its bytes more, and device-side work of a fraction of the slowest rank's
     round follows it on every rank, a regression of known size as in a single-device benchmark)
     graph=True: every rank captures its step in a CUDA graph (a step that synchronizes or reads a value back
         cannot be captured: when any rank fails, every rank times its step as below, and the note names the rank
@@ -149,11 +149,11 @@ def _time_rounds(ctx: RankContext, step: Callable[[], Any], rounds: int, timer=N
 
 
 def _delay(ctx: RankContext, step: Callable[[], Any], fraction: float, timer) -> Callable[[], None]:
-    """A device-side delay of `fraction` times the median of three rounds of the slowest rank (timed by `timer`, as
-    the judged rounds are): the same delay on every rank, so the judged round, the slowest rank's, grows by that
-    fraction."""
+    """Device-side work (make_work) of `fraction` times the median of three rounds of the slowest rank (timed by
+    `timer`, as the judged rounds are): the same delay on every rank, so the judged round, the slowest rank's, grows
+    by that fraction."""
     samples, _, _ = _time_rounds(ctx, step, 3, timer)
-    return ctx.backend.make_delay(fraction * median(_slowest(_gather(samples))))
+    return ctx.backend.make_work(fraction * median(_slowest(_gather(samples))))
 
 
 def _capture(ctx: RankContext, step: Callable[[], Any]) -> tuple[tuple | None, str | None]:

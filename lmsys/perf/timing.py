@@ -277,7 +277,7 @@ def spin(seconds: float) -> None:
 
 def with_delay(backend, call: Callable[[], Any], flush, fraction: float, graph: bool, host: bool = False
                ) -> Callable[[], Any]:
-    """call followed by a device-side delay of `fraction` of its time: a regression of known size, injected to
+    """call followed by device-side work (make_work) of `fraction` of its time: a regression of known size, injected to
     measure the gate. The time is the median of three rounds of what the benchmark will judge: the call, or with
     graph=True the replays of a trial capture, or queued rounds when it cannot be captured (a launch-bound call's
     eager time is mostly CPU). With host=True the delay is the CPU's (make_host_delay), a fraction of the host time."""
@@ -311,7 +311,7 @@ def _device_delay(backend, call: Callable[[], Any], flush, fraction: float, grap
         else:
             typical = median(time_rounds(backend, replay, 3, flush))
             release()
-    return backend.make_delay(fraction * typical)
+    return backend.make_work(fraction * typical)
 
 
 def with_allocation(backend, call: Callable[[], Any], nbytes: int) -> Callable[[], Any]:
