@@ -1,5 +1,5 @@
 """The detection's injected work (lmsys/perf/spin.py, CudaBackend.make_work): the kernel runs every iteration it is
-given (the Triton interpreter on the CPU, the GPU), and on a GPU it takes the time asked for, in a CUDA graph too."""
+given (under the Triton interpreter without a GPU), and on a GPU it takes the time asked for, in a CUDA graph too."""
 
 import numpy as np
 import pytest
@@ -16,25 +16,23 @@ def _expected(iterations: int) -> float:
 
 
 @pytest.mark.parametrize("iterations", [0, 1, 3])
-def test_the_kernel_runs_every_iteration(iterations):
-    out = torch.full((2,), float("nan"))
+def test_the_kernel_runs_every_iteration(device, iterations):
+    out = torch.full((2,), float("nan"), device=device)
     _spin_mma[(2,)](out, iterations, BLOCK=BLOCK)
-    assert out.tolist() == pytest.approx([_expected(iterations)] * 2, rel=1e-6)
+    assert out.tolist() == pytest.approx([_expected(iterations)] * 2, rel=1e-5)
 
 
 def test_work_takes_the_time_asked_for_on_a_gpu(gpu):
+    """Within 10% from 0.1 to 10 ms, in a CUDA graph too; a wait below MIN_WORK_SECONDS within a few microseconds
+    (a kernel's start-up: on the H100 a 10 us wait took 13 us)."""
     from lmsys.perf.backend import MIN_WORK_SECONDS, CudaBackend
 
     backend = CudaBackend()
-    for seconds in (MIN_WORK_SECONDS / 2, 100e-6, 1e-3, 10e-3):
-        work = backend.make_work(seconds)
-        took = sorted(backend.time_call(work) for _ in range(5))[2]
-        assert took == pytest.approx(seconds, rel=0.1), seconds
-    work = backend.make_work(1e-3)
-    replay, release = backend.capture_graph(work)
+    asked = (100e-6, 1e-3, 10e-3)
+    took = [sorted(backend.time_call(backend.make_work(seconds)) for _ in range(5))[2] for seconds in asked]
+    assert took == pytest.approx(asked, rel=0.1)
+    short = MIN_WORK_SECONDS / 2
+    assert sorted(backend.time_call(backend.make_work(short)) for _ in range(5))[2] == pytest.approx(short, abs=5e-6)
+    replay, release = backend.capture_graph(backend.make_work(1e-3))
     assert sorted(backend.time_call(replay) for _ in range(5))[2] == pytest.approx(1e-3, rel=0.1)
     release()
-    spin = backend._mma_spin
-    spin(5)
-    torch.cuda.synchronize()
-    assert spin._out.tolist() == pytest.approx([_expected(5)] * spin._out.numel(), rel=1e-5)
