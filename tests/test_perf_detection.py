@@ -679,3 +679,23 @@ def test_compact_runs_nothing_and_goes_with_nothing_else(capsys):
     with pytest.raises(SystemExit):
         detection.main(["--compact", "a", "b", "--keep", "c", "--resume"])
     assert "--compact runs nothing" in capsys.readouterr().err
+
+
+def test_false_alarms_name_the_benchmark_its_change_and_the_throttling_after_it():
+    def bench(name, verdict, **info):
+        return {"name": name, "extra_info": {"verdict": verdict, **info}}
+
+    aa = [{"benchmarks": [
+        bench("test_hot", "SLOWER", time_change=0.0683, time_tolerance=0.025,
+              machine={"after": {"throttle": ["sw_power_cap", "sw_thermal_slowdown"]}}),
+        bench("test_launch", "SLOWER-EAGER", time_change=0.0, time_tolerance=0.025, eager_change=0.266,
+              eager_tolerance=0.15, machine={"after": {"throttle": []}}),
+        bench("test_fine", "PASS", time_change=0.001, time_tolerance=0.025),
+        bench("test_new", "NEW"),
+    ]}]
+    injected = [{"benchmarks": [bench("test_fine", "SLOWER", time_change=0.05, time_tolerance=0.025)]}]
+    results = [(detection.AA_COLUMN, aa, detection.failed), ("+5% caught", injected, detection.failed)]
+    assert detection.false_alarms(results) == [
+        "test_hot: SLOWER, +6.83% against 2.50%; throttled after: sw_power_cap, sw_thermal_slowdown",
+        "test_launch: SLOWER-EAGER, +26.60% against 15.00%",
+    ]

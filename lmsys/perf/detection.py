@@ -44,6 +44,7 @@ from lmsys.perf.compare import MORE_MEMORY, Verdict, format_bytes
 from lmsys.perf.timing import INJECT_CASES, INJECT_DELAY, INJECT_MEMORY, INJECTED_CASES_KEY
 
 UNCHANGED = {INJECT_DELAY: "0", INJECT_MEMORY: "0"}
+AA_COLUMN = "A/A false alarms"
 
 
 def failed(label: str | None) -> bool:
@@ -98,7 +99,7 @@ def _with_memory(results: list, held: dict) -> pd.DataFrame:
     """The table of the cases run, plus (with --memory-with-delays) the allocation's column over all delay runs."""
     if not held:
         return tally(results)
-    memory = [doc for column, docs, _ in results if column != "A/A false alarms" for doc in docs]
+    memory = [doc for column, docs, _ in results if column != AA_COLUMN for doc in docs]
     column = f"+{format_bytes(int(held[INJECT_MEMORY]))} caught"
     return tally(results + ([(column, memory, more_memory)] if memory else []))
 
@@ -232,7 +233,7 @@ def _in_process_results(cases: list[Case], docs: list[dict]) -> list[tuple[str, 
 
 def _cases(settings: dict) -> tuple[list[Case], dict]:
     """The cases of a measurement and the allocation held in the delay runs ({} unless memory_with_delays)."""
-    cases = [] if settings["no_aa"] else [Case("A/A false alarms", "aa", UNCHANGED, failed, None)]
+    cases = [] if settings["no_aa"] else [Case(AA_COLUMN, "aa", UNCHANGED, failed, None)]
     held = {INJECT_MEMORY: str(settings["inject_memory"][0])} if settings["memory_with_delays"] else {}
     held_bytes = int(held.get(INJECT_MEMORY, 0))
     cases += [Case(f"+{delay:.0%} caught", f"delay-{delay:g}", {**UNCHANGED, INJECT_DELAY: str(delay), **held},
@@ -283,10 +284,33 @@ def _table_of_kept(folders: list[Path]) -> tuple[pd.DataFrame, dict[Path, list[s
     cases, held = _cases(settings)
     if settings.get("in_process"):
         docs = [doc for folder in folders for doc in kept_runs(folder / IN_PROCESS)]
-        return _with_memory(_in_process_results(cases, docs), held), selections
-    results = [(case.column, [doc for folder in folders for doc in kept_runs(folder / case.name)], case.counted)
-               for case in cases]
-    return _with_memory(results, held), selections
+        results = _in_process_results(cases, docs)
+    else:
+        results = [(case.column, [doc for folder in folders for doc in kept_runs(folder / case.name)], case.counted)
+                   for case in cases]
+    return _with_memory(results, held), selections, false_alarms(results)
+
+
+def false_alarms(results: list[tuple[str, list[dict], Callable[[str | None], bool]]]) -> list[str]:
+    """A line per A/A verdict that failed: the benchmark, the verdict, the change against its tolerance (the eager
+    rounds' where they failed it) and the throttle reasons NVML gave after the measurement, so that an alarm the
+    machine raised (a GPU slowed by its temperature) can be told from one of the gate."""
+    lines = []
+    for column, docs, counted in results:
+        if column != AA_COLUMN:
+            continue
+        for doc in docs:
+            for bench in doc.get("benchmarks", []):
+                info = bench.get("extra_info") or {}
+                if info.get("verdict") in (None, "NEW") or not counted(info["verdict"]):
+                    continue
+                key = "eager_" if info["verdict"].endswith("EAGER") else "time_"
+                change, tolerance = info.get(f"{key}change"), info.get(f"{key}tolerance")
+                measured = "" if change is None or tolerance is None else f", {change:+.2%} against {tolerance:.2%}"
+                throttle = ((info.get("machine") or {}).get("after") or {}).get("throttle")
+                throttled = f"; throttled after: {', '.join(throttle)}" if throttle else ""
+                lines.append(f"{bench['name']}: {info['verdict']}{measured}{throttled}")
+    return lines
 
 
 # The modules of lmsys.perf that decide no verdict: this measurement of the gate, and the docs built from baselines.
@@ -578,10 +602,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(compact(*args.compact), file=sys.stderr)
         return 0
     if args.table:
-        table, selections = _table_of_kept(args.table)
+        table, selections, alarms = _table_of_kept(args.table)
         for folder, selection in selections.items():
             print(f"runs kept in {folder} of: {' '.join(selection)}", file=sys.stderr)
         print(_markdown(table) if args.markdown else table.to_string(index=False))
+        print("\n".join([f"{len(alarms)} A/A false alarm(s):"] + [f"  {line}" for line in alarms]), file=sys.stderr)
         return 0
     if not args.pytest_args:
         parser.error("what to run is missing: give the tests after --, e.g. -- perf_tests -k anchors")
