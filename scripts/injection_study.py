@@ -27,12 +27,11 @@ from lmsys.perf.backend import SLEEP_CYCLES, CudaBackend
 
 
 class Sampler:
-    """NVML readings every `period` seconds in a thread, between start() and stop()."""
+    """NVML readings (backend.machine_state) every `period` seconds in a thread, between start() and stop()."""
 
-    def __init__(self, reader, period=0.01):
-        self.reader, self.period, self.samples = reader, period, []
-        self._stop = threading.Event()
-        self._thread = None
+    def __init__(self, backend, period=0.01):
+        self.backend, self.period, self.samples = backend, period, []
+        self._stop, self._thread = threading.Event(), None
 
     def start(self):
         self.samples, self._stop = [], threading.Event()
@@ -41,7 +40,7 @@ class Sampler:
 
     def _run(self):
         while not self._stop.is_set():
-            self.samples.append(self.reader.read())
+            self.samples.append(self.backend.machine_state())
             time.sleep(self.period)
 
     def stop(self) -> dict:
@@ -93,9 +92,8 @@ def main():
     parser.add_argument("--block-seconds", type=float, default=1.5)
     args = parser.parse_args()
     backend = CudaBackend()
-    reader, why = backend._machine
-    print(f"{backend.name}; NVML: {'yes' if reader else why}", flush=True)
-    sampler = Sampler(reader) if reader else None
+    print(f"{backend.name}; NVML: {backend.machine_note or 'yes'}", flush=True)
+    sampler = None if backend.machine_state() is None else Sampler(backend)
     rows = []
     for name, call in calls():
         for _ in range(3):
@@ -106,21 +104,17 @@ def main():
         variants = {"none": None, "sleep": backend.make_delay(target), "work": backend.make_work(target)}
         print(f"{name}: call {base * 1e3:.3f} ms, delay {target * 1e6:.1f} us", flush=True)
         for rep in range(args.reps):
-            reference = None
-            for variant, delay in variants.items():
+            for variant, delay in variants.items():  # "none" first: the repetition's reference
                 if sampler:
                     sampler.start()
                 call_s, delay_s, round_s, n = time_block(call, delay, args.block_seconds)
                 state = sampler.stop() if sampler else {}
-                reference = round_s if variant == "none" else reference
-                row = {"call": name, "rep": rep, "variant": variant, "rounds": n, "intended_us": target * 1e6,
-                       "call_ms": call_s * 1e3, "delay_us": delay_s * 1e6, "round_ms": round_s * 1e3,
-                       "change_pct": 100 * (round_s / reference - 1), "call_change_pct": None, **state}
-                rows.append(row)
-        for row in rows:
-            if row["call"] == name:
-                same = [r for r in rows if r["call"] == name and r["rep"] == row["rep"] and r["variant"] == "none"][0]
-                row["call_change_pct"] = 100 * (row["call_ms"] / same["call_ms"] - 1)
+                if delay is None:
+                    alone_call, alone_round = call_s, round_s
+                rows.append({"call": name, "rep": rep, "variant": variant, "rounds": n, "intended_us": target * 1e6,
+                             "call_ms": call_s * 1e3, "delay_us": delay_s * 1e6, "round_ms": round_s * 1e3,
+                             "change_pct": 100 * (round_s / alone_round - 1),
+                             "call_change_pct": 100 * (call_s / alone_call - 1), **state})
     with open(args.out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
