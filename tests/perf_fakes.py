@@ -51,7 +51,7 @@ class FakeGpu:
     timer_name = "fake clock"
     machine_note = None
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, cpu_slowdown: float = 1.0):
         self.name = name
         self.now = 0.0
         self.flushes = 0
@@ -65,7 +65,7 @@ class FakeGpu:
         self.captures = 0
         self.held = 0
         # How many times slower the CPU runs than at full speed: launch costs and the CPU probe take this much longer.
-        self.cpu_slowdown = 1.0
+        self.cpu_slowdown = cpu_slowdown
         # Seconds of launch cost that the short device-side sleep before a round (time_call without a lead) hides, as
         # on a GPU; time_launch hides none.
         self.sleep_hides = 0.0
@@ -145,8 +145,9 @@ class FakeGpu:
         self.released += 1
 
     def for_rank(self):
-        # Each rank gets a fresh fake of the same name: its clock starts at 0 and moves only by the rank's own work.
-        return functools.partial(FakeGpu, self.name)
+        # Each rank gets a fresh fake of the same name and CPU speed: its clock starts at 0 and moves only by the
+        # rank's own work.
+        return functools.partial(FakeGpu, self.name, self.cpu_slowdown)
 
     def capture_graph(self, call):
         """Records the call without running it (a work function that is not capturable raises); a replay costs the

@@ -1,5 +1,7 @@
 """The verdict rule of lmsys.perf.compare, with plain numbers."""
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -202,9 +204,24 @@ def test_the_cpu_probe_runs_its_autograd_backward_under_a_tests_no_grad_or_infer
 
 
 def test_the_cpus_part_gains_tolerance_with_the_log_of_the_probes_ratio_either_way():
-    import math
-
     assert compare.cpu_speed_allowance(1e-4, 1e-4) == 0.0
     assert compare.cpu_speed_allowance(2e-4, 1e-4) == pytest.approx(0.5 * math.log(2))
     assert compare.cpu_speed_allowance(0.5e-4, 1e-4) == pytest.approx(0.5 * math.log(2))  # a faster CPU too
     assert compare.cpu_speed_allowance(0.0, 1e-4) == compare.cpu_speed_allowance(1e-4, 0.0) == 0.0
+
+
+def test_a_reference_judges_the_cpus_part_at_the_baselines_speed_with_the_allowance_named():
+    rng = np.random.default_rng()
+    base = list(1e-3 + 2e-3 * (1 + 0.01 * rng.standard_normal(21)))  # 1 ms of device time, 2 ms of the CPU's
+    reference = compare.Reference(base, 0.15, "default", speed=1e-4, at_speed=base)
+    # Unprobed rounds (or a baseline without probes) are compared raw.
+    slow = [1e-3 + 1.5 * (s - 1e-3) for s in base]  # the CPU 1.5 times slower: +33% raw
+    assert reference.judge(slow).verdict == compare.SLOWER
+    assert compare.Reference(base, 0.15).judge(slow, [1.5e-4] * 21, 1e-3).verdict == compare.SLOWER
+    judged = reference.judge(slow, [1.5e-4] * 21, 1e-3)
+    assert judged.verdict == compare.PASS and judged.change == pytest.approx(0.0, abs=1e-12)
+    assert judged.tolerance == pytest.approx(0.15 + 0.5 * math.log(1.5))
+    assert judged.source == "default; +20.3% for the CPU probe's +50%"
+    # Twice the CPU work at the slower speed: caught at the baseline's speed (+67%).
+    slower_path = [1e-3 + 2 * 1.5 * (s - 1e-3) for s in base]
+    assert reference.judge(slower_path, [1.5e-4] * 21, 1e-3).verdict == compare.SLOWER

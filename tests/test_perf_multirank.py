@@ -4,7 +4,7 @@ each timing its step on a fake GPU clock (tests/perf_fakes.py), so the samples, 
 import json
 
 import pytest
-from perf_fakes import INNER_CONFTEST
+from perf_fakes import INNER_CONFTEST, PROBE_SECONDS
 
 from lmsys.perf import multirank
 from lmsys.perf.backend import MemoryReading
@@ -38,7 +38,7 @@ def setup(ctx, ms, skew, memory, fail_rank=None, noise=0.0, launch=0.0, uncaptur
             with ctx.span("comm_wait"):
                 return ctx.rank
         if not (ctx.backend.queued or ctx.backend.replaying):  # the CPU's launch cost: queued ahead, or none
-            ctx.backend.now += launch * 1e-3
+            ctx.backend.now += launch * 1e-3 * ctx.backend.cpu_slowdown
         ctx.backend.now += 0.75 * seconds * (1 + noise * rng.gauss(0.0, 1.0))
         with ctx.span("comm_wait"):
             ctx.backend.now += 0.25 * seconds
@@ -130,6 +130,45 @@ def test_graph_mode_times_every_ranks_replays_with_the_eager_rounds_beside(pytes
     result = run(pytester, "--benchmark-compare")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*SLOWER: test_step[[]ws2-gloo[]] median 1.65 ms vs baseline 1.5 ms (+10.0%*"])
+
+
+def test_the_eager_rounds_are_judged_at_the_baselines_cpu_speed(pytester, monkeypatch):
+    # The launch cost moves with the CPU's speed (on the H100 a bf16 DDP step's eager median read +27% in an A/A run,
+    # its device time unchanged): every rank probes the CPU before each eager round and the CPU's part of the round
+    # is judged at the baseline's CPU speed, as a single-device benchmark's is. Rank 1's eager round is the slowest:
+    # 1.5 ms of device time and 2 ms of launch cost at full speed.
+    write(pytester, ms=1.0, skew=0.5, launch=2.0)
+    run(pytester, "--benchmark-save=base", "--benchmark-json=out.json").assert_outcomes(passed=1)
+    info = only_benchmark(pytester)["extra_info"]
+    assert info["eager_median"] == pytest.approx(3.5e-3)
+    assert info["cpu_probe"] == "adds+autograd"
+    assert info["eager_cpu_probe_data"] == [pytest.approx(PROBE_SECONDS)] * len(info["eager_data"])
+    monkeypatch.setenv("FAKE_CPU_SLOWDOWN", "1.5")  # every rank's CPU: launches and probes 1.5 times slower
+    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result.assert_outcomes(passed=1)
+    info = only_benchmark(pytester)["extra_info"]
+    assert info["eager_median"] == pytest.approx(4.5e-3)  # +28.6% raw: 1.5 ms + 2 ms at the baseline's speed
+    assert info["eager_change"] == pytest.approx(0.0, abs=1e-9)
+    assert info["eager_cpu_probe_data"] == [pytest.approx(1.5 * PROBE_SECONDS)] * len(info["eager_data"])
+    assert "+20.3% for the CPU probe's +50%" in info["eager_tolerance_source"]
+    # A slower launch path is still caught at that speed: 4 ms of launch cost, +57.1% at the baseline's speed.
+    write(pytester, ms=1.0, skew=0.5, launch=4.0)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*SLOWER-EAGER*test_step[[]ws2-gloo[]]*+57.1%*for the CPU probe's +50%*"])
+
+
+def test_a_baseline_whose_eager_rounds_were_not_probed_is_judged_raw_with_a_note(pytester):
+    write(pytester, ms=1.0, launch=2.0)
+    run(pytester, "--benchmark-save=base").assert_outcomes(passed=1)
+    (path,) = (pytester.path / "baselines" / "Fake_GPU_80GB").glob("*.json")
+    doc = json.loads(path.read_text())
+    del doc["benchmarks"][0]["extra_info"]["eager_cpu_probe_data"]
+    path.write_text(json.dumps(doc))
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*the baseline's eager rounds were not probed (saved before they were): the eager "
+                                 "time was judged on raw times; save a baseline again*"])
 
 
 def test_graph_mode_falls_back_to_queued_rounds_on_every_rank_when_one_cannot_capture(pytester):

@@ -205,6 +205,15 @@ def test_a_call_that_cannot_be_captured_is_timed_queued_with_a_note(pytester):
     assert bench["extra_info"]["eager_median"] == pytest.approx(2e-3)
 
 
+def test_a_capture_failure_is_noted_by_its_errors_first_line_and_where_it_failed():
+    gpu = FakeGpu("Fake GPU 80GB")
+    assert timing.error_line(RuntimeError("CUDA error: not permitted\nCUDA kernel errors might be ...")) == (
+        "RuntimeError: CUDA error: not permitted")
+    assert timing.error_line(RuntimeError("  ")) == "RuntimeError"
+    assert timing.capture_failed_note(gpu, "AssertionError", " on rank 1") == (
+        "timed queued (device time): the CUDA graph capture failed on rank 1 (AssertionError)")
+
+
 def test_a_queued_run_against_a_graph_baseline_fails_uncompared(pytester):
     # A capture that fails now times the device queued; the graph baseline's time cannot be compared with that, and a
     # gate that passed here would pass without having compared: the test fails and says what to do.

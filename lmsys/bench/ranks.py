@@ -146,8 +146,6 @@ def measure(world: World, setup: Callable, setup_kwargs: dict, args: argparse.Na
         min_rounds=args.steps,
         warmup_rounds=args.warmup,
         disable_gc=False,
-        baseline_samples=None,
-        tolerance=0.0,
     )
     if world.torchrun:
         return measure_on_rank(settings)

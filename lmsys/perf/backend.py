@@ -418,9 +418,10 @@ class CudaBackend:
     def make_work(self, seconds: float) -> Callable[[], None]:
         """A function that queues about `seconds` of tensor-core work on the current stream (spin.MmaSpin): the
         regression the gate's detection injects. Unlike make_delay's wait it draws power as a slower kernel would:
-        on the lent H100 at its power cap the leaderboard's forward and backward ran 0.8-2.0% faster after an
-        injected wait of 5% of its time, giving part of it back, and 0.4-1.0% after this work
-        (scripts/injection_study.py). The iterations are timed alone, from an idle device; a delay shorter than
+        on the lent H100 at its power cap the leaderboards' forward and backward ran 0.2-2.0% faster after an
+        injected wait of 5% of their time, giving part of it back, and from 0.3% slower to 1.0% faster after this
+        work, but for one block 2.9% faster whose power fell (scripts/injection_study.py, docs/gate-measurements.md,
+        "Why the injection changed"). The iterations are timed alone, from an idle device; a delay shorter than
         MIN_WORK_SECONDS, below the kernel's own start-up, is a wait (make_delay)."""
         if seconds < MIN_WORK_SECONDS:
             return self.make_delay(seconds)

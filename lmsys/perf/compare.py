@@ -216,6 +216,35 @@ def compare_time(
     return TimeComparison(median, base_median, median / base_median, low, high, tolerance, verdict, source)
 
 
+@dataclass(frozen=True)
+class Reference:
+    """What a series of rounds is judged against: the baseline's samples timed alike, the tolerance and where it came
+    from, and, where the baseline's rounds were probed (the CPU's part of a round: timing.py), the median of its probe
+    times (`speed`) and its samples taken at that speed (`at_speed`). Picklable: a multi-rank benchmark hands it to
+    its ranks, which judge their gathered rounds."""
+
+    samples: list[float]
+    tolerance: float
+    source: str = "default"
+    speed: float | None = None
+    at_speed: list[float] | None = None
+
+    def judge(self, samples: Sequence[float], probes: Sequence[float] | None = None, device_time: float = 0.0
+              ) -> TimeComparison:
+        """compare_time of the samples with the baseline's. Where both were probed, the CPU's part of every round
+        (above device_time) is taken at the baseline's CPU speed first (at_cpu_speed), and the tolerance gains
+        cpu_speed_allowance for the distance between the CPU speeds (the source says so)."""
+        now, then, value, source = samples, self.samples, self.tolerance, self.source
+        if probes and self.speed is not None and self.at_speed is not None:
+            now, then = at_cpu_speed(samples, probes, self.speed, device_time), self.at_speed
+            probe = float(np.median(np.asarray(probes, dtype=np.float64)))
+            allowance = cpu_speed_allowance(probe, self.speed)
+            if allowance >= 0.001:
+                value += allowance
+                source += f"; +{allowance:.1%} for the CPU probe's {probe / self.speed - 1:+.0%}"
+        return compare_time(now, then, value, source=source)
+
+
 def compare_memory(
     peak: int, baseline_peak: int, tolerance: float, floor: int, source: str = "default", measure: str = "requested"
 ) -> MemoryComparison:

@@ -103,30 +103,24 @@ class GpuBenchmark:
             raise FixtureAlreadyUsed(f"Fixture can only be used once. Previously it was used in {bench._mode} mode.")
         bench._mode = "gpu_benchmark(...)"
 
-    def _judge(self, timed: str, tolerance: Tolerance) -> timing.Judge:
-        """samples timed `timed` -> their comparison with the baseline's samples timed alike (None without). Where
-        both were probed (timing.py), the CPU's part of every round, this run's and the baseline's, is taken at the
-        baseline's CPU speed (the median of its probe times) first."""
+    def _reference(self, timed: str, tolerance: Tolerance) -> compare.Reference | None:
+        """What rounds timed `timed` are judged against (None without a baseline of them): the baseline's samples
+        timed alike and, where they were probed (timing.py), its CPU speed (the median of its probe times) and its
+        samples taken at that speed."""
         baseline = self._session.baseline(self._benchmark.fullname)
         reference = None if baseline is None else baselines.samples(baseline, timed)
         if reference is None:
-            return lambda samples, probes, device_time: None
+            return None
         reference_probes = baselines.probes(baseline, timed)
         speed = median(reference_probes) if reference_probes else None
         at_speed = None if speed is None else baselines.at_cpu_speed(baseline, timed, speed)
+        return compare.Reference(reference, tolerance.value, tolerance.source, speed, at_speed)
 
-        def judge(samples, probes, device_time):
-            now, then, value, source = samples, reference, tolerance.value, tolerance.source
-            if probes and at_speed is not None:
-                now, then = compare.at_cpu_speed(samples, probes, speed, device_time), at_speed
-                probe = median(probes)
-                allowance = compare.cpu_speed_allowance(probe, speed)
-                if allowance >= 0.001:
-                    value += allowance
-                    source += f"; +{allowance:.1%} for the CPU probe's {probe / speed - 1:+.0%}"
-            return compare.compare_time(now, then, value, source=source)
-
-        return judge
+    def _judge(self, timed: str, tolerance: Tolerance) -> timing.Judge:
+        """samples timed `timed` -> their comparison with the baseline's samples timed alike (None without one):
+        compare.Reference.judge."""
+        reference = self._reference(timed, tolerance)
+        return (lambda samples, probes, device_time: None) if reference is None else reference.judge
 
     def __call__(
         self, fn, *args, flops=None, bytes=None, cold_l2=False, warmup_rounds=None, precision=None, graph=False,
@@ -249,21 +243,15 @@ class GpuBenchmark:
             min_rounds=session.min_rounds,
             warmup_rounds=warmup_rounds,
             disable_gc=session.disable_gc,
-            baseline_samples=None if baseline is None else baselines.samples(baseline, timed),
-            tolerance=tolerance.value,
-            tolerance_source=tolerance.source,
+            reference=self._reference(timed, tolerance),
             precision=session.precision(tolerance),
             delay=session.injected_delay,
             extra_memory=session.injected_memory,
             queued=queued,
-            eager_baseline_samples=None if baseline is None else baselines.samples(baseline, timing.LAUNCH),
-            eager_tolerance=eager_tolerance.value,
-            eager_tolerance_source=eager_tolerance.source,
+            eager_reference=self._reference(timing.LAUNCH, eager_tolerance),
             eager_precision=session.precision(eager_tolerance),
             graph=graph,
-            graph_baseline_samples=None if baseline is None else baselines.samples(baseline, timing.GRAPH),
-            graph_tolerance=graph_tolerance.value,
-            graph_tolerance_source=graph_tolerance.source,
+            graph_reference=self._reference(timing.GRAPH, graph_tolerance),
             graph_precision=session.precision(graph_tolerance),
         )
         try:
@@ -412,6 +400,9 @@ def _cpu_speed_notes(measurement: timing.Measurement, baseline: dict | None) -> 
         if probes and stale:
             notes.append(f"the baseline's CPU probe ({stale}) is not this version's ({timing.PROBE_KIND}): the {what} "
                          "time was judged on raw times; save a baseline again")
+        elif probes and not reference and baselines.samples(baseline, timed) is not None:
+            notes.append(f"the baseline's {what} rounds were not probed (saved before they were): the {what} time "
+                         "was judged on raw times; save a baseline again")
         if probes and reference:
             change = median(probes) / median(reference) - 1
             if abs(change) > CPU_SPEED_NOTE:

@@ -14,9 +14,10 @@ traceback), NCCL on GPUs and gloo on the CPU. On every rank:
     timed rounds: all ranks meet at a barrier, then each times the round on its own clock (CUDA events); on a GPU
         the rounds are queued (timing.py: every rank's step behind the same device-side lead, LEAD_FACTOR times the
         slowest rank's round, so the span holds device time) and eager rounds from an idle device follow, the
-        CPU's launch cost included, judged as the CPU's part (the eager tolerance). A step whose CPU time exceeds
-        its device time (thousands of small kernels: the bf16 step of a large model) drains any lead and is the
-        CPU's time even when queued: graph mode is for those
+        CPU's launch cost included, judged as the CPU's part (the eager tolerance; as timing.py does, each round is
+        probed, on every rank, and judged at the baseline's CPU speed by the probe of the rank slowest in it). A
+        step whose CPU time exceeds its device time (thousands of small kernels: the bf16 step of a large model)
+        drains any lead and is the CPU's time even when queued: graph mode is for those
     rank 0 gathers the samples: a round's time is the maximum over the ranks
     with a baseline, every rank compares the gathered samples; when that says SLOWER every rank times the rounds
         once more, and that decides
@@ -98,7 +99,9 @@ class RankContext:
 
 @dataclass(frozen=True)
 class Settings:
-    """What the test process hands every rank: the subject, the round budget and the baseline to judge against."""
+    """What the test process hands every rank: the subject, the round budget, and what each series of rounds is
+    judged against (the queued or eager rounds, the eager rounds beside them, a graph's replays: None without a
+    baseline of them)."""
 
     setup: Callable
     setup_kwargs: dict
@@ -108,22 +111,16 @@ class Settings:
     min_rounds: int
     warmup_rounds: int | None
     disable_gc: bool
-    baseline_samples: list[float] | None
-    tolerance: float
-    tolerance_source: str = "default"
+    reference: compare.Reference | None = None
     precision: timing.Precision = timing.Precision()
     once: bool = False
     delay: float = 0.0
     extra_memory: int = 0
     queued: bool = False
-    eager_baseline_samples: list[float] | None = None
-    eager_tolerance: float = 0.0
-    eager_tolerance_source: str = "default"
+    eager_reference: compare.Reference | None = None
     eager_precision: timing.Precision = timing.Precision()
     graph: bool = False
-    graph_baseline_samples: list[float] | None = None
-    graph_tolerance: float = 0.0
-    graph_tolerance_source: str = "default"
+    graph_reference: compare.Reference | None = None
     graph_precision: timing.Precision = timing.Precision()
 
 
@@ -134,14 +131,17 @@ def _barrier(ctx: RankContext) -> None:
         dist.barrier()
 
 
-def _time_rounds(ctx: RankContext, step: Callable[[], Any], rounds: int, timer=None
+def _time_rounds(ctx: RankContext, step: Callable[[], Any], rounds: int, timer=None, probes: list | None = None
                  ) -> tuple[list[float], list[dict], float]:
     """This rank's per-round seconds and spans, each round started at a barrier and timed by `timer` (default the
-    backend's time_call); and the wall seconds per round."""
+    backend's time_call); and the wall seconds per round. With a `probes` list the CPU probe (backend.time_probe)
+    runs before each round's barrier and its time is appended there."""
     timer = timer or ctx.backend.time_call
     samples, spans = [], []
     start = time.perf_counter()
     for _ in range(rounds):
+        if probes is not None:
+            probes.append(ctx.backend.time_probe())
         _barrier(ctx)
         samples.append(timer(step))
         spans.append(ctx._take_spans())
@@ -162,8 +162,7 @@ def _capture(ctx: RankContext, step: Callable[[], Any]) -> tuple[tuple | None, s
     try:
         captured, failure = ctx.backend.capture_graph(step), None
     except Exception as exc:  # a capture can fail in many ways (sync, CPU readback, unsupported op)
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        captured, failure = None, f"{type(exc).__name__}: {reason}" if reason else type(exc).__name__
+        captured, failure = None, timing.error_line(exc)
     ctx._events.clear()  # the spans of the capture's warm-up call
     failures = [(rank, f) for rank, f in enumerate(_gather(failure)) if f is not None]
     if not failures:
@@ -171,8 +170,7 @@ def _capture(ctx: RankContext, step: Callable[[], Any]) -> tuple[tuple | None, s
     if captured is not None:
         captured[1]()
     rank, failure = failures[0]
-    how = "timed queued (device time)" if ctx.backend.is_gpu else "timed eagerly"
-    return None, f"{how}: the CUDA graph capture failed on rank {rank} ({failure})"
+    return None, timing.capture_failed_note(ctx.backend, failure, f" on rank {rank}")
 
 
 def _gather(value) -> list:
@@ -184,6 +182,14 @@ def _gather(value) -> list:
 def _slowest(per_rank: list[list[float]]) -> list[float]:
     """Per round, the slowest rank's time."""
     return [max(times) for times in zip(*per_rank, strict=True)]
+
+
+def _slowest_probes(per_rank: list[list[float]], per_rank_probes: list[list[float]]) -> list[float]:
+    """Per round, the CPU probe's time on the rank whose round was the slowest (the round the gate judges)."""
+    return [
+        probes[max(range(len(times)), key=times.__getitem__)]
+        for times, probes in zip(zip(*per_rank, strict=True), zip(*per_rank_probes, strict=True), strict=True)
+    ]
 
 
 def _span_summary(per_rank_spans: list[list[dict]], round_times: list[float]) -> dict[str, dict[str, float]]:
@@ -234,44 +240,52 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
             delay = _delay(ctx, timed, settings.delay, timer)
             timed, step = timing.followed_by(timed, delay), timing.followed_by(step, delay)
 
-        def series(subject, timer, precision, reference, tolerance, source):
+        def series(subject, timer, precision, reference, probed=False, device_time=0.0):
+            """The judged rounds of `subject` on every rank: gathered, each round the slowest rank's; with probed=True
+            (the eager rounds beside: the CPU's part) each round probed on every rank and judged with the probe of
+            the rank that was slowest in it (compare.Reference.judge, device_time its device's part)."""
             def measure_all():
-                per_rank_spans = []
+                per_rank_spans, probes = [], [] if probed else None
 
                 def timed_rounds(rounds):
-                    samples, spans, wall = _time_rounds(ctx, subject, rounds, timer)
-                    gathered = _gather((samples, spans, wall))
+                    own = [] if probed else None
+                    samples, spans, wall = _time_rounds(ctx, subject, rounds, timer, own)
+                    gathered = _gather((samples, spans, wall, own))
                     per_rank_spans.append([g[1] for g in gathered])
+                    if probed:
+                        probes.extend(_slowest_probes([g[0] for g in gathered], [g[3] for g in gathered]))
                     return _slowest([g[0] for g in gathered]), max(g[2] for g in gathered) * rounds
 
+                def width(samples):
+                    if probes is None:
+                        return compare.relative_half_width(samples)
+                    return compare.relative_half_width(
+                        compare.at_cpu_speed(samples, probes, median(probes), device_time))
+
                 # Every rank holds the same gathered samples and times, so every rank takes the same decision.
-                samples, wall = timing.adapt(timed_rounds, plan.rounds, precision)
+                samples, wall = timing.adapt(timed_rounds, plan.rounds, precision, width)
                 spans = [sum(batch, []) for batch in zip(*per_rank_spans, strict=True)]
-                return samples, spans, wall
+                return samples, spans, wall, probes
 
             def judge(measured):
-                if reference is None:
-                    return None
-                return compare.compare_time(measured[0], reference, tolerance, source=source)
+                return None if reference is None else reference.judge(measured[0], measured[3], device_time)
 
             # Every rank judges the same gathered samples, so every rank re-measures, or none does.
             return timing.judged(measure_all, judge)
 
         if captured is not None:
             try:
-                (samples, spans, wall), comparison, remeasured = series(
-                    timed, timer, settings.graph_precision, settings.graph_baseline_samples, settings.graph_tolerance,
-                    settings.graph_tolerance_source)
+                (samples, spans, wall, _), comparison, remeasured = series(
+                    timed, timer, settings.graph_precision, settings.graph_reference)
             finally:
                 captured[1]()
         else:
-            (samples, spans, wall), comparison, remeasured = series(
-                timed, timer, settings.precision, settings.baseline_samples, settings.tolerance,
-                settings.tolerance_source)
+            (samples, spans, wall, _), comparison, remeasured = series(
+                timed, timer, settings.precision, settings.reference)
         eager = None
         if settings.queued or captured is not None:  # the eager rounds beside, launch cost included (idle device)
-            eager = series(step, backend.time_launch, settings.eager_precision, settings.eager_baseline_samples,
-                           settings.eager_tolerance, settings.eager_tolerance_source)
+            eager = series(step, backend.time_launch, settings.eager_precision, settings.eager_reference,
+                           probed=True, device_time=median(samples))
         _barrier(ctx)
         result, memory = backend.measure_memory(step)
         readings = _gather((memory, dict(ctx.marks)))
@@ -289,9 +303,9 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
         "notes": [] if note is None else [note],
     }
     if eager is not None:
-        (eager_samples, eager_spans, eager_wall), eager_comparison, eager_remeasured = eager
+        (eager_samples, eager_spans, eager_wall, eager_probes), eager_comparison, eager_remeasured = eager
         out.update(eager_samples=eager_samples, eager_wall=eager_wall, eager_comparison=eager_comparison,
-                   remeasured=remeasured or eager_remeasured)
+                   eager_probes=eager_probes, remeasured=remeasured or eager_remeasured)
         if not out["spans"]:  # a captured step's spans are not timed: the eager rounds' are
             out["spans"] = _span_summary(eager_spans, eager_samples)
     return result, out
@@ -345,5 +359,6 @@ def measure(settings: Settings, world_size: int, timeout: float) -> timing.Measu
         timing=gathered["timing"],
         eager_samples=gathered.get("eager_samples"),
         eager_comparison=gathered.get("eager_comparison"),
+        eager_probes=gathered.get("eager_probes"),
         notes=gathered["notes"],
     )

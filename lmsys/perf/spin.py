@@ -2,7 +2,7 @@
 
 `torch.cuda._sleep` spins on the clock and draws little power; on a GPU at its power cap the clocks can rise while it
 runs and the work after it then runs faster, giving back part of the delay. Work that does what a slower kernel does
-(keep the tensor cores busy) models a regression better. Each program multiplies two tiles held on chip, ITERATIONS
+(keep the tensor cores busy) models a regression better. Each program multiplies two tiles held on chip, `iterations`
 times into one accumulator, and stores one number, so the kernel reads nothing from memory and writes almost nothing.
 """
 
@@ -29,9 +29,8 @@ class MmaSpin:
     """Launches _spin_mma on `device` (PROGRAMS_PER_SM programs per SM) for a number of iterations."""
 
     def __init__(self, device: torch.device | int):
-        self.device = torch.device("cuda", device) if isinstance(device, int) else device
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self._out = torch.empty(PROGRAMS_PER_SM * sms, dtype=torch.float32, device=self.device)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self._out = torch.empty(PROGRAMS_PER_SM * sms, dtype=torch.float32, device=device)
 
     def __call__(self, iterations: int) -> None:
         _spin_mma[(self._out.numel(),)](self._out, int(iterations), BLOCK=BLOCK, num_warps=4)

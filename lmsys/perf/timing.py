@@ -354,14 +354,25 @@ def _series(backend, call, rounds, flush, precision: Precision, judge: Judge, le
     return Series(samples, wall, comparison, remeasured, probes)
 
 
+def error_line(exc: BaseException) -> str:
+    """'RuntimeError: the first line of its message', or the type's name alone for an empty message."""
+    message = str(exc).strip()
+    return f"{type(exc).__name__}: {message.splitlines()[0]}" if message else type(exc).__name__
+
+
+def capture_failed_note(backend, error: str, where: str = "") -> str:
+    """The note on a call whose CUDA graph capture failed (`error`: error_line; `where`: ' on rank 1'): how it is
+    timed instead."""
+    how = "timed queued (device time)" if backend.is_gpu else "timed eagerly"
+    return f"{how}: the CUDA graph capture failed{where} ({error})"
+
+
 def _capture(backend, call, flush, max_time, min_rounds, notes: list[str]):
     """(replay, release, plan of the replays), or None when the capture fails (then noted)."""
     try:
         replay, release = backend.capture_graph(call)
     except Exception as exc:  # a capture can fail in many ways (sync, CPU readback, unsupported op)
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        how = "timed queued (device time)" if backend.is_gpu else "timed eagerly"
-        notes.append(f"{how}: the CUDA graph capture failed ({type(exc).__name__}: {reason})")
+        notes.append(capture_failed_note(backend, error_line(exc)))
         return None
     return replay, release, warm_up(backend, replay, flush, max_time, min_rounds, None)
 
