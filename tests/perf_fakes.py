@@ -26,6 +26,8 @@ from perf_fakes import FakeGpu
 FAKE = FakeGpu({name!r})
 FAKE.cpu_slowdown = float(os.environ.get("FAKE_CPU_SLOWDOWN", "1"))
 FAKE.sleep_hides = float(os.environ.get("FAKE_SLEEP_HIDES", "0"))
+FAKE.hot_readings = int(os.environ.get("FAKE_HOT_READINGS", "0"))
+FAKE.thermal_slowdown = float(os.environ.get("FAKE_THERMAL_SLOWDOWN", "0"))
 
 
 def pytest_perf_backend(config):
@@ -51,7 +53,7 @@ class FakeGpu:
     timer_name = "fake clock"
     machine_note = None
 
-    def __init__(self, name: str, cpu_slowdown: float = 1.0):
+    def __init__(self, name: str, cpu_slowdown: float = 1.0, hot_readings: int = 0, thermal_slowdown: float = 0.0):
         self.name = name
         self.now = 0.0
         self.flushes = 0
@@ -70,6 +72,10 @@ class FakeGpu:
         # on a GPU; time_launch hides none.
         self.sleep_hides = 0.0
         self.hidden = 0.0
+        # A hot GPU: the next `hot_readings` machine readings say sw_thermal_slowdown at 80 C, and while they last the
+        # device time of work() is `thermal_slowdown` longer (a fraction).
+        self.hot_readings = hot_readings
+        self.thermal_slowdown = thermal_slowdown
         # What machine_state() returns: a healthy GPU unless a test says otherwise (None: no NVML).
         self.machine = {"sm_clock_mhz": 1980, "memory_clock_mhz": 2619, "max_sm_clock_mhz": 1980,
                         "temperature_c": 40, "power_w": 300.0, "throttle": [], "processes": [1], "other_processes": 0}
@@ -145,9 +151,9 @@ class FakeGpu:
         self.released += 1
 
     def for_rank(self):
-        # Each rank gets a fresh fake of the same name and CPU speed: its clock starts at 0 and moves only by the
-        # rank's own work.
-        return functools.partial(FakeGpu, self.name, self.cpu_slowdown)
+        # Each rank gets a fresh fake of the same name, CPU speed and heat: its clock starts at 0 and moves only by
+        # the rank's own work.
+        return functools.partial(FakeGpu, self.name, self.cpu_slowdown, self.hot_readings, self.thermal_slowdown)
 
     def capture_graph(self, call):
         """Records the call without running it (a work function that is not capturable raises); a replay costs the
@@ -193,7 +199,12 @@ class FakeGpu:
             self.held -= nbytes
 
     def machine_state(self):
-        return None if self.machine is None else dict(self.machine)
+        if self.machine is None:
+            return None
+        if self.hot_readings > 0:
+            self.hot_readings -= 1
+            return {**self.machine, "temperature_c": 80, "throttle": ["sw_thermal_slowdown"]}
+        return dict(self.machine)
 
     def work(self, ms: float, noise: float = 0.0, memory: int = 0, seed: int = 0, slow_calls: int = 0,
              slow_ms: float = 0, launch_ms: float = 0.0, launch_noise: float = 0.0, capturable: bool = True,
@@ -217,6 +228,8 @@ class FakeGpu:
             calls += 1
             base = slow_ms if calls <= slow_calls else ms
             device = max(base * 1e-3 * (1 + noise * rng.gauss(0.0, 1.0)), 0.0)
+            if self.hot_readings > 0:
+                device *= 1 + self.thermal_slowdown
             if not self.hosting:
                 self.now += device
             if launch_ms and not (self.replaying or self.queued):

@@ -80,3 +80,43 @@ def test_without_pynvml_or_the_device_there_is_no_reader_and_a_reason(monkeypatc
 )
 def test_problems_beside_the_verdict(before, after, baseline, notes):
     assert machine.problems(before, after, baseline) == notes
+
+
+def _readings(*temperatures_and_throttle):
+    """A read() that returns these readings in turn (then the last one again), and the sleeps it was asked for."""
+    readings = [{"temperature_c": t, "throttle": list(reasons)} for t, reasons in temperatures_and_throttle]
+    sleeps = []
+
+    def read():
+        return readings.pop(0) if len(readings) > 1 else readings[0]
+
+    return read, sleeps.append, sleeps
+
+
+HOT = ("sw_thermal_slowdown",)
+
+
+def test_a_gpu_that_is_not_thermally_throttled_is_not_waited_for():
+    read, sleep, sleeps = _readings((70, ("sw_power_cap",)))
+    assert machine.cool_down(read, 45, sleep) is None
+    assert sleeps == []
+    assert machine.cool_down(lambda: None, 45, sleep) is None  # no NVML
+
+
+def test_a_thermally_throttled_gpu_is_left_idle_until_it_is_cool_and_near_the_baselines_temperature():
+    # The throttle reason clears at 62 C, but the baseline started at 45 C: it waits for 50 C.
+    read, sleep, sleeps = _readings((76, HOT), (70, HOT), (62, ()), (55, ()), (50, ()), (40, ()))
+    note = machine.cool_down(read, 45, sleep, max_wait=60, poll=2)
+    assert sleeps == [2, 2, 2, 2]
+    assert note == "thermally throttled (sw_thermal_slowdown at 76 C): re-measured after 8 s idle, at 50 C"
+    # Without the baseline's temperature, until the reason clears.
+    read, sleep, sleeps = _readings((76, HOT), (70, HOT), (62, ()))
+    assert machine.cool_down(read, None, sleep, poll=1).endswith("re-measured after 2 s idle, at 62 C")
+
+
+def test_a_gpu_still_hot_after_the_longest_wait_is_said_so():
+    read, sleep, sleeps = _readings((80, HOT), (79, ("hw_thermal_slowdown", "sw_power_cap")))
+    note = machine.cool_down(read, 45, sleep, max_wait=3, poll=1)
+    assert sleeps == [1, 1, 1]
+    assert note == ("thermally throttled (sw_thermal_slowdown at 80 C): re-measured after 3 s, still at 79 C "
+                    "(the baseline started at 45 C)")

@@ -39,7 +39,8 @@ def setup(ctx, ms, skew, memory, fail_rank=None, noise=0.0, launch=0.0, uncaptur
                 return ctx.rank
         if not (ctx.backend.queued or ctx.backend.replaying):  # the CPU's launch cost: queued ahead, or none
             ctx.backend.now += launch * 1e-3 * ctx.backend.cpu_slowdown
-        ctx.backend.now += 0.75 * seconds * (1 + noise * rng.gauss(0.0, 1.0))
+        hot = 1 + ctx.backend.thermal_slowdown * (ctx.backend.hot_readings > 0)
+        ctx.backend.now += 0.75 * seconds * hot * (1 + noise * rng.gauss(0.0, 1.0))
         with ctx.span("comm_wait"):
             ctx.backend.now += 0.25 * seconds
         peak = (ctx.rank + 1) * memory + ctx.backend.held
@@ -253,6 +254,21 @@ def test_injected_cases_spawn_the_ranks_again_and_fail_nothing(pytester, monkeyp
     assert [(c["delay"], c["memory"], c["verdict"]) for c in cases] == [(0.1, MIB, "SLOWER+MORE-MEMORY"),
                                                                          (0.12, 0, "SLOWER")]
     assert [c["time_change"] for c in cases] == [pytest.approx(0.1), pytest.approx(0.12)]
+
+
+def test_a_slower_verdict_taken_hot_is_re_measured_on_every_rank_once_they_have_cooled(pytester, monkeypatch):
+    # Each rank's GPU reads sw_thermal_slowdown for its next 2 readings (a second apart) and its step is 20% slower
+    # meanwhile: the rounds say SLOWER, every rank waits for its GPU to read cool, and the rounds timed then decide.
+    write(pytester, ms=1.0)
+    run(pytester, "--benchmark-save=base").assert_outcomes(passed=1)
+    monkeypatch.setenv("FAKE_THERMAL_SLOWDOWN", "0.2")
+    monkeypatch.setenv("FAKE_HOT_READINGS", "2")
+    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*thermally throttled (sw_thermal_slowdown at 80 C): re-measured after 2 s idle, at "
+                                 "40 C*"])
+    info = only_benchmark(pytester)["extra_info"]
+    assert info["remeasured"] and info["verdict"] == "PASS"
 
 
 def test_a_failing_rank_fails_the_test_with_its_traceback(pytester):

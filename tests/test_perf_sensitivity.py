@@ -8,7 +8,7 @@ import math
 import pytest
 from perf_fakes import MACHINE, MIB, FakeGpu, run, save_baseline, write_suite
 
-from lmsys.perf import calibration, compare, timing
+from lmsys.perf import calibration, compare, machine, timing
 
 pytest_plugins = ["pytester"]
 
@@ -372,6 +372,29 @@ def test_a_noisy_benchmark_gets_more_rounds_unless_the_cap_is_zero(pytester):
     assert bench_json(pytester)["test_a"]["stats"]["rounds"] > 21
     run(pytester, "--benchmark-json=out.json", "--perf-max-time=0").assert_outcomes(passed=1)
     assert bench_json(pytester)["test_a"]["stats"]["rounds"] == 21
+
+
+def test_a_slower_verdict_taken_hot_is_re_measured_once_the_gpu_has_cooled(pytester, monkeypatch):
+    # The GPU reads sw_thermal_slowdown at 80 C (its baseline started at 40 C) for its next 3 readings, and its work is
+    # 10% slower meanwhile: the first rounds say SLOWER; the gate leaves it idle until it reads cool, and the rounds
+    # timed then decide (PASS), with a note. A GPU that stays hot keeps its SLOWER, and the note says so.
+    monkeypatch.setattr(machine, "COOL_POLL_SECONDS", 0.001)
+    save_baseline(pytester, {"test_a": {"ms": 1.0}})
+    write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=2)
+    monkeypatch.setenv("FAKE_THERMAL_SLOWDOWN", "0.1")
+    monkeypatch.setenv("FAKE_HOT_READINGS", "3")
+    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*test_a*thermally throttled (sw_thermal_slowdown at 80 C): re-measured after 0 s "
+                                 "idle, at 40 C*"])
+    info = bench_json(pytester)["test_a"]["extra_info"]
+    assert info["remeasured"] and info["verdict"] == "PASS"
+    monkeypatch.setattr(machine, "COOL_WAIT_SECONDS", 0.005)
+    monkeypatch.setenv("FAKE_HOT_READINGS", "1000")
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*SLOWER*test_a*+10.0%*", "*re-measured after 0 s, still at 80 C (the baseline "
+                                 "started at 40 C)*"])
 
 
 def test_an_injected_device_side_delay_is_caught(pytester, monkeypatch):

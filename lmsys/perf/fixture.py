@@ -96,6 +96,12 @@ class GpuBenchmark:
     def _tolerance(self, timed: str, eager: bool = False) -> Tolerance:
         return self._session.time_tolerance_for(self._benchmark.fullname, timed, self._marker(), eager)
 
+    def _baseline_temperature(self) -> float | None:
+        """The GPU's temperature before the baseline's rounds (None without a baseline or its readings)."""
+        baseline = self._session.baseline(self._benchmark.fullname)
+        info = {} if baseline is None else baseline.get("extra_info") or {}
+        return ((info.get("machine") or {}).get("before") or {}).get("temperature_c")
+
     def _claim(self) -> None:
         # pytest-benchmark's fixture is single-use; taking its (private) mode makes a second call of either fail loudly.
         bench = self._benchmark
@@ -151,6 +157,7 @@ class GpuBenchmark:
                     eager_precision=session.precision(eager_tolerance), delay=delay, extra_memory=extra_memory,
                     queued_judge=self._judge(timing.QUEUED, queued_tolerance),
                     queued_precision=session.precision(queued_tolerance), host=host,
+                    baseline_c=self._baseline_temperature(),
                 )
 
         measurement = measure(session.injected_delay, session.injected_memory)
@@ -253,6 +260,7 @@ class GpuBenchmark:
             graph=graph,
             graph_reference=self._reference(timing.GRAPH, graph_tolerance),
             graph_precision=session.precision(graph_tolerance),
+            baseline_c=self._baseline_temperature(),
         )
         try:
             if self._benchmark.disabled:

@@ -21,6 +21,14 @@ THROTTLE_REASONS = {
 }
 # An SM clock this far from the baseline's (relative) is reported beside the verdict.
 CLOCK_DEVIATION = 0.10
+# The throttle reasons of a GPU too hot to run at its clocks (cool_down).
+THERMAL = ("sw_thermal_slowdown", "hw_thermal_slowdown")
+# cool_down: how long it waits at most, how often it reads the GPU, and how far above the baseline's temperature
+# before its rounds it lets the GPU stay. On the lent H100 (2026-11-24) one machine start ran the attention anchors
+# at 74-77 C in sw_thermal_slowdown, 4.7-8.2% slower than its own reference, where another start ran them at 37-50 C.
+COOL_WAIT_SECONDS = 60.0
+COOL_POLL_SECONDS = 1.0
+COOL_MARGIN_C = 5
 
 
 class Reader:
@@ -99,3 +107,35 @@ def problems(before: dict | None, after: dict | None, baseline_after: dict | Non
     if now and then and abs(now - then) > CLOCK_DEVIATION * then:
         notes.append(f"SM clock {now} MHz, the baseline's {then} MHz")
     return notes
+
+
+def thermal(reading: dict | None) -> list[str]:
+    """The thermal throttle reasons (THERMAL) of a reading."""
+    return [reason for reason in (reading or {}).get("throttle") or () if reason in THERMAL]
+
+
+def cool_down(read: Callable[[], dict | None], baseline_c: float | None, sleep: Callable[[float], None],
+              max_wait: float = COOL_WAIT_SECONDS, poll: float = COOL_POLL_SECONDS) -> str | None:
+    """Before a SLOWER verdict is re-measured (timing.judged): when the GPU reads thermally throttled, waits, idle,
+    until it reads neither thermally throttled nor hotter than COOL_MARGIN_C above `baseline_c` (the baseline's
+    temperature before its rounds, None when unknown), at most max_wait seconds, reading it every `poll` seconds.
+    Returns the note for the verdict, or None when the GPU was not thermally throttled (or there is no NVML)."""
+    first = read()
+    reasons = thermal(first)
+    if not reasons:
+        return None
+    target = None if baseline_c is None else baseline_c + COOL_MARGIN_C
+    waited, reading = 0.0, first
+    while waited < max_wait:
+        sleep(poll)
+        waited += poll
+        reading = read() or {}
+        temperature = reading.get("temperature_c")
+        if not thermal(reading) and (target is None or temperature is None or temperature <= target):
+            break
+    hot, now = first.get("temperature_c"), reading.get("temperature_c")
+    how = f"{', '.join(reasons)} at {hot} C"
+    if thermal(reading) or (target is not None and now is not None and now > target):
+        return (f"thermally throttled ({how}): re-measured after {waited:.0f} s, still at {now} C"
+                f"{'' if target is None else f' (the baseline started at {baseline_c} C)'}")
+    return f"thermally throttled ({how}): re-measured after {waited:.0f} s idle, at {now} C"

@@ -20,7 +20,7 @@ traceback), NCCL on GPUs and gloo on the CPU. On every rank:
         drains any lead and is the CPU's time even when queued: graph mode is for those
     rank 0 gathers the samples: a round's time is the maximum over the ranks
     with a baseline, every rank compares the gathered samples; when that says SLOWER every rank times the rounds
-        once more, and that decides
+        once more (a GPU that reads thermally throttled cools first: timing.cooler), and that decides
     one more call per rank under reset peak memory statistics
 
 Back in the test process the result is a timing.Measurement, recorded and judged by the fixture like any other:
@@ -122,6 +122,7 @@ class Settings:
     graph: bool = False
     graph_reference: compare.Reference | None = None
     graph_precision: timing.Precision = timing.Precision()
+    baseline_c: float | None = None
 
 
 def _barrier(ctx: RankContext) -> None:
@@ -232,6 +233,8 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
             walls = _gather(replay_wall)
         # Queued timing (graph replays too): every rank's rounds behind the same device-side lead, long enough for the
         # slowest rank's CPU to queue its whole step, so that the rounds hold the device's time.
+        notes = [] if note is None else [note]
+        cool = timing.cooler(backend, settings.baseline_c, notes)
         timer = backend.time_call
         if settings.queued or captured is not None:
             lead = backend.make_delay(min(timing.MAX_LEAD, timing.LEAD_FACTOR * max(walls)))
@@ -270,8 +273,9 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
             def judge(measured):
                 return None if reference is None else reference.judge(measured[0], measured[3], device_time)
 
-            # Every rank judges the same gathered samples, so every rank re-measures, or none does.
-            return timing.judged(measure_all, judge)
+            # Every rank judges the same gathered samples, so every rank re-measures, or none does (each after its
+            # own GPU cooled, if it reads thermally throttled: the next rounds start at a barrier).
+            return timing.judged(measure_all, judge, cool)
 
         if captured is not None:
             try:
@@ -300,7 +304,7 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
         "readings": readings,
         "spans": _span_summary(spans, samples),
         "timing": timing.GRAPH if captured is not None else timing.QUEUED if settings.queued else timing.EAGER,
-        "notes": [] if note is None else [note],
+        "notes": notes,
     }
     if eager is not None:
         (eager_samples, eager_spans, eager_wall, eager_probes), eager_comparison, eager_remeasured = eager

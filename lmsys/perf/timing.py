@@ -42,6 +42,7 @@ from math import ceil
 from statistics import median
 from typing import Any, NamedTuple
 
+from lmsys.perf import machine
 from lmsys.perf.compare import SLOWER, TimeComparison, at_cpu_speed, format_bytes, relative_half_width
 
 MAX_ROUNDS = 1000
@@ -324,23 +325,41 @@ def with_allocation(backend, call: Callable[[], Any], nbytes: int) -> Callable[[
     return holding
 
 
-def judged(measure: Callable[[], tuple], judge: Callable[[tuple], TimeComparison | None]):
+def judged(measure: Callable[[], tuple], judge: Callable[[tuple], TimeComparison | None],
+           before_remeasure: Callable[[], None] | None = None):
     """`measure()` returns a measurement; `judge(measurement)` compares it; when that says SLOWER, measured once more
-    and the second measurement decides. Returns the measurement, its comparison and whether it was re-measured."""
+    (after `before_remeasure()`: cooler) and the second measurement decides. Returns the measurement, its comparison
+    and whether it was re-measured."""
     measured = measure()
     comparison = judge(measured)
     remeasured = comparison is not None and comparison.verdict == SLOWER
     if remeasured:
+        if before_remeasure is not None:
+            before_remeasure()
         measured = measure()
         comparison = judge(measured)
     return measured, comparison, remeasured
 
 
+def cooler(backend, baseline_c: float | None, notes: list[str]) -> Callable[[], None]:
+    """What runs before a SLOWER is re-measured: a GPU that reads thermally throttled is left idle until it cools
+    (machine.cool_down; `baseline_c`: the baseline's temperature before its rounds), and the note says so."""
+
+    def cool() -> None:
+        note = machine.cool_down(backend.machine_state, baseline_c, time.sleep, machine.COOL_WAIT_SECONDS,
+                                 machine.COOL_POLL_SECONDS)
+        if note is not None and note not in notes:
+            notes.append(note)
+
+    return cool
+
+
 def _series(backend, call, rounds, flush, precision: Precision, judge: Judge, lead=None, host=False,
-            launch=False, device_time=0.0) -> Series:
+            launch=False, device_time=0.0, cool: Callable[[], None] | None = None) -> Series:
     """The judged series of rounds: timed as `lead`, `host` and `launch` say (time_rounds); a time that is the CPU's
     (host=True, and launch=True: the eager rounds of graph and queued mode) has each round probed (the CPU's speed),
-    and device_time is the device's part of a round, which the CPU's speed does not change."""
+    and device_time is the device's part of a round, which the CPU's speed does not change. `cool` runs before a
+    SLOWER is re-measured (cooler)."""
 
     def measure() -> tuple:
         probes = [] if host or launch else None
@@ -349,7 +368,7 @@ def _series(backend, call, rounds, flush, precision: Precision, judge: Judge, le
         return samples, probes, wall
 
     (samples, probes, wall), comparison, remeasured = judged(
-        measure, lambda measured: judge(measured[0], measured[1], device_time)
+        measure, lambda measured: judge(measured[0], measured[1], device_time), cool
     )
     return Series(samples, wall, comparison, remeasured, probes)
 
@@ -395,6 +414,7 @@ def run(
     queued_judge: Judge | None = None,
     queued_precision: Precision | None = None,
     host: bool = False,
+    baseline_c: float | None = None,
 ) -> Measurement:
     """Warm up, time the rounds, judge them (`judge` compares with the baseline, None without one); when the verdict
     is SLOWER time the rounds once more and let that decide; then one call under the memory reading.
@@ -404,7 +424,9 @@ def run(
     `eager_judge`, or on a GPU the queued rounds are, judged by `queued_judge` (with `queued_precision`).
     With host=True the rounds are timed by the CPU's clock behind a device-side sleep (host timing) and judged by
     `judge`. `delay` > 0 adds a device-side delay of that fraction of the call's time to every call (a CPU spin with
-    host=True), `extra_memory` > 0 that many bytes held on the device during every call.
+    host=True), `extra_memory` > 0 that many bytes held on the device during every call. Before a SLOWER is
+    re-measured, a GPU that reads thermally throttled is left to cool (cooler; `baseline_c`: the baseline's temperature
+    before its rounds).
     """
     if extra_memory:
         call = with_allocation(backend, call, extra_memory)
@@ -412,31 +434,33 @@ def run(
     chosen = warm_up(backend, call, flush, max_time, min_rounds, warmup_rounds)
     timed = with_delay(backend, call, flush, delay, graph, host) if delay else call
     notes = []
+    cool = cooler(backend, baseline_c, notes)
     eager_judge = eager_judge or judge
     captured = _capture(backend, timed, flush, max_time, min_rounds, notes) if graph else None
     queued = graph and captured is None and backend.is_gpu
     eager = None
     if host:
         lead = queue_lead(backend, timed, flush)
-        primary = _series(backend, timed, chosen.rounds, flush, precision, judge, lead, host=True)
+        primary = _series(backend, timed, chosen.rounds, flush, precision, judge, lead, host=True, cool=cool)
     elif queued:
         lead = queue_lead(backend, timed, flush)
         primary = _series(
-            backend, timed, chosen.rounds, flush, queued_precision or precision, queued_judge or judge, lead
+            backend, timed, chosen.rounds, flush, queued_precision or precision, queued_judge or judge, lead,
+            cool=cool,
         )
         eager = _series(backend, timed, chosen.rounds, flush, eager_precision, eager_judge, launch=True,
-                        device_time=median(primary.samples))
+                        device_time=median(primary.samples), cool=cool)
     elif captured is None:
         primary = _series(backend, timed, chosen.rounds, flush, eager_precision if graph else precision,
-                          eager_judge if graph else judge)
+                          eager_judge if graph else judge, cool=cool)
     else:
         replay, release, replay_plan = captured
         try:
-            primary = _series(backend, replay, replay_plan.rounds, flush, precision, judge)
+            primary = _series(backend, replay, replay_plan.rounds, flush, precision, judge, cool=cool)
         finally:
             release()
         eager = _series(backend, timed, chosen.rounds, flush, eager_precision, eager_judge, launch=True,
-                        device_time=median(primary.samples))
+                        device_time=median(primary.samples), cool=cool)
     result, memory = backend.measure_memory(call)
     after = backend.machine_state()
     measurement = Measurement(
