@@ -267,6 +267,7 @@ def test_a_slower_verdict_taken_hot_is_re_measured_on_every_rank_once_they_have_
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*thermally throttled (sw_thermal_slowdown at 80 C): re-measured after 2 s idle, at "
                                  "40 C*"])
+    assert "rank 1: thermally" not in result.stdout.str()  # rank 1's note is rank 0's: said once
     info = only_benchmark(pytester)["extra_info"]
     assert info["remeasured"] and info["verdict"] == "PASS"
 

@@ -293,8 +293,12 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
         _barrier(ctx)
         result, memory = backend.measure_memory(step)
         readings = _gather((memory, dict(ctx.marks)))
+        per_rank_notes = _gather(notes)
     if ctx.rank != 0:
         return result, None
+    # Rank 0's notes, then the other ranks' own (a rank's GPU that had to cool), named by rank.
+    notes = notes + [f"rank {rank}: {text}" for rank, texts in enumerate(per_rank_notes) if rank
+                     for text in texts if text not in notes]
     out = {
         "samples": samples,
         "wall": wall,
