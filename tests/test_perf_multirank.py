@@ -25,9 +25,11 @@ import random
 import pytest
 
 
-def setup(ctx, ms, skew, memory, fail_rank=None, noise=0.0, launch=0.0, uncapturable_rank=None):
+def setup(ctx, ms, skew, memory, fail_rank=None, noise=0.0, launch=0.0, uncapturable_rank=None, hot_rank=None):
     if ctx.rank == fail_rank:
         raise ValueError(f"rank {{ctx.rank}} cannot build its model")
+    if hot_rank is not None and ctx.rank != hot_rank:
+        ctx.backend.hot_readings = 0
     seconds = ms * 1e-3 * (1 + ctx.rank * skew)
     rng = random.Random(ctx.rank)
 
@@ -56,17 +58,19 @@ def setup(ctx, ms, skew, memory, fail_rank=None, noise=0.0, launch=0.0, uncaptur
 def test_step(gpu_benchmark, world_size):
     out = gpu_benchmark.distributed(setup, world_size=world_size, timeout=60, ms={ms}, skew={skew},
                                     memory={memory}, fail_rank={fail_rank}, noise={noise}, launch={launch},
-                                    uncapturable_rank={uncapturable_rank}, graph={graph}, flops=10**9)
+                                    uncapturable_rank={uncapturable_rank}, graph={graph}, hot_rank={hot_rank},
+                                    flops=10**9)
     assert out == [0, 1]
 '''
 
 
 def write(pytester, ms=1.0, skew=0.0, memory=8 * MIB, fail_rank=None, noise=0.0, launch=0.0, graph=False,
-          uncapturable_rank=None):
+          uncapturable_rank=None, hot_rank=None):
     pytester.makeini("[pytest]\n")
     pytester.makeconftest(INNER_CONFTEST.format(name="Fake GPU 80GB"))
     pytester.makepyfile(test_suite=SUITE.format(ms=ms, skew=skew, memory=memory, fail_rank=fail_rank, noise=noise,
-                                                launch=launch, graph=graph, uncapturable_rank=uncapturable_rank))
+                                                launch=launch, graph=graph, uncapturable_rank=uncapturable_rank,
+                                                hot_rank=hot_rank))
 
 
 def run(pytester, *args):
@@ -270,6 +274,12 @@ def test_a_slower_verdict_taken_hot_is_re_measured_on_every_rank_once_they_have_
     assert "rank 1: thermally" not in result.stdout.str()  # rank 1's note is rank 0's: said once
     info = only_benchmark(pytester)["extra_info"]
     assert info["remeasured"] and info["verdict"] == "PASS"
+    # Only rank 1's GPU hot: its note, named by rank.
+    write(pytester, ms=1.0, hot_rank=1)
+    result = run(pytester, "--benchmark-compare")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*rank 1: thermally throttled (sw_thermal_slowdown at 80 C): re-measured after 2 s "
+                                 "idle, at 40 C*"])
 
 
 def test_a_failing_rank_fails_the_test_with_its_traceback(pytester):
