@@ -125,17 +125,19 @@ def cool_down(read: Callable[[], dict | None], baseline_c: float | None, sleep: 
     if not reasons:
         return None
     target = None if baseline_c is None else baseline_c + COOL_MARGIN_C
+
+    def cool(reading: dict) -> bool:
+        now = reading.get("temperature_c")
+        return not thermal(reading) and (target is None or now is None or now <= target)
+
     waited, reading = 0.0, first
-    while waited < max_wait:
+    while not cool(reading) and waited < max_wait:
         sleep(poll)
         waited += poll
         reading = read() or {}
-        temperature = reading.get("temperature_c")
-        if not thermal(reading) and (target is None or temperature is None or temperature <= target):
-            break
-    hot, now = first.get("temperature_c"), reading.get("temperature_c")
-    how = f"{', '.join(reasons)} at {hot} C"
-    if thermal(reading) or (target is not None and now is not None and now > target):
-        return (f"thermally throttled ({how}): re-measured after {waited:.0f} s, still at {now} C"
-                f"{'' if target is None else f' (the baseline started at {baseline_c} C)'}")
-    return f"thermally throttled ({how}): re-measured after {waited:.0f} s idle, at {now} C"
+    how = f"{', '.join(reasons)} at {first.get('temperature_c')} C"
+    now = reading.get("temperature_c")
+    if cool(reading):
+        return f"thermally throttled ({how}): re-measured after {waited:.0f} s idle, at {now} C"
+    return (f"thermally throttled ({how}): re-measured after {waited:.0f} s, still at {now} C"
+            f"{'' if target is None else f' (the baseline started at {baseline_c} C)'}")

@@ -259,13 +259,8 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
                         probes.extend(_slowest_probes([g[0] for g in gathered], [g[3] for g in gathered]))
                     return _slowest([g[0] for g in gathered]), max(g[2] for g in gathered) * rounds
 
-                def width(samples):
-                    if probes is None:
-                        return compare.relative_half_width(samples)
-                    return compare.relative_half_width(
-                        compare.at_cpu_speed(samples, probes, median(probes), device_time))
-
                 # Every rank holds the same gathered samples and times, so every rank takes the same decision.
+                width = functools.partial(timing.probed_width, probes=probes, device_time=device_time)
                 samples, wall = timing.adapt(timed_rounds, plan.rounds, precision, width)
                 spans = [sum(batch, []) for batch in zip(*per_rank_spans, strict=True)]
                 return samples, spans, wall, probes

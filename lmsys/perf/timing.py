@@ -239,12 +239,15 @@ def sample(
         samples = time_rounds(backend, call, n, flush, lead, host, probes, launch)
         return samples, clock() - start
 
-    def width(samples: list[float]) -> float:
-        if probes is None:
-            return relative_half_width(samples)
-        return relative_half_width(at_cpu_speed(samples, probes, median(probes), device_time))
+    return adapt(timed, rounds, precision, partial(probed_width, probes=probes, device_time=device_time))
 
-    return adapt(timed, rounds, precision, width)
+
+def probed_width(samples: list[float], probes: list[float] | None = None, device_time: float = 0.0) -> float:
+    """How precisely the samples know their median (relative_half_width), where probed at one CPU speed (the probes'
+    median; at_cpu_speed above device_time): what `adapt` narrows."""
+    if probes is None:
+        return relative_half_width(samples)
+    return relative_half_width(at_cpu_speed(samples, probes, median(probes), device_time))
 
 
 def warm_up(backend, call: Callable[[], Any], flush, max_time: float, min_rounds: int, warmup_rounds: int | None):
