@@ -1,10 +1,10 @@
 """The attention kernels' variants side by side in one process: the Triton backward, the Gluon backward for Hopper
-(lmsys.attention.flash_hopper_bwd, whatever the problem's size: as it is, with its dQ kernel beside the dK/dV one on
-a side stream, with dQ tiles of 128 keys, with 3 stages, without the dK/dV kernel's statistics loaded a step ahead at
-d=64, or with them loaded so without the mask too), the Gluon forward at d=64 too (it takes d=128 alone), SDPA's
-cuDNN and flash backends, and the default (what flash_attention runs: the Gluon backward from
-flash_hopper_bwd.MIN_PROGRAMS_PER_SM programs per multiprocessor, else the Triton one), at the CS336 leaderboard's
-shape and the causal grid's points from 8192 tokens (issue 15).
+(lmsys.attention.flash_hopper_bwd, whatever the problem's size: its kernels one after the other, with its dQ kernel
+beside the dK/dV one on a side stream, and, one after the other, with dQ tiles of 128 keys, with 3 stages, or
+without the dK/dV kernel's statistics loaded a step ahead), the Gluon forward at d=64 too (it takes d=128 alone),
+SDPA's cuDNN and flash backends, and the default (what flash_attention runs: the Gluon backward as
+flash_hopper_bwd.plan decides by the problem's programs per multiprocessor, else the Triton one), at the CS336
+leaderboard's shape and the causal grid's points from 8192 tokens (issue 15).
 
 For each point (bf16, causal unless --not-causal): first each variant's output and gradients against the Triton
 kernels' on the same inputs (the largest difference of each of o, dq, dk, dv relative to the Triton tensor's largest
@@ -47,25 +47,26 @@ POINTS = {
 }
 # name -> (provider, settings of lmsys.attention's modules for it: the Gluon backward, its defaults changed, the
 # Gluon forward at d=64 too)
-GLUON = {"HOPPER_BACKWARD": True, "MIN_PROGRAMS_PER_SM": 0}  # whatever the problem's size
+GLUON = {"HOPPER_BACKWARD": True, "MIN_PROGRAMS_PER_SM": 0, "MIN_PROGRAMS_PER_SM_CONCURRENT": 0}  # any size
 FORWARD_64 = {"HEAD_DIMS": (64, 128)}
 VARIANTS = {
     "triton": ("flash_triton", {"HOPPER_BACKWARD": False}),
     "default": ("flash_triton", {}),  # what flash_attention runs: Gluon or Triton backward by the problem's size
-    "hopper": ("flash_triton", GLUON),
+    "hopper": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False}),
     "fwd64": ("flash_triton", FORWARD_64),
-    "hopper-fwd64": ("flash_triton", {**GLUON, **FORWARD_64}),
+    "hopper-fwd64": ("flash_triton", {**GLUON, **FORWARD_64, "CONCURRENT_DQ": False}),
     "hopper-concurrent": ("flash_triton", {**GLUON, "CONCURRENT_DQ": True}),
-    "hopper-dq128": ("flash_triton", {**GLUON, "TILES": {64: (64, 128), 128: (64, 128)}}),
-    "hopper-3stages": ("flash_triton", {**GLUON, "NUM_STAGES": 3}),
-    "hopper-no-prefetch": ("flash_triton", {**GLUON, "PREFETCH_STATS": set()}),
+    "hopper-dq128": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "TILES": {64: (64, 128), 128: (64, 128)}}),
+    "hopper-3stages": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "NUM_STAGES": 3}),
+    "hopper-no-prefetch": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "PREFETCH_STATS": set()}),
     "sdpa_cudnn": ("sdpa_cudnn", {}),
     "sdpa_flash": ("sdpa_flash", {}),
 }
 DEFAULTS = {
     "HOPPER_BACKWARD": (flash_triton, flash_triton.HOPPER_BACKWARD),
     "MIN_PROGRAMS_PER_SM": (flash_hopper_bwd, flash_hopper_bwd.MIN_PROGRAMS_PER_SM),
-    "CONCURRENT_DQ": (flash_hopper_bwd, False),
+    "MIN_PROGRAMS_PER_SM_CONCURRENT": (flash_hopper_bwd, flash_hopper_bwd.MIN_PROGRAMS_PER_SM_CONCURRENT),
+    "CONCURRENT_DQ": (flash_hopper_bwd, flash_hopper_bwd.CONCURRENT_DQ),
     "TILES": (flash_hopper_bwd, flash_hopper_bwd.TILES),
     "NUM_STAGES": (flash_hopper_bwd, flash_hopper_bwd.NUM_STAGES),
     "PREFETCH_STATS": (flash_hopper_bwd, flash_hopper_bwd.PREFETCH_STATS),

@@ -641,7 +641,9 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, mo
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
     monkeypatch.setattr(flash_triton, "HOPPER_BACKWARD", True)
-    monkeypatch.setattr(flash_hopper_bwd, "MIN_PROGRAMS_PER_SM", 0)  # small problems, which it would leave
+    # Small problems, which it would leave (they run with the dQ kernel beside the other).
+    monkeypatch.setattr(flash_hopper_bwd, "MIN_PROGRAMS_PER_SM", 0)
+    monkeypatch.setattr(flash_hopper_bwd, "MIN_PROGRAMS_PER_SM_CONCURRENT", 0)
     calls = []
     hopper_backward = flash_hopper_bwd.backward
     monkeypatch.setattr(flash_hopper_bwd, "backward", lambda *a: calls.append(a) or hopper_backward(*a))
@@ -657,9 +659,9 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, mo
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting, value", [
-    ("CONCURRENT_DQ", True), ("TILES", {64: (64, 128), 128: (64, 128)}), ("NUM_STAGES", 3),
+    ("CONCURRENT_DQ", True), ("CONCURRENT_DQ", False), ("TILES", {64: (64, 128), 128: (64, 128)}), ("NUM_STAGES", 3),
     ("PREFETCH_STATS", set()),
-], ids=["concurrent-dq", "dq-tiles-128", "3-stages", "no-prefetch"])
+], ids=["concurrent-dq", "serial-dq", "dq-tiles-128", "3-stages", "no-prefetch"])
 @pytest.mark.parametrize("q_shape, is_causal", [((2, 3, 1024, 64), True), ((1, 2, 512, 128), False),
                                                 ((2, 3, 640, 64), False)])
 def test_hopper_backward_variants_gpu(gpu, setting, value, q_shape, is_causal, monkeypatch, seed):
@@ -673,29 +675,86 @@ def test_hopper_backward_variants_gpu(gpu, setting, value, q_shape, is_causal, m
     check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
 
 
+@pytest.mark.parametrize(
+    "per_sm, capturing, expected",
+    [
+        (0.5, False, None),  # the Triton backward's
+        (0.75, False, True),  # side by side from MIN_PROGRAMS_PER_SM_CONCURRENT
+        (3.9, False, True),
+        (8, False, False),  # one after the other from CONCURRENT_BELOW_PROGRAMS_PER_SM
+        (15.5, False, False),
+        (1, True, None),  # under capture never side by side, so from MIN_PROGRAMS_PER_SM alone
+        (1.5, True, False),
+        (3.9, True, False),
+    ],
+)
+def test_hopper_backward_plan(per_sm, capturing, expected):
+    """Which backward runs a problem of `per_sm` dQ programs per multiprocessor, by default: the Triton one (None), the
+    Gluon one with its dQ kernel beside the dK/dV one (True) or after it (False)."""
+    assert flash_hopper_bwd.CONCURRENT_DQ is None
+    assert flash_hopper_bwd.plan(per_sm, capturing) is expected
+
+
+@pytest.mark.parametrize("forced", [True, False])
+def test_hopper_backward_plan_forced(forced, monkeypatch):
+    """CONCURRENT_DQ forced either way holds at any size (the floor follows it), except under capture."""
+    monkeypatch.setattr(flash_hopper_bwd, "CONCURRENT_DQ", forced)
+    assert flash_hopper_bwd.plan(15.5, capturing=False) is forced
+    assert flash_hopper_bwd.plan(1, capturing=False) is (True if forced else None)
+    assert flash_hopper_bwd.plan(15.5, capturing=True) is False
+
+
 @pytest.mark.gpu
-def test_the_gluon_backward_is_the_default_for_large_problems_alone_gpu(gpu, monkeypatch, seed):
-    """By default (HOPPER_BACKWARD, MIN_PROGRAMS_PER_SM) a backward the Gluon kernels take runs on them from 1.5
-    programs of 128 query rows per multiprocessor, where it was measured faster, and on the Triton kernel below that;
-    both checked against float32 SDPA (the float64 tests run the Gluon kernels on small problems)."""
+def test_the_gluon_backward_is_the_default_from_its_measured_sizes_gpu(gpu, monkeypatch, seed):
+    """By default (HOPPER_BACKWARD, `flash_hopper_bwd.plan`) a backward the Gluon kernels take runs on them, its dQ
+    kernel beside the dK/dV one, from 0.75 programs of 128 query rows per multiprocessor, where it was measured faster,
+    and on the Triton kernel below that; both checked against float32 SDPA (the float64 tests run the Gluon kernels on
+    small problems)."""
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
-    assert flash_triton.HOPPER_BACKWARD and flash_hopper_bwd.MIN_PROGRAMS_PER_SM == 1.5
+    assert flash_triton.HOPPER_BACKWARD and flash_hopper_bwd.CONCURRENT_DQ is None
     calls = []
     hopper_backward = flash_hopper_bwd.backward
     monkeypatch.setattr(flash_hopper_bwd, "backward", lambda *a: calls.append(a) or hopper_backward(*a))
     sms = torch.cuda.get_device_properties(gpu).multi_processor_count
-    for rows, runs_gluon in ((sms * 128, False), (2 * sms * 128, True)):  # 1 and 2 programs per multiprocessor
+    # 0.5, 1 and 2 programs per multiprocessor, one head each: the dQ kernel's last argument (`found`) says how.
+    for rows, expected in ((sms * 64, []), (sms * 128, [True]), (2 * sms * 128, [True])):
         calls.clear()
         q, k, v = make_inputs((1, 1, rows, 64), (1, 1, rows, 64), torch.bfloat16, gpu)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         do = torch.randn_like(q)
         grads = torch.autograd.grad(flash_attention(q, k, v, is_causal=True, impl="triton"), (q, k, v), do)
-        assert len(calls) == runs_gluon
+        assert [call[-1][-1] for call in calls] == expected
         ref = torch.autograd.grad(
             F.scaled_dot_product_attention(*(t.float() for t in (q, k, v)), is_causal=True), (q, k, v), do.float())
         for got, want in zip(grads, ref, strict=True):  # bf16 rounding: within 2% of the gradient's largest entry
             assert (got.float() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+@pytest.mark.gpu
+def test_the_gluon_backward_under_graph_capture_gpu(gpu, seed):
+    """Captured in a CUDA graph, the default backward runs its kernels one after the other (never on the side stream),
+    from MIN_PROGRAMS_PER_SM; replayed, it gives the eager call's gradients."""
+    if torch.cuda.get_device_capability(gpu) != (9, 0):
+        pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
+    sms = torch.cuda.get_device_properties(gpu).multi_processor_count
+    q, k, v, do = (torch.randn(1, 2, sms * 128, 64, device=gpu, dtype=torch.bfloat16) for _ in range(4))
+    o, lse = flash_triton.forward(q, k, v, True)
+    assert flash_hopper_bwd.views(q, k, v, do)[-1] is True  # eager: side by side at 2 programs per multiprocessor
+    eager = flash_triton.backward(q, k, v, o, lse, do, True)
+    side = torch.cuda.Stream(gpu)
+    side.wait_stream(torch.cuda.current_stream(gpu))
+    with torch.cuda.stream(side):
+        flash_triton.backward(q, k, v, o, lse, do, True)  # compiled and cached outside the capture
+    torch.cuda.current_stream(gpu).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert flash_hopper_bwd.views(q, k, v, do)[-1] is False
+        captured = flash_triton.backward(q, k, v, o, lse, do, True)
+    graph.replay()
+    torch.cuda.synchronize(gpu)
+    for got, want in zip(captured, eager, strict=True):
+        assert torch.equal(got, want)
 
 
 def _packed_qkv(batch, heads, n, d, dtype, device):

@@ -15,11 +15,13 @@ next step needs:
 
 Like the Triton backward (and unlike FA3, which accumulates dQ with atomics) the scores are computed twice, once per
 kernel: no atomics and no fp32 dQ buffer. delta = rowsum(dO * O) comes from the Triton preprocessing kernel. The two
-kernels share only their inputs: with CONCURRENT_DQ the dQ kernel runs on a side stream beside the other.
+kernels share only their inputs: on problems of few programs (CONCURRENT_DQ, `plan`) the dQ kernel runs on a side
+stream beside the other, except under CUDA-graph capture.
 
 Scope: what the Gluon forward takes (`flash_hopper.views`: sm_90, bf16 or fp16, lengths multiples of 128, q, k, v
 and dO contiguous or the (B, H, T, D) views of (B, T, H, D) tensors), head dims 64 and 128, problems of at least
-MIN_PROGRAMS_PER_SM programs per multiprocessor. `flash_triton` runs it for such inputs unless
+MIN_PROGRAMS_PER_SM programs per multiprocessor (MIN_PROGRAMS_PER_SM_CONCURRENT with the kernels side by side).
+`flash_triton` runs it for such inputs unless
 `flash_triton.HOPPER_BACKWARD` is off (LMSYS_HOPPER_BACKWARD=0 at import). tests/test_attention.py compiles both
 kernels for sm_90 on any machine (no spilled register) and checks them against float64 on a Hopper GPU.
 
@@ -40,6 +42,16 @@ backward's 3.565 and cuDNN's 3.019, with the 128-row query tiles it needs there,
 tiles of 128 rows at d=64 (FA3's tile there), and PIPELINED, a dK/dV loop that issued the next query tile's S^T and
 dP^T before waiting for this tile's dK and dV: right, and slower at every point (4.285 ms at the leaderboard; its
 code: commit e944207).
+
+The kernels side by side (2026-11-24, session 44, the H100, `scripts/attention_backward_variants.py --points
+leaderboard grid --modes bwd --repeats 2`, causal bf16, medians of 2 repeats of 30 calls, same run): on the causal
+grid (batch 1, one head: 64 to 512 dQ programs for 132 multiprocessors) the backward with its dQ kernel on a side
+stream took, from 8192 to 65536 tokens, 0.148, 0.263, 0.826 and 3.305 ms at d=64 (one after the other: 0.218, 0.419,
+0.844, 3.325; the Triton backward 0.126 at 8192, 0.418 at 16384; cuDNN 0.198, 0.386, 0.793, 3.079) and 0.203, 0.404,
+1.301 and 5.488 ms at d=128 (one after the other 0.321, 0.644, 1.427, 5.509; Triton 0.179 at 8192, 0.474 at 16384;
+cuDNN 0.296, 0.585, 1.181, 4.945). At the leaderboard (2048 programs) 3.439 ms against 3.408 one after the other
+(cuDNN 3.037). Hence `plan`: side by side below 8 programs per multiprocessor and from 0.75, the Triton backward
+below that. Under CUDA-graph capture the kernels stay one after the other, from 1.5 (side by side there: untried).
 
 Where the time goes (2026-11-24, the H100, `scripts/attention_backward_variants.py --points leaderboard --modes bwd
 --kernels 10`, the leaderboard's backward, one product being 16 * 16384^2 * 64 * 2 / 2 FLOPs): this backward 3.494 ms
@@ -93,15 +105,22 @@ BLOCK_ROWS = 128  # query rows per _dq_kernel program: two consumer warpgroups o
 TILES = {64: (64, 64), 128: (64, 64)}
 NUM_STAGES = 2
 HEAD_DIMS = (64, 128)
-# Programs (of the dQ kernel: 128 query rows each) per multiprocessor from which flash_triton takes this backward:
-# on the H100 it was faster than the Triton backward at 256 programs (1.9 per multiprocessor) and more, slower at 128
-# and fewer, where the Triton backward's smaller blocks fill more of the GPU (measured: module docstring).
+# Programs (of the dQ kernel: 128 query rows each) per multiprocessor from which flash_triton takes this backward, its
+# two kernels one after the other: on the H100 it was faster than the Triton backward at 256 programs (1.9 per
+# multiprocessor) and more, slower at 128 and fewer, where the Triton backward's smaller blocks fill more of the GPU
+# (measured: module docstring). With the dQ kernel beside the dK/dV one (CONCURRENT_DQ), from
+# MIN_PROGRAMS_PER_SM_CONCURRENT: at 128 programs it was faster than the Triton backward, at 64 slower.
 MIN_PROGRAMS_PER_SM = 1.5
+MIN_PROGRAMS_PER_SM_CONCURRENT = 0.75
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 # Whether the dQ kernel runs on a side stream beside the dK/dV kernel (they share only their inputs), so that a
-# problem of few heads, whose two grids each leave multiprocessors idle, fills the GPU with both.
-CONCURRENT_DQ = False
+# problem of few programs, whose two grids each leave multiprocessors idle, fills the GPU with both: None, by the
+# problem's size (below CONCURRENT_BELOW_PROGRAMS_PER_SM programs per multiprocessor, where it was measured faster;
+# at 2048 programs, 15.5 per multiprocessor, it was 0.9% slower), True or False, always or never. Never while a CUDA
+# graph is captured: there the kernels run one after the other, from MIN_PROGRAMS_PER_SM.
+CONCURRENT_DQ: bool | None = None
+CONCURRENT_BELOW_PROGRAMS_PER_SM = 8
 # The problems, as (is_causal, head dim), for which the dK/dV kernel loads each query tile's log-sum-exp and delta
 # (from global memory: one latency per step, the step's S^T and softmax waiting on the first, its dS^T on the second)
 # one step ahead, into registers kept across the step. It compiles for sm_90 without a spill at d=64 alone (256 bytes
@@ -111,13 +130,32 @@ PREFETCH_STATS = {(True, 64), (False, 64)}
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
 
+def plan(programs_per_sm: float, capturing: bool) -> bool | None:
+    """How this backward runs a problem of `programs_per_sm` dQ programs per multiprocessor: True, its dQ kernel on a
+    side stream beside the dK/dV kernel; False, one after the other; None, not at all (the Triton backward runs it).
+    `capturing`: whether a CUDA graph is being captured (then never side by side)."""
+    if capturing:
+        concurrent = False
+    elif CONCURRENT_DQ is None:
+        concurrent = programs_per_sm < CONCURRENT_BELOW_PROGRAMS_PER_SM
+    else:
+        concurrent = CONCURRENT_DQ
+    floor = min(MIN_PROGRAMS_PER_SM, MIN_PROGRAMS_PER_SM_CONCURRENT) if concurrent else MIN_PROGRAMS_PER_SM
+    return concurrent if programs_per_sm >= floor else None
+
+
 def views(q, k, v, do):
-    """The 2-D views (`flash_hopper._view`) of q, k, v and do when these kernels run this backward, else None."""
+    """When these kernels run this backward: the 2-D views (`flash_hopper._view`) of q, k, v and do, and whether the
+    dQ kernel runs beside the dK/dV one (`plan`); else None."""
     if q.shape[-1] not in HEAD_DIMS or do.shape != q.shape:
         return None
-    found = flash_hopper.views(q, k, v, head_dims=HEAD_DIMS, min_programs_per_sm=MIN_PROGRAMS_PER_SM)
-    dov = flash_hopper._view(do) if found is not None else None
-    return None if dov is None else (*found, dov)
+    found = flash_hopper.views(q, k, v, head_dims=HEAD_DIMS, min_programs_per_sm=0)
+    if found is None:
+        return None
+    programs = q.numel() // (q.shape[-1] * BLOCK_ROWS)
+    concurrent = plan(programs / flash_hopper._sm_count(q.device), torch.cuda.is_current_stream_capturing())
+    dov = flash_hopper._view(do) if concurrent is not None else None
+    return None if dov is None else (*found, dov, concurrent)
 
 
 @gluon.constexpr_function
@@ -423,12 +461,12 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, N_Q, N_K, H
 
 def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
     """Writes the gradients into dq, dk, dv (new, contiguous, of q's dtype) for inputs these kernels take (`found`:
-    what `views()` returned), given the forward's natural-log log-sum-exp and delta = rowsum(dO * O), both fp32 and
-    contiguous, one row per head."""
+    what `views()` returned, under the same capture state), given the forward's natural-log log-sum-exp and
+    delta = rowsum(dO * O), both fp32 and contiguous, one row per head."""
     d, n_q, n_k = q.shape[-1], q.shape[-2], k.shape[-2]
     bh = q.numel() // (n_q * d)
     heads = q.shape[1] if q.dim() == 4 else 1
-    qv, kv, vv, dov = found
+    qv, kv, vv, dov, concurrent = found
     strides = (*qv[2:], *kv[2:], *vv[2:], *dov[2:])
     sm_scale = 1.0 / math.sqrt(d)
     qk_scale = sm_scale * LOG2E.value
@@ -438,8 +476,7 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
     common = dict(HEAD_DIM=d, CAUSAL=is_causal, NUM_STAGES=NUM_STAGES, CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     # dq, dk, dv are new; lse and delta contiguous. The tiles are the descriptors' block shapes, not constexprs.
-    key = (q.device, q.dtype, q.shape, k.shape, block_m, block_n, *found)
-    concurrent = CONCURRENT_DQ and not torch.cuda.is_current_stream_capturing()
+    key = (q.device, q.dtype, q.shape, k.shape, block_m, block_n, qv, kv, vv, dov)
     if concurrent:
         current, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
         side.wait_stream(current)  # the inputs, delta included, are ready on it

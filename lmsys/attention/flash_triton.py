@@ -19,8 +19,8 @@ every program, which keeps the launch balanced.
 
 On Hopper, 16-bit inputs with head dim 128 and lengths that are multiples of 128 take the Gluon forward of
 lmsys.attention.flash_hopper instead (FA3's pipeline, which Triton's compiler does not produce); such inputs at d=64
-or 128, on problems of enough programs to fill the GPU, take the Gluon backward of lmsys.attention.flash_hopper_bwd
-(HOPPER_BACKWARD), every other input the Triton backward below.
+or 128, on problems of enough programs to fill the GPU (`flash_hopper_bwd.plan`), take the Gluon backward of
+lmsys.attention.flash_hopper_bwd (HOPPER_BACKWARD), every other input the Triton backward below.
 
 Tuning: tile sizes, warps and pipeline depth are autotuned per (length rounded up to a power of two, head dim, causal,
 dtype); the forward may load its tiles through tensor descriptors (TMA on Hopper) instead of pointers, whichever is
