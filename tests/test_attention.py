@@ -676,40 +676,42 @@ def test_hopper_backward_variants_gpu(gpu, setting, value, q_shape, is_causal, m
 
 
 @pytest.mark.parametrize(
-    "per_sm, capturing, expected",
+    "per_sm, keys, capturing, expected",
     [
-        (0.5, False, None),  # the Triton backward's
-        (0.75, False, True),  # side by side from MIN_PROGRAMS_PER_SM_CONCURRENT
-        (3.9, False, True),
-        (8, False, False),  # one after the other from CONCURRENT_BELOW_PROGRAMS_PER_SM
-        (15.5, False, False),
-        (1, True, None),  # under capture never side by side, so from MIN_PROGRAMS_PER_SM alone
-        (1.5, True, False),
-        (3.9, True, False),
+        (0.5, 65536, False, None),  # the Triton backward's
+        (0.75, 16384, False, True),  # side by side from MIN_PROGRAMS_PER_SM_CONCURRENT and CONCURRENT_MIN_KEYS
+        (3.9, 65536, False, True),
+        (8, 16384, False, False),  # one after the other from CONCURRENT_BELOW_PROGRAMS_PER_SM
+        (15.5, 16384, False, False),
+        (1, 8192, False, None),  # shorter: one after the other, so from MIN_PROGRAMS_PER_SM
+        (1.94, 512, False, False),  # the model's heads (large, batch 4, context 512)
+        (1, 16384, True, None),  # under capture never side by side, so from MIN_PROGRAMS_PER_SM
+        (1.5, 16384, True, False),
+        (3.9, 65536, True, False),
     ],
 )
-def test_hopper_backward_plan(per_sm, capturing, expected):
-    """Which backward runs a problem of `per_sm` dQ programs per multiprocessor, by default: the Triton one (None), the
-    Gluon one with its dQ kernel beside the dK/dV one (True) or after it (False)."""
+def test_hopper_backward_plan(per_sm, keys, capturing, expected):
+    """Which backward runs a problem of `per_sm` dQ programs per multiprocessor and `keys` keys, by default: the
+    Triton one (None), the Gluon one with its dQ kernel beside the dK/dV one (True) or after it (False)."""
     assert flash_hopper_bwd.CONCURRENT_DQ is None
-    assert flash_hopper_bwd.plan(per_sm, capturing) is expected
+    assert flash_hopper_bwd.plan(per_sm, keys, capturing) is expected
 
 
 @pytest.mark.parametrize("forced", [True, False])
 def test_hopper_backward_plan_forced(forced, monkeypatch):
     """CONCURRENT_DQ forced either way holds at any size (the floor follows it), except under capture."""
     monkeypatch.setattr(flash_hopper_bwd, "CONCURRENT_DQ", forced)
-    assert flash_hopper_bwd.plan(15.5, capturing=False) is forced
-    assert flash_hopper_bwd.plan(1, capturing=False) is (True if forced else None)
-    assert flash_hopper_bwd.plan(15.5, capturing=True) is False
+    assert flash_hopper_bwd.plan(15.5, 512, capturing=False) is forced
+    assert flash_hopper_bwd.plan(1, 512, capturing=False) is (True if forced else None)
+    assert flash_hopper_bwd.plan(15.5, 65536, capturing=True) is False
 
 
 @pytest.mark.gpu
 def test_the_gluon_backward_is_the_default_from_its_measured_sizes_gpu(gpu, monkeypatch, seed):
     """By default (HOPPER_BACKWARD, `flash_hopper_bwd.plan`) a backward the Gluon kernels take runs on them, its dQ
-    kernel beside the dK/dV one, from 0.75 programs of 128 query rows per multiprocessor, where it was measured faster,
-    and on the Triton kernel below that; both checked against float32 SDPA (the float64 tests run the Gluon kernels on
-    small problems)."""
+    kernel beside the dK/dV one, from 0.75 programs of 128 query rows per multiprocessor and 16384 tokens, where it was
+    measured faster, and on the Triton kernel below that (shorter problems from 1.5); both checked against float32 SDPA
+    (the float64 tests run the Gluon kernels on small problems)."""
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
     assert flash_triton.HOPPER_BACKWARD and flash_hopper_bwd.CONCURRENT_DQ is None
@@ -717,8 +719,10 @@ def test_the_gluon_backward_is_the_default_from_its_measured_sizes_gpu(gpu, monk
     hopper_backward = flash_hopper_bwd.backward
     monkeypatch.setattr(flash_hopper_bwd, "backward", lambda *a: calls.append(a) or hopper_backward(*a))
     sms = torch.cuda.get_device_properties(gpu).multi_processor_count
-    # 0.5, 1 and 2 programs per multiprocessor, one head each: the dQ kernel's last argument (`found`) says how.
+    # 0.5, 1 and 2 programs per multiprocessor (batch 1, one head; on the H100's 132 multiprocessors 8448 rows, 16896
+    # and 33792): the last entry of the backward's last argument (`found`) says how it ran.
     for rows, expected in ((sms * 64, []), (sms * 128, [True]), (2 * sms * 128, [True])):
+        assert (rows >= flash_hopper_bwd.CONCURRENT_MIN_KEYS) == bool(expected)
         calls.clear()
         q, k, v = make_inputs((1, 1, rows, 64), (1, 1, rows, 64), torch.bfloat16, gpu)
         q, k, v = (t.requires_grad_() for t in (q, k, v))

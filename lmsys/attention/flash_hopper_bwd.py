@@ -50,8 +50,9 @@ stream took, from 8192 to 65536 tokens, 0.148, 0.263, 0.826 and 3.305 ms at d=64
 0.844, 3.325; the Triton backward 0.126 at 8192, 0.418 at 16384; cuDNN 0.198, 0.386, 0.793, 3.079) and 0.203, 0.404,
 1.301 and 5.488 ms at d=128 (one after the other 0.321, 0.644, 1.427, 5.509; Triton 0.179 at 8192, 0.474 at 16384;
 cuDNN 0.296, 0.585, 1.181, 4.945). At the leaderboard (2048 programs) 3.439 ms against 3.408 one after the other
-(cuDNN 3.037). Hence `plan`: side by side below 8 programs per multiprocessor and from 0.75, the Triton backward
-below that. Under CUDA-graph capture the kernels stay one after the other, from 1.5 (side by side there: untried).
+(cuDNN 3.037). Hence `plan`: from 16384 keys, side by side below 8 programs per multiprocessor and from 0.75, the
+Triton backward below that; shorter problems (the model's, among them) were not timed side by side and keep the
+kernels one after the other from 1.5, as does CUDA-graph capture (side by side there: untried).
 
 Where the time goes (2026-11-24, the H100, `scripts/attention_backward_variants.py --points leaderboard --modes bwd
 --kernels 10`, the leaderboard's backward, one product being 16 * 16384^2 * 64 * 2 / 2 FLOPs): this backward 3.494 ms
@@ -116,11 +117,14 @@ CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 # Whether the dQ kernel runs on a side stream beside the dK/dV kernel (they share only their inputs), so that a
 # problem of few programs, whose two grids each leave multiprocessors idle, fills the GPU with both: None, by the
-# problem's size (below CONCURRENT_BELOW_PROGRAMS_PER_SM programs per multiprocessor, where it was measured faster;
-# at 2048 programs, 15.5 per multiprocessor, it was 0.9% slower), True or False, always or never. Never while a CUDA
-# graph is captured: there the kernels run one after the other, from MIN_PROGRAMS_PER_SM.
+# problem's size (below CONCURRENT_BELOW_PROGRAMS_PER_SM programs per multiprocessor and from CONCURRENT_MIN_KEYS
+# keys, where it was measured faster; at 2048 programs, 15.5 per multiprocessor, it was 0.9% slower; shorter problems,
+# such as the model's 512-token heads, were not measured that way and keep the kernels one after the other), True or
+# False, always or never. Never while a CUDA graph is captured: there the kernels run one after the other, from
+# MIN_PROGRAMS_PER_SM.
 CONCURRENT_DQ: bool | None = None
 CONCURRENT_BELOW_PROGRAMS_PER_SM = 8
+CONCURRENT_MIN_KEYS = 16384
 # The problems, as (is_causal, head dim), for which the dK/dV kernel loads each query tile's log-sum-exp and delta
 # (from global memory: one latency per step, the step's S^T and softmax waiting on the first, its dS^T on the second)
 # one step ahead, into registers kept across the step. It compiles for sm_90 without a spill at d=64 alone (256 bytes
@@ -130,14 +134,14 @@ PREFETCH_STATS = {(True, 64), (False, 64)}
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
 
-def plan(programs_per_sm: float, capturing: bool) -> bool | None:
-    """How this backward runs a problem of `programs_per_sm` dQ programs per multiprocessor: True, its dQ kernel on a
-    side stream beside the dK/dV kernel; False, one after the other; None, not at all (the Triton backward runs it).
-    `capturing`: whether a CUDA graph is being captured (then never side by side)."""
+def plan(programs_per_sm: float, keys: int, capturing: bool) -> bool | None:
+    """How this backward runs a problem of `programs_per_sm` dQ programs per multiprocessor and `keys` keys: True, its
+    dQ kernel on a side stream beside the dK/dV kernel; False, one after the other; None, not at all (the Triton
+    backward runs it). `capturing`: whether a CUDA graph is being captured (then never side by side)."""
     if capturing:
         concurrent = False
     elif CONCURRENT_DQ is None:
-        concurrent = programs_per_sm < CONCURRENT_BELOW_PROGRAMS_PER_SM
+        concurrent = programs_per_sm < CONCURRENT_BELOW_PROGRAMS_PER_SM and keys >= CONCURRENT_MIN_KEYS
     else:
         concurrent = CONCURRENT_DQ
     floor = min(MIN_PROGRAMS_PER_SM, MIN_PROGRAMS_PER_SM_CONCURRENT) if concurrent else MIN_PROGRAMS_PER_SM
@@ -153,7 +157,8 @@ def views(q, k, v, do):
     if found is None:
         return None
     programs = q.numel() // (q.shape[-1] * BLOCK_ROWS)
-    concurrent = plan(programs / flash_hopper._sm_count(q.device), torch.cuda.is_current_stream_capturing())
+    concurrent = plan(programs / flash_hopper._sm_count(q.device), k.shape[-2],
+                      torch.cuda.is_current_stream_capturing())
     dov = flash_hopper._view(do) if concurrent is not None else None
     return None if dov is None else (*found, dov, concurrent)
 
