@@ -21,9 +21,9 @@ stream beside the other, except under CUDA-graph capture.
 Scope: what the Gluon forward takes (`flash_hopper.views`: sm_90, bf16 or fp16, lengths multiples of 128, q, k, v
 and dO contiguous or the (B, H, T, D) views of (B, T, H, D) tensors), head dims 64 and 128, problems of at least
 MIN_PROGRAMS_PER_SM programs per multiprocessor (MIN_PROGRAMS_PER_SM_CONCURRENT with the kernels side by side).
-`flash_triton` runs it for such inputs unless
-`flash_triton.HOPPER_BACKWARD` is off (LMSYS_HOPPER_BACKWARD=0 at import). tests/test_attention.py compiles both
-kernels for sm_90 on any machine (no spilled register) and checks them against float64 on a Hopper GPU.
+`flash_triton` runs it for such inputs unless `flash_triton.HOPPER_BACKWARD` is off (LMSYS_HOPPER_BACKWARD=0 at
+import). tests/test_attention.py compiles both kernels for sm_90 on any machine (no spilled register) and checks them
+against float64 on a Hopper GPU.
 
 Measured on the H100 (2026-11-23, scripts/attention_backward_variants.py, causal bf16 backward, median of 30 calls):
 at the CS336 leaderboard's (16, 16384, 64) 3.456 ms against the Triton backward's 3.542 (cuDNN 3.041); on the causal
