@@ -153,11 +153,8 @@ def views(q, k, v, do):
     dQ kernel runs beside the dK/dV one (`plan`); else None."""
     if q.shape[-1] not in HEAD_DIMS or do.shape != q.shape or not q.is_cuda:
         return None
-    # The plan before the views, and the lowest floor first: a problem that runs on the Triton backward (the
-    # launch-bound ones) leaves as cheaply as it did before `plan`.
+    # The plan before the views: a problem that runs on the Triton backward (the launch-bound ones) leaves without them.
     per_sm = q.numel() // (q.shape[-1] * BLOCK_ROWS) / flash_hopper._sm_count(q.device)
-    if per_sm < min(MIN_PROGRAMS_PER_SM, MIN_PROGRAMS_PER_SM_CONCURRENT):
-        return None
     concurrent = plan(per_sm, k.shape[-2], torch.cuda.is_current_stream_capturing())
     found = None if concurrent is None else flash_hopper.views(q, k, v, head_dims=HEAD_DIMS, min_programs_per_sm=0)
     dov = flash_hopper._view(do) if found is not None else None
