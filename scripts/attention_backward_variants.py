@@ -1,10 +1,11 @@
 """The attention kernels' variants side by side in one process: the Triton backward, the Gluon backward for Hopper
 (lmsys.attention.flash_hopper_bwd, whatever the problem's size: its kernels one after the other, with its dQ kernel
 beside the dK/dV one on a side stream, and, one after the other, with dQ tiles of 128 keys, with 3 stages, or
-without the dK/dV kernel's statistics loaded a step ahead), the Gluon forward at d=64 too (it takes d=128 alone),
-SDPA's cuDNN and flash backends, and the default (what flash_attention runs: the Gluon backward as
-flash_hopper_bwd.plan decides by the problem's programs per multiprocessor, else the Triton one), at the CS336
-leaderboard's shape and the causal grid's points from 8192 tokens (issue 15).
+without the dK/dV kernel's statistics loaded a step ahead), the Gluon forward at d=64 at any size or never (by
+default it runs long problems of few blocks: flash_hopper.plan), SDPA's cuDNN and flash backends, and the default
+(what flash_attention runs: the Gluon backward as flash_hopper_bwd.plan decides by the problem's programs per
+multiprocessor, else the Triton one), at the CS336 leaderboard's shape and the causal grid's points from 8192 tokens
+(issue 15).
 
 For each point (bf16, causal unless --not-causal): first each variant's output and gradients against the Triton
 kernels' on the same inputs (the largest difference of each of o, dq, dk, dv relative to the Triton tensor's largest
@@ -25,6 +26,7 @@ Needs a Hopper GPU (the Gluon kernels are for sm_90): elsewhere it says so and e
 """
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -48,12 +50,13 @@ POINTS = {
 # name -> (provider, settings of lmsys.attention's modules for it: the Gluon backward, its defaults changed, the
 # Gluon forward at d=64 too)
 GLUON = {"HOPPER_BACKWARD": True, "MIN_PROGRAMS_PER_SM": 0, "MIN_PROGRAMS_PER_SM_CONCURRENT": 0}  # any size
-FORWARD_64 = {"HEAD_DIMS": (64, 128)}
+FORWARD_64 = {"FORWARD_64_MIN_KEYS": 0, "FORWARD_64_BELOW_PROGRAMS_PER_SM": math.inf}  # from 1 block per SM
 VARIANTS = {
     "triton": ("flash_triton", {"HOPPER_BACKWARD": False}),
     "default": ("flash_triton", {}),  # what flash_attention runs: Gluon or Triton backward by the problem's size
     "hopper": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False}),
     "fwd64": ("flash_triton", FORWARD_64),
+    "no-fwd64": ("flash_triton", {"FORWARD_64_MIN_KEYS": math.inf}),  # the Triton forward at d=64
     "hopper-fwd64": ("flash_triton", {**GLUON, **FORWARD_64, "CONCURRENT_DQ": False}),
     "hopper-concurrent": ("flash_triton", {**GLUON, "CONCURRENT_DQ": True}),
     "hopper-dq128": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "TILES": {64: (64, 128), 128: (64, 128)}}),
@@ -70,7 +73,8 @@ DEFAULTS = {
     "TILES": (flash_hopper_bwd, flash_hopper_bwd.TILES),
     "NUM_STAGES": (flash_hopper_bwd, flash_hopper_bwd.NUM_STAGES),
     "PREFETCH_STATS": (flash_hopper_bwd, flash_hopper_bwd.PREFETCH_STATS),
-    "HEAD_DIMS": (flash_hopper, flash_hopper.HEAD_DIMS),  # of the Gluon forward
+    "FORWARD_64_MIN_KEYS": (flash_hopper, flash_hopper.FORWARD_64_MIN_KEYS),  # where the Gluon forward runs d=64
+    "FORWARD_64_BELOW_PROGRAMS_PER_SM": (flash_hopper, flash_hopper.FORWARD_64_BELOW_PROGRAMS_PER_SM),
 }
 
 

@@ -536,8 +536,8 @@ out = pathlib.Path(sys.argv[2])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, head_dim, tmp_path):
     """On any machine: the Gluon forward compiles for sm_90 with the installed triton, fits shared memory, spills
-    nothing, and waits for the score MMA while the P V MMA is still in flight (`wgmma.wait_group 1`); at d=128, which
-    it runs, and at d=64, which scripts/attention_backward_variants.py times against the Triton forward."""
+    nothing, and waits for the score MMA while the P V MMA is still in flight (`wgmma.wait_group 1`), at both head dims
+    it runs."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
     args = [sys.executable, "-c", _COMPILE_HOPPER_FORWARD, "causal" if is_causal else "full", str(tmp_path),
             str(head_dim)]
@@ -706,6 +706,49 @@ def test_hopper_backward_plan_forced(forced, monkeypatch):
     assert flash_hopper_bwd.plan(15.5, 65536, capturing=True) is False
 
 
+@pytest.mark.parametrize(
+    "head_dim, per_sm, keys, expected",
+    [
+        (128, 0.5, 65536, False),  # below MIN_PROGRAMS_PER_SM: the Triton forward's
+        (128, 1, 4096, True),
+        (128, 15.5, 512, True),
+        (64, 1.94, 32768, True),  # one head of 32768 and 65536 tokens, where it was measured faster
+        (64, 3.9, 65536, True),
+        (64, 0.97, 16384, False),  # shorter, not timed
+        (64, 1.94, 512, False),  # the model's heads (large, batch 4, context 512)
+        (64, 15.5, 16384, False),  # the leaderboard: its forward and backward measured slower
+        (64, 4, 65536, False),  # from FORWARD_64_BELOW_PROGRAMS_PER_SM, not timed
+        (80, 4, 65536, False),  # a head dim it does not compile for
+    ],
+)
+def test_hopper_forward_plan(head_dim, per_sm, keys, expected):
+    """Where the Gluon forward runs by default: d=128 from one query block per multiprocessor, d=64 on long problems of
+    few blocks (measured faster there than the Triton forward)."""
+    assert flash_hopper.plan(head_dim, per_sm, keys) is expected
+
+
+@pytest.mark.gpu
+def test_the_gluon_forward_at_head_dim_64_is_the_default_from_its_measured_sizes_gpu(gpu, monkeypatch, seed):
+    """By default (`flash_hopper.plan`) a d=64 forward runs on the Gluon kernel for one head of about 32768 tokens
+    (two query blocks per multiprocessor), on the Triton kernel for one of about 16384 and for the leaderboard's
+    shape; its output against float32 SDPA."""
+    if torch.cuda.get_device_capability(gpu) != (9, 0):
+        pytest.skip("the Gluon forward is for Hopper (compute capability 9.0)")
+    assert flash_triton.HOPPER_FORWARD
+    calls = []
+    hopper_forward = flash_hopper.forward
+    monkeypatch.setattr(flash_hopper, "forward", lambda *a: calls.append(a) or hopper_forward(*a))
+    sms = torch.cuda.get_device_properties(gpu).multi_processor_count
+    for shape in ((1, 1, 2 * sms * 128, 64), (1, 1, sms * 128, 64), (16, 1, 16384, 64)):
+        expected = shape[2] >= flash_hopper.FORWARD_64_MIN_KEYS and shape[0] == 1
+        calls.clear()
+        q, k, v = make_inputs(shape, shape, torch.bfloat16, gpu)
+        out = flash_attention(q, k, v, is_causal=True, impl="triton")
+        assert len(calls) == expected, shape
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+        assert (out.float() - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
 @pytest.mark.gpu
 def test_the_gluon_backward_is_the_default_from_its_measured_sizes_gpu(gpu, monkeypatch, seed):
     """By default (HOPPER_BACKWARD, `flash_hopper_bwd.plan`) a backward the Gluon kernels take runs on them, its dQ
@@ -801,12 +844,11 @@ def test_hopper_forward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, mon
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_hopper_forward_at_head_dim_64_gpu(gpu, is_causal, monkeypatch, seed):
-    """The Gluon forward at d=64 (not among its HEAD_DIMS until it is measured faster than the Triton forward there:
-    scripts/attention_backward_variants.py) against float64."""
+    """The Gluon forward at d=64 against float64 (on a problem smaller than those it runs at d=64: `plan`)."""
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon forward is for Hopper (compute capability 9.0)")
-    monkeypatch.setattr(flash_hopper, "HEAD_DIMS", (64, 128))
     monkeypatch.setattr(flash_hopper, "MIN_PROGRAMS_PER_SM", 0)
+    monkeypatch.setattr(flash_hopper, "FORWARD_64_MIN_KEYS", 0)
     q, k, v = make_inputs((2, 3, 1024, 64), (2, 3, 1024, 64), torch.bfloat16, gpu)
     assert flash_hopper.applies(q, k, v)
     check_flash("triton", q, k, v, is_causal, torch.randn_like(q))

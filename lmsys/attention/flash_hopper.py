@@ -17,13 +17,14 @@ mask, key tiles above the diagonal are never loaded and only the diagonal tiles 
 mask. The launch order is the Triton forward's (lmsys.attention.launch_order): heads in groups that keep their keys
 and values in L2, heaviest query block first.
 
-Scope: CUDA tensors of compute capability 9.0, bf16 or fp16, head dim 128, both lengths multiples of 128, enough
-query blocks to give every multiprocessor one (MIN_PROGRAMS_PER_SM), each of q, k
-and v either with its heads one after another (contiguous) or side by side in its rows (the (batch, heads, seq, d) view
-of a (batch, seq, heads, d) projection, which the model passes; `_view`). The output is contiguous. `applies()` says
-whether inputs qualify; `flash_triton.forward` uses this kernel for them and its own forward for everything else. There
-is no interpreter for Gluon (and under TRITON_INTERPRET=1 Gluon cannot compile at all): tests/test_attention.py compiles
-the kernel for sm_90 in a process without the interpreter on any machine, and checks it against float64 on the GPU.
+Scope: CUDA tensors of compute capability 9.0, bf16 or fp16, head dim 128 (or 64 on long problems of few blocks:
+`plan`), both lengths multiples of 128, enough query blocks to give every multiprocessor one (MIN_PROGRAMS_PER_SM), each
+of q, k and v either with its heads one after another (contiguous) or side by side in its rows (the (batch, heads, seq,
+d) view of a (batch, seq, heads, d) projection, which the model passes; `_view`). The output is contiguous. `applies()`
+says whether inputs qualify; `flash_triton.forward` uses this kernel for them and its own forward for everything else.
+There is no interpreter for Gluon (and under TRITON_INTERPRET=1 Gluon cannot compile at all): tests/test_attention.py
+compiles the kernel for sm_90 in a process without the interpreter on any machine, and checks it against float64 on the
+GPU.
 """
 
 import functools
@@ -46,7 +47,7 @@ from lmsys.attention import launch_order, launcher
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
 BLOCK_N = 128  # keys per tile
 NUM_STAGES = 2  # K and V buffers per ring; 3 measured no faster on the H100
-HEAD_DIMS = (128,)
+HEAD_DIMS = (64, 128)  # what it compiles for; where it runs: `plan`
 # setmaxnreg budgets: 2 x 128 consumer threads at 240 and 32 producer threads at 24 fit the 64K registers.
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
@@ -58,6 +59,27 @@ LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 # programs) win. Measured on two starts of the lent H100 at (1, 4096, 128) causal bf16 (32 programs here): 131 and
 # 59 us against the Triton forward's 65 and 49 us; at (4, 16, 8192, 128) (4096 programs) this kernel is 17% faster.
 MIN_PROGRAMS_PER_SM = 1
+# At d=64 it runs a narrower window, where it was measured faster than the Triton forward: from FORWARD_64_MIN_KEYS
+# keys and below FORWARD_64_BELOW_PROGRAMS_PER_SM programs per multiprocessor. On the H100 (2026-11-24,
+# `scripts/attention_backward_variants.py --points leaderboard grid --modes fwd fwd_bwd --repeats 2 --variants default
+# fwd64 sdpa_cudnn`, causal bf16, medians of 2 repeats of 30 calls, same run), one head of 32768 and 65536 tokens
+# (1.9 and 3.9 programs per multiprocessor): the forward 0.294 and 1.120 ms against the Triton forward's 0.427 and
+# 1.167 (cuDNN 0.428, 1.385), forward and backward 1.113 and 4.449 against 1.235 and 4.563 (cuDNN 1.190, 4.439). At
+# the leaderboard's (16, 1, 16384, 64), 15.5 programs per multiprocessor, the forward 1.222 ms against 1.233 (cuDNN
+# 1.212) but forward and backward 4.713 against 4.623: left to the Triton forward, as are the problems not timed
+# (below 32768 keys, the model's among them, or from 4 programs per multiprocessor).
+FORWARD_64_MIN_KEYS = 32768
+FORWARD_64_BELOW_PROGRAMS_PER_SM = 4
+
+
+def plan(head_dim: int, programs_per_sm: float, keys: int) -> bool:
+    """Whether the forward runs here (else on the Triton kernel) for a problem of this head dim, `programs_per_sm`
+    query blocks per multiprocessor and `keys` keys, given that it takes the inputs (`views`)."""
+    if head_dim not in HEAD_DIMS or programs_per_sm < MIN_PROGRAMS_PER_SM:
+        return False
+    if head_dim == 64:
+        return keys >= FORWARD_64_MIN_KEYS and programs_per_sm < FORWARD_64_BELOW_PROGRAMS_PER_SM
+    return True
 
 
 @functools.cache
@@ -99,11 +121,11 @@ def _view(x):
     return (rows, cols), stride_n, rb, rh, cb, ch
 
 
-def views(q, k, v, head_dims=None, min_programs_per_sm=None):
-    """The 2-D views (`_view`) of q, k and v when this kernel runs these (batch, heads, seq, d) or (batch, seq, d)
-    inputs, else None. The backward (flash_hopper_bwd) asks with its own head dims and no minimum of programs."""
+def views(q, k, v, head_dims=None):
+    """The 2-D views (`_view`) of q, k and v when this kernel's descriptors can take these (batch, heads, seq, d) or
+    (batch, seq, d) inputs, of any size, else None. The backward (flash_hopper_bwd) asks with its own head dims
+    (by default HEAD_DIMS)."""
     head_dims = HEAD_DIMS if head_dims is None else head_dims
-    min_programs_per_sm = MIN_PROGRAMS_PER_SM if min_programs_per_sm is None else min_programs_per_sm
     takes = (
         q.is_cuda
         and _is_hopper(q.device)
@@ -111,15 +133,22 @@ def views(q, k, v, head_dims=None, min_programs_per_sm=None):
         and q.shape[-1] in head_dims
         and q.shape[-2] % BLOCK_M == 0
         and k.shape[-2] % BLOCK_N == 0
-        and q.numel() // (q.shape[-1] * BLOCK_M) >= min_programs_per_sm * _sm_count(q.device)
     )
     found = (_view(q), _view(k), _view(v)) if takes else (None,)
     return None if None in found else found
 
 
+def forward_views(q, k, v):
+    """`views` when the forward runs these inputs here (`plan`), else None."""
+    if not q.is_cuda:
+        return None
+    per_sm = q.numel() // (q.shape[-1] * BLOCK_M) / _sm_count(q.device)
+    return views(q, k, v) if plan(q.shape[-1], per_sm, k.shape[-2]) else None
+
+
 def applies(q, k, v) -> bool:
-    """Whether this kernel runs these (batch, heads, seq, d) or (batch, seq, d) inputs."""
-    return views(q, k, v) is not None
+    """Whether the forward runs these (batch, heads, seq, d) or (batch, seq, d) inputs here."""
+    return forward_views(q, k, v) is not None
 
 
 @gluon.jit

@@ -156,7 +156,7 @@ def views(q, k, v, do):
     # The plan before the views: a problem that runs on the Triton backward (the launch-bound ones) leaves without them.
     per_sm = q.numel() // (q.shape[-1] * BLOCK_ROWS) / flash_hopper._sm_count(q.device)
     concurrent = plan(per_sm, k.shape[-2], torch.cuda.is_current_stream_capturing())
-    found = None if concurrent is None else flash_hopper.views(q, k, v, head_dims=HEAD_DIMS, min_programs_per_sm=0)
+    found = None if concurrent is None else flash_hopper.views(q, k, v, head_dims=HEAD_DIMS)
     dov = flash_hopper._view(do) if found is not None else None
     return None if dov is None else (*found, dov, concurrent)
 
