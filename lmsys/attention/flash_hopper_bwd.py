@@ -52,7 +52,12 @@ stream took, from 8192 to 65536 tokens, 0.148, 0.263, 0.826 and 3.305 ms at d=64
 cuDNN 0.296, 0.585, 1.181, 4.945). At the leaderboard (2048 programs) 3.439 ms against 3.408 one after the other
 (cuDNN 3.037). Hence `plan`: from 16384 keys, side by side below 8 programs per multiprocessor and from 0.75, the
 Triton backward below that; shorter problems (the model's, among them) were not timed side by side and keep the
-kernels one after the other from 1.5, as does CUDA-graph capture (side by side there: untried).
+kernels one after the other from 1.5, as does CUDA-graph capture (side by side there: untried). The default as `plan`
+has it, in a later run (2026-11-24, session 45, the same command with `--modes bwd fwd_bwd --variants default hopper
+hopper-concurrent sdpa_cudnn`; its GPU tests, capture included, passed the same start): at 16384 tokens 0.264 ms at
+d=64 and 0.403 at d=128 (side by side 0.262 and 0.404; cuDNN 0.383 and 0.589), at 8192 the Triton backward's 0.124
+and 0.174 (cuDNN 0.196 and 0.293); from 32768 still behind cuDNN (0.826 against 0.794 ms at d=64, 1.328 against
+1.178 at d=128), as at the leaderboard (3.383 against 3.015).
 
 Where the time goes (2026-11-24, the H100, `scripts/attention_backward_variants.py --points leaderboard --modes bwd
 --kernels 10`, the leaderboard's backward, one product being 16 * 16384^2 * 64 * 2 / 2 FLOPs): this backward 3.494 ms
