@@ -48,7 +48,7 @@ POINTS = {
     "grid": [(1, 1, seq, d) for d in (64, 128) for seq in (8192, 16384, 32768, 65536)],
 }
 # name -> (provider, settings of lmsys.attention's modules for it: the Gluon backward, its defaults changed, the
-# Gluon forward at d=64 too)
+# Gluon forward at d=64 at any size from one block per multiprocessor, or never)
 GLUON = {"HOPPER_BACKWARD": True, "MIN_PROGRAMS_PER_SM": 0, "MIN_PROGRAMS_PER_SM_CONCURRENT": 0}  # any size
 FORWARD_64 = {"FORWARD_64_MIN_KEYS": 0, "FORWARD_64_BELOW_PROGRAMS_PER_SM": math.inf}  # from 1 block per SM
 VARIANTS = {

@@ -58,7 +58,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 MASKED = tl.constexpr(-1.0e6)
 
 _INTERPRET = triton.knobs.runtime.interpret
-# Inputs that lmsys.attention.flash_hopper takes (Hopper, 16-bit, d=128, or d=64 on long problems of few heads
+# Inputs that lmsys.attention.flash_hopper takes (Hopper, 16-bit, d=128, or d=64 on long problems of few blocks
 # (`flash_hopper.plan`), lengths multiples of 128) go to its Gluon forward, about 20% faster there than the forward
 # below; False sends everything to the Triton-language kernels.
 HOPPER_FORWARD = True
