@@ -138,12 +138,16 @@ def views(q, k, v, head_dims=None):
     return None if None in found else found
 
 
+def blocks_per_sm(q, rows: int = BLOCK_M) -> float:
+    """Blocks of `rows` query rows (programs of a grid over them) per multiprocessor of q's CUDA device."""
+    return q.numel() // (q.shape[-1] * rows) / _sm_count(q.device)
+
+
 def forward_views(q, k, v):
     """`views` when the forward runs these inputs here (`plan`), else None."""
     if not q.is_cuda:
         return None
-    per_sm = q.numel() // (q.shape[-1] * BLOCK_M) / _sm_count(q.device)
-    return views(q, k, v) if plan(q.shape[-1], per_sm, k.shape[-2]) else None
+    return views(q, k, v) if plan(q.shape[-1], blocks_per_sm(q), k.shape[-2]) else None
 
 
 def applies(q, k, v) -> bool:

@@ -159,7 +159,7 @@ def views(q, k, v, do):
     if q.shape[-1] not in HEAD_DIMS or do.shape != q.shape or not q.is_cuda:
         return None
     # The plan before the views: a problem that runs on the Triton backward (the launch-bound ones) leaves without them.
-    per_sm = q.numel() // (q.shape[-1] * BLOCK_ROWS) / flash_hopper._sm_count(q.device)
+    per_sm = flash_hopper.blocks_per_sm(q, BLOCK_ROWS)
     concurrent = plan(per_sm, k.shape[-2], torch.cuda.is_current_stream_capturing())
     found = None if concurrent is None else flash_hopper.views(q, k, v, head_dims=HEAD_DIMS)
     dov = flash_hopper._view(do) if found is not None else None
