@@ -62,6 +62,8 @@ VARIANTS = {
     "hopper-dq128": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "TILES": {64: (64, 128), 128: (64, 128)}}),
     "hopper-3stages": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "NUM_STAGES": 3}),
     "hopper-no-prefetch": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "PREFETCH_STATS": set()}),
+    "grouped": ("flash_triton", {"GROUPED_ORDER": True}),  # the default, in the forwards' launch order
+    "ungrouped": ("flash_triton", {"GROUPED_ORDER": False}),
     "sdpa_cudnn": ("sdpa_cudnn", {}),
     "sdpa_flash": ("sdpa_flash", {}),
 }
@@ -73,6 +75,7 @@ DEFAULTS = {
     "TILES": (flash_hopper_bwd, flash_hopper_bwd.TILES),
     "NUM_STAGES": (flash_hopper_bwd, flash_hopper_bwd.NUM_STAGES),
     "PREFETCH_STATS": (flash_hopper_bwd, flash_hopper_bwd.PREFETCH_STATS),
+    "GROUPED_ORDER": (flash_hopper_bwd, flash_hopper_bwd.GROUPED_ORDER),
     "FORWARD_64_MIN_KEYS": (flash_hopper, flash_hopper.FORWARD_64_MIN_KEYS),  # where the Gluon forward runs d=64
     "FORWARD_64_BELOW_PROGRAMS_PER_SM": (flash_hopper, flash_hopper.FORWARD_64_BELOW_PROGRAMS_PER_SM),
 }

@@ -33,6 +33,7 @@ from lmsys.attention import (
     flash_hopper_bwd,
     flash_torch,
     flash_triton,
+    launch_order,
     launcher,
     naive_attention,
 )
@@ -552,9 +553,10 @@ def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, head_dim,
 
 
 # Compiles the two kernels of the Gluon backward for sm_90 (no GPU needed), causal and not, at each head dim they take
-# (and the dK/dV kernel at d=64 with the other PREFETCH setting: causal without it, not causal with it, variants
-# scripts/attention_backward_variants.py times), and writes each one's PTX, cubin and shared-memory size to
-# argv[2]/<kernel>-<causal>-<d>/<default or other-prefetch>.
+# (and the dK/dV kernel at d=64 with the other PREFETCH setting: causal without it, not causal with it; and each
+# kernel, causal at d=64, in the other launch order, GROUPED_ORDER: variants scripts/attention_backward_variants.py
+# times), and writes each one's PTX, cubin and shared-memory size to
+# argv[2]/<kernel>-<causal>-<d>/<default, other-prefetch or other-order>.
 _COMPILE_HOPPER_BACKWARD = """
 import pathlib, sys
 import triton
@@ -567,6 +569,7 @@ which = sys.argv[1]
 kernel = hb._dkdv_kernel if which == "dkdv" else hb._dq_kernel
 builds = [(causal, d, "default") for causal in (False, True) for d in hb.HEAD_DIMS]
 builds += [(causal, 64, "other-prefetch") for causal in (False, True)] if which == "dkdv" else []
+builds += [(True, 64, "other-order")]
 for causal, d, variant in builds:
     def descriptor(rows):
         return f"tensordesc<bf16[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
@@ -580,7 +583,7 @@ for causal, d, variant in builds:
         descs = {"q_desc": descriptor(half), "k_desc": descriptor(keys), "v_desc": descriptor(keys),
                  "do_desc": descriptor(half), "dq_desc": descriptor(half)}
     constexprs = dict(HEAD_DIM=d, CAUSAL=causal, NUM_STAGES=hb.NUM_STAGES, CONSUMER_REGS=hb.CONSUMER_REGS,
-                      PRODUCER_REGS=hb.PRODUCER_REGS)
+                      PRODUCER_REGS=hb.PRODUCER_REGS, GROUPED=hb.GROUPED_ORDER != (variant == "other-order"))
     if which == "dkdv":
         constexprs["PREFETCH"] = ((causal, d) in hb.PREFETCH_STATS) != (variant == "other-prefetch")
     types = {**descs, "LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
@@ -611,6 +614,7 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
     variants = [folder.name for folder in built]
     assert variants.count("default") == 4
     assert variants.count("other-prefetch") == (2 if kernel == "dkdv" else 0)
+    assert variants.count("other-order") == 1
     for folder in built:
         assert int((folder / "shared").read_text()) <= 227 * 1024, folder.name
         assert "wgmma.wait_group.sync.aligned 1;" in (folder / "kernel.ptx").read_text(), folder.name
@@ -660,8 +664,8 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, mo
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting, value", [
     ("CONCURRENT_DQ", True), ("CONCURRENT_DQ", False), ("TILES", {64: (64, 128), 128: (64, 128)}), ("NUM_STAGES", 3),
-    ("PREFETCH_STATS", set()),
-], ids=["concurrent-dq", "serial-dq", "dq-tiles-128", "3-stages", "no-prefetch"])
+    ("PREFETCH_STATS", set()), ("GROUPED_ORDER", not flash_hopper_bwd.GROUPED_ORDER),
+], ids=["concurrent-dq", "serial-dq", "dq-tiles-128", "3-stages", "no-prefetch", "other-order"])
 @pytest.mark.parametrize("q_shape, is_causal", [((2, 3, 1024, 64), True), ((1, 2, 512, 128), False),
                                                 ((2, 3, 640, 64), False)])
 def test_hopper_backward_variants_gpu(gpu, setting, value, q_shape, is_causal, monkeypatch, seed):
@@ -671,6 +675,8 @@ def test_hopper_backward_variants_gpu(gpu, setting, value, q_shape, is_causal, m
     monkeypatch.setattr(flash_triton, "HOPPER_BACKWARD", True)
     monkeypatch.setattr(flash_hopper_bwd, "MIN_PROGRAMS_PER_SM", 0)
     monkeypatch.setattr(flash_hopper_bwd, setting, value)
+    if setting == "GROUPED_ORDER":  # groups of 4 heads at d=64 and 1024 rows: the 6 heads of a batch of 2 end short
+        monkeypatch.setattr(launch_order, "_GROUP_BYTES", 2**20)
     q, k, v = make_inputs(q_shape, q_shape, torch.bfloat16, gpu)
     check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
 

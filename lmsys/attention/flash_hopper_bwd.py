@@ -100,7 +100,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from lmsys.attention import flash_hopper, launcher
+from lmsys.attention import flash_hopper, launch_order, launcher
 from lmsys.attention.flash_hopper import ring, stream_kv
 
 BLOCK_KEYS = 128  # keys per _dkdv_kernel program: two consumer warpgroups of 64
@@ -136,6 +136,10 @@ CONCURRENT_MIN_KEYS = 16384
 # spill at d=128), and there it made the dK/dV kernel 0.6-5.0% faster with the mask and 4.5-14% without it on the H100
 # (module docstring).
 PREFETCH_STATS = {(True, 64), (False, 64)}
+# Whether both kernels take the forwards' launch order (`launch_order.program_position`: heads in groups whose
+# streamed tiles share L2, the heaviest block of every head in the group first) instead of a grid of (blocks, heads),
+# which runs the heads one after the other, each from its heaviest block down to its lightest.
+GROUPED_ORDER = False
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
 
@@ -298,16 +302,24 @@ def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_b
 
 
 @gluon.jit
-def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, N_Q, N_K, H, qk_scale, sm_scale,
+def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, N_Q, N_K, H, BH, GROUP_HEADS,
+                 qk_scale, sm_scale,
                  Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH,
                  DO_RB, DO_RH, DO_CB, DO_CH,
                  HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PREFETCH: gl.constexpr):
+                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PREFETCH: gl.constexpr,
+                 GROUPED: gl.constexpr):
     HALF: gl.constexpr = k_desc.block_type.shape[0]  # keys per consumer warpgroup
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
-    block = gl.program_id(0)  # the heaviest (causal: the first keys, which every later query sees) first
-    off_bh = gl.program_id(1)
+    # The heaviest (causal: the first keys, which every later query sees) first.
+    if GROUPED:
+        off_bh, block = launch_order.program_position(N_K, BH, GROUP_HEADS, 2 * HALF, CAUSAL)
+        if CAUSAL:
+            block = N_K // (2 * HALF) - 1 - block  # program_position puts the last blocks, a forward's heaviest, first
+    else:
+        block = gl.program_id(0)
+        off_bh = gl.program_id(1)
     b = off_bh // H
     h = off_bh % H
     key0 = block * 2 * HALF
@@ -419,17 +431,21 @@ def _dq_consumer(dq_desc, LSE, DELTA, q_w, do_w, k_smem, v_smem, q_bar, k_ready,
 
 
 @gluon.jit
-def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, N_Q, N_K, H, qk_scale, sm_scale,
+def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, N_Q, N_K, H, BH, GROUP_HEADS, qk_scale, sm_scale,
                Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH, DO_RB, DO_RH, DO_CB, DO_CH,
                HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, GROUPED: gl.constexpr):
     HALF: gl.constexpr = q_desc.block_type.shape[0]  # query rows per consumer warpgroup
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
-    block = gl.program_id(0)
-    if CAUSAL:
-        block = N_Q // (2 * HALF) - 1 - block  # the heaviest (the last rows, which see every key) first
-    off_bh = gl.program_id(1)
+    # The heaviest (causal: the last rows, which see every key) first.
+    if GROUPED:
+        off_bh, block = launch_order.program_position(N_Q, BH, GROUP_HEADS, 2 * HALF, CAUSAL)
+    else:
+        block = gl.program_id(0)
+        if CAUSAL:
+            block = N_Q // (2 * HALF) - 1 - block
+        off_bh = gl.program_id(1)
     b = off_bh // H
     h = off_bh % H
     row0 = block * 2 * HALF
@@ -482,25 +498,28 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
     half = BLOCK_KEYS // 2
     block_m, block_n = TILES[d]
     common = dict(HEAD_DIM=d, CAUSAL=is_causal, NUM_STAGES=NUM_STAGES, CONSUMER_REGS=CONSUMER_REGS,
-                  PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+                  PRODUCER_REGS=PRODUCER_REGS, GROUPED=GROUPED_ORDER, num_warps=4)
+    # Heads per group: the dK/dV kernel streams q and dO, the dQ kernel k and v.
+    groups = launch_order.group_heads(q, bh), launch_order.group_heads(k, bh)
     # dq, dk, dv are new; lse and delta contiguous. The tiles are the descriptors' block shapes, not constexprs.
     key = (q.device, q.dtype, q.shape, k.shape, block_m, block_n, qv, kv, vv, dov)
     if concurrent:
         current, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
         side.wait_stream(current)  # the inputs, delta included, are ready on it
     launcher.launch(
-        _dkdv_kernel, (n_k // BLOCK_KEYS, bh),
+        _dkdv_kernel, (n_k // BLOCK_KEYS * bh,) if GROUPED_ORDER else (n_k // BLOCK_KEYS, bh),
         (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m),
          desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), lse, delta, n_q, n_k,
-         heads, qk_scale, sm_scale, *strides),
+         heads, bh, groups[0], qk_scale, sm_scale, *strides),
         ("dkdv", *key), PREFETCH=(is_causal, d) in PREFETCH_STATS, **common,
     )
     half = BLOCK_ROWS // 2
     with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
         launcher.launch(
-            _dq_kernel, (n_q // BLOCK_ROWS, bh),
+            _dq_kernel, (n_q // BLOCK_ROWS * bh,) if GROUPED_ORDER else (n_q // BLOCK_ROWS, bh),
             (desc(q, qv, half), desc(k, kv, block_n), desc(v, vv, block_n), desc(do, dov, half),
-             desc(dq, flash_hopper._view(dq), half), lse, delta, n_q, n_k, heads, qk_scale, sm_scale, *strides),
+             desc(dq, flash_hopper._view(dq), half), lse, delta, n_q, n_k, heads, bh, groups[1], qk_scale,
+             sm_scale, *strides),
             ("dq", *key), **common,
         )
     if concurrent:
