@@ -1,7 +1,8 @@
 """The attention kernels' variants side by side in one process: the Triton backward, the Gluon backward for Hopper
 (lmsys.attention.flash_hopper_bwd, whatever the problem's size: its kernels one after the other, with its dQ kernel
 beside the dK/dV one on a side stream, and, one after the other, with dQ tiles of 128 keys, with 3 stages, or
-without the dK/dV kernel's statistics loaded a step ahead), the Gluon forward at d=64 at any size or never (by
+without the dK/dV kernel's statistics loaded a step ahead; by default, or either, in the forwards' launch order:
+GROUPED_ORDER), the Gluon forward at d=64 at any size or never (by
 default it runs long problems of few blocks: flash_hopper.plan), SDPA's cuDNN and flash backends, and the default
 (what flash_attention runs: the Gluon backward as flash_hopper_bwd.plan decides by the problem's programs per
 multiprocessor, else the Triton one), at the CS336 leaderboard's shape and the causal grid's points from 8192 tokens
@@ -12,7 +13,9 @@ kernels' on the same inputs (the largest difference of each of o, dq, dk, dv rel
 magnitude: a wrong kernel at a shape the float64 tests do not reach shows here), then every variant in the `fwd`,
 `bwd` (the forward once, untimed; each timed call one backward) and `fwd_bwd` modes, timed as `lmsys-bench
 attention` times them (the regression gate's clock: CUDA events; the median of --steps calls after --warmup),
---repeats times, the variants taking turns. Prints a table (per variant, point and mode: the median of the repeats'
+--repeats times, the variants taking turns, in the order given on even repeats and reversed on odd ones (the same
+kernels timed first and second in one repeat differed by 1-4%: over an even number of repeats each variant is timed
+as often early as late). Prints a table (per variant, point and mode: the median of the repeats'
 medians and their range) and writes every row, each repeat's, to the CSV file named on the command line. With
 --kernels N, then each variant at each point and mode once more, N calls under torch.profiler: where the device time
 goes, per kernel (launches and microseconds per call, share of the call's device time), printed (the largest six of
@@ -139,9 +142,10 @@ def main(argv=None) -> int:
     parser.add_argument("--not-causal", action="store_true", help="time the points without the causal mask")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="times each point's variants are timed, taking turns (default 3): the table gives the "
-                        "median of their medians and their spread, so that a drift of the machine falls on all alike")
+    parser.add_argument("--repeats", type=int, default=4,
+                        help="times each point's variants are timed, taking turns, the order reversed on odd repeats "
+                        "(default 4): the table gives the median of their medians and their spread, so that a drift "
+                        "of the machine and the position in a turn fall on all alike")
     parser.add_argument("--kernels", type=int, default=0, metavar="N",
                         help="then profile N calls of each variant, point and mode: device time per kernel, to "
                         "<csv>-kernels.csv (default 0: none)")
@@ -171,7 +175,7 @@ def main(argv=None) -> int:
                 checked = agreement(shape, changed, is_causal)
             for repeat in range(args.repeats):
                 for mode in args.modes:
-                    for name in args.variants:
+                    for name in turns(args.variants, repeat):
                         provider, settings = VARIANTS[name]
                         progress.start(f"{shape} {mode} {name} ({repeat + 1}/{args.repeats})")
                         apply(settings)
@@ -202,6 +206,11 @@ def main(argv=None) -> int:
         sweep.write_outputs(profiles, [kernels_csv])
         print(sweep.format_table(profiles.groupby(["variant", "batch", "seq", "d", "mode"], sort=False).head(6)))
     return 0
+
+
+def turns(variants: list[str], repeat: int) -> list[str]:
+    """The order in which the variants are timed in repeat `repeat`: as given on even repeats, reversed on odd ones."""
+    return list(variants) if repeat % 2 == 0 else list(reversed(variants))
 
 
 def summary(frame: pd.DataFrame) -> pd.DataFrame:

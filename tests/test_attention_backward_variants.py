@@ -82,3 +82,15 @@ def test_refuses_a_kernels_output_it_would_overwrite(tmp_path, capsys):
     assert existing.read_text() == "kept\n" and not (tmp_path / "variants.csv").exists()
     with pytest.raises(SystemExit):
         main([str(tmp_path / "variants.csv"), "--kernels", "-1"])
+
+
+def test_the_variants_take_turns_first_and_last():
+    """Each repeat times every variant; odd repeats in the reverse order, so that over an even number of repeats no
+    variant is always timed first (the machine's drift and the position in a turn fall on all alike)."""
+    turns = runpy.run_path(str(SCRIPT))["turns"]
+    variants = ["default", "grouped", "sdpa_cudnn"]
+    orders = [turns(variants, repeat) for repeat in range(4)]
+    assert orders == [variants, variants[::-1], variants, variants[::-1]]
+    for name in variants:  # a variant's places in two turns mirror each other: first and last, middle and middle
+        assert orders[0].index(name) + orders[1].index(name) == len(variants) - 1
+    assert variants == ["default", "grouped", "sdpa_cudnn"]  # not reordered in place

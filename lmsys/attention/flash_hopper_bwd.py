@@ -83,6 +83,15 @@ fwd_bwd --repeats 3 --kernels 5`, causal bf16, medians of 3 repeats of 30 calls,
   read from shared memory: slower at every point, in both kernels (the backward 3.530 ms at the leaderboard; the dK/dV
   kernel at d=64 3-8% slower, the dQ kernel at d=128 3-11% slower; the dQ kernel's alone, at d=64, no faster).
   Removed (its code: commit d988373).
+
+GROUPED_ORDER, the forwards' launch order (2026-11-25, session 46, the H100, `scripts/attention_backward_variants.py
+--points leaderboard grid --modes bwd fwd_bwd --repeats 2 --variants default grouped sdpa_cudnn`; its GPU test passed
+the same start): at the leaderboard the backward 3.478 ms against 3.553 (cuDNN 3.016), forward and backward 4.626
+against 4.663 (cuDNN 4.285). Not taken: on the grid's one-head points, where both orders launch the same programs in
+the same order, the variant timed second in each turn was up to 3.8% faster too (3.554 against 3.695 ms at 65536
+tokens and d=64), so the leaderboard's 2.1% is within the position's bias; the script now reverses the turn on odd
+repeats. A list-scheduling model of the leaderboard's 2048 programs on 132 multiprocessors puts the gain of the order
+at 0.8% per kernel.
 """
 
 import contextlib
