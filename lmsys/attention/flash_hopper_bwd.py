@@ -322,10 +322,8 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, 
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
     # The heaviest (causal: the first keys, which every later query sees) first.
-    if GROUPED:
-        off_bh, block = launch_order.program_position(N_K, BH, GROUP_HEADS, 2 * HALF, CAUSAL)
-        if CAUSAL:
-            block = N_K // (2 * HALF) - 1 - block  # program_position puts the last blocks, a forward's heaviest, first
+    if GROUPED:  # in program_position's order without the mask: the first blocks first
+        off_bh, block = launch_order.program_position(N_K, BH, GROUP_HEADS, 2 * HALF, False)
     else:
         block = gl.program_id(0)
         off_bh = gl.program_id(1)
@@ -508,8 +506,8 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
     block_m, block_n = TILES[d]
     common = dict(HEAD_DIM=d, CAUSAL=is_causal, NUM_STAGES=NUM_STAGES, CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS, GROUPED=GROUPED_ORDER, num_warps=4)
-    # Heads per group: the dK/dV kernel streams q and dO, the dQ kernel k and v.
-    groups = launch_order.group_heads(q, bh), launch_order.group_heads(k, bh)
+    # With GROUPED_ORDER, heads per group: the dK/dV kernel streams q and dO, the dQ kernel k and v.
+    groups = (launch_order.group_heads(q, bh), launch_order.group_heads(k, bh)) if GROUPED_ORDER else (1, 1)
     # dq, dk, dv are new; lse and delta contiguous. The tiles are the descriptors' block shapes, not constexprs.
     key = (q.device, q.dtype, q.shape, k.shape, block_m, block_n, qv, kv, vv, dov)
     if concurrent:
