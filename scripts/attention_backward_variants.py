@@ -19,18 +19,25 @@ as often early as late). Prints a table (per variant, point and mode: the median
 medians and their range) and writes every row, each repeat's, to the CSV file named on the command line. With
 --kernels N, then each variant at each point and mode once more, N calls under torch.profiler: where the device time
 goes, per kernel (launches and microseconds per call, share of the call's device time), printed (the largest six of
-each) and written whole to <csv>-kernels.csv.
+each) and written whole to <csv>-kernels.csv. With --power SECONDS, then each variant at each point and mode back to
+back for SECONDS, twice (in turns, the second reversed), with the GPU's energy counter, SM clock and power-cap state
+read through NVML: millijoules and watts per call and the clock it ran at (printed, and to <csv>-power.csv). On a GPU
+held at its power cap a kernel that takes more energy per call runs slower, whatever its instructions.
 
     PYTHONPATH=. python scripts/attention_backward_variants.py variants.csv          (from the repository root)
     PYTHONPATH=. python scripts/attention_backward_variants.py variants.csv --points leaderboard --modes bwd
     PYTHONPATH=. python scripts/attention_backward_variants.py v.csv --points leaderboard --modes bwd --kernels 10
+    PYTHONPATH=. python scripts/attention_backward_variants.py v.csv --points leaderboard --modes bwd --power 3
 
 Needs a Hopper GPU (the Gluon kernels are for sm_90): elsewhere it says so and exits with status 2.
 """
 
 import argparse
 import math
+import statistics
 import sys
+import time
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -65,8 +72,8 @@ VARIANTS = {
     "hopper-dq128": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "TILES": {64: (64, 128), 128: (64, 128)}}),
     "hopper-3stages": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "NUM_STAGES": 3}),
     "hopper-no-prefetch": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "PREFETCH_STATS": set()}),
-    "grouped": ("flash_triton", {"GROUPED_ORDER": True}),  # the default, in the forwards' launch order
-    "ungrouped": ("flash_triton", {"GROUPED_ORDER": False}),
+    "grouped": ("flash_triton", {"GROUPED_ORDER": True}),  # the default: the forwards' launch order
+    "ungrouped": ("flash_triton", {"GROUPED_ORDER": False}),  # the default before 2026-11-25: a grid of (blocks, heads)
     "sdpa_cudnn": ("sdpa_cudnn", {}),
     "sdpa_flash": ("sdpa_flash", {}),
 }
@@ -133,6 +140,91 @@ def profile_point(provider: str, shape: tuple, mode: str, is_causal: bool, steps
     return kernel_rows(prof.events(), steps)
 
 
+class Nvml:
+    """The GPU's energy counter (mJ since the driver loaded), SM clock and power-cap state, read through NVML (pynvml,
+    of the optional nvidia-ml-py package), for --power."""
+
+    def __init__(self, pynvml, handle):
+        self.nvml, self.handle = pynvml, handle
+
+    @classmethod
+    def open(cls) -> "tuple[Nvml | None, str | None]":
+        """The current CUDA device's, or (None, why not)."""
+        try:
+            import pynvml
+        except ImportError:
+            return None, "pynvml (the nvidia-ml-py package) is not installed"
+        try:
+            pynvml.nvmlInit()
+            uuid = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid
+            handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}".encode())
+            pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+        except pynvml.NVMLError as exc:
+            return None, f"NVML cannot read the GPU's energy: {exc}"
+        return cls(pynvml, handle), None
+
+    def energy_mj(self) -> float:
+        return float(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle))
+
+    def reading(self) -> tuple[float, bool]:
+        """(SM clock in MHz, whether the GPU is held at its power cap now)."""
+        events = getattr(self.nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        reasons = (events or self.nvml.nvmlDeviceGetCurrentClocksThrottleReasons)(self.handle)
+        return float(self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM)), bool(reasons & 0x4)
+
+
+def sustained(call, seconds: float, nvml, synchronize, now=time.perf_counter, batch: int = 10) -> dict:
+    """`call` back to back for `seconds` (in batches of `batch`, each followed by an SM clock reading taken while the
+    batch runs, then a wait for it): milliseconds, millijoules (the energy counter's difference) and mean watts per
+    call, the median SM clock of the readings and the share of them at the power cap. Whether a kernel is bound by
+    the power cap shows here: a GPU at its cap runs a call slower the more energy it takes."""
+    synchronize()
+    energy0, start, calls, clocks, capped = nvml.energy_mj(), now(), 0, [], 0
+    while calls == 0 or now() - start < seconds:
+        for _ in range(batch):
+            call()
+        calls += batch
+        clock, at_cap = nvml.reading()
+        clocks.append(clock)
+        capped += at_cap
+        synchronize()
+    elapsed, energy = now() - start, nvml.energy_mj() - energy0
+    return {"calls": calls, "ms_per_call": 1e3 * elapsed / calls, "mj_per_call": energy / calls,
+            "power_w": energy / 1e3 / elapsed, "sm_clock_mhz": statistics.median(clocks),
+            "at_power_cap": capped / len(clocks)}
+
+
+def power_rows(shapes, variants, modes, is_causal: bool, seconds: float, nvml, device) -> list[dict]:
+    """sustained() for every point, mode and variant, each variant twice: the variants in the order given, then
+    reversed (the GPU warms as it goes)."""
+    rows = []
+    progress = sweep.Progress(len(shapes) * len(modes) * 2 * len(variants))
+    try:
+        for shape in shapes:
+            rows += _power_point(shape, variants, modes, is_causal, seconds, nvml, device, progress)
+    finally:
+        progress.close()
+        apply({})
+    return rows
+
+
+def _power_point(shape, variants, modes, is_causal, seconds, nvml, device, progress) -> list[dict]:
+    rows = []
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for mode in modes:
+        for repeat in range(2):
+            for name in turns(variants, repeat):
+                provider, settings = VARIANTS[name]
+                progress.start(f"{shape} {mode} {name} back to back ({repeat + 1}/2)")
+                apply(settings)
+                fn, fn_args = timed_call(attention_function(provider), q, k, v, is_causal, mode)
+                fn(*fn_args)  # compiled, and its buffers allocated, before the window
+                point = {"variant": name, "repeat": repeat, "batch": shape[0], "seq": shape[2], "d": shape[3],
+                         "mode": mode}
+                rows.append({**point, **sustained(partial(fn, *fn_args), seconds, nvml, device.synchronize)})
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("csv", type=Path, help="where to write every row (a new .csv file)")
@@ -149,17 +241,28 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", type=int, default=0, metavar="N",
                         help="then profile N calls of each variant, point and mode: device time per kernel, to "
                         "<csv>-kernels.csv (default 0: none)")
+    parser.add_argument("--power", type=float, default=0, metavar="SECONDS",
+                        help="then run each variant, point and mode back to back for SECONDS, twice, and read the "
+                        "GPU's energy, SM clock and power cap through NVML: mJ and W per call, to <csv>-power.csv "
+                        "(default 0: none)")
     args = parser.parse_args(argv)
     is_causal = not args.not_causal
-    if args.repeats < 1 or args.steps < 1 or args.warmup < 0 or args.kernels < 0:
-        parser.error("--repeats and --steps must be at least 1, --warmup and --kernels at least 0")
+    if args.repeats < 1 or args.steps < 1 or args.warmup < 0 or args.kernels < 0 or args.power < 0:
+        parser.error("--repeats and --steps must be at least 1, --warmup, --kernels and --power at least 0")
     kernels_csv = args.csv.with_name(args.csv.stem + "-kernels.csv")
-    for path in (args.csv, kernels_csv) if args.kernels else (args.csv,):
+    power_csv = args.csv.with_name(args.csv.stem + "-power.csv")
+    for path in [args.csv] + [kernels_csv] * bool(args.kernels) + [power_csv] * bool(args.power):
         if path.suffix != ".csv" or path.exists():
             parser.error(f"{path}: give a new file ending in .csv")
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         print("needs a Hopper GPU (compute capability 9.0): the Gluon backward runs nowhere else", file=sys.stderr)
         return 2
+    nvml = None
+    if args.power:
+        nvml, why = Nvml.open()
+        if nvml is None:
+            print(f"--power: {why}", file=sys.stderr)
+            return 2
     device = sweep.backend()
     timing = SimpleNamespace(warmup=args.warmup, steps=args.steps)
     shapes = [shape for name in args.points for shape in POINTS[name]]
@@ -205,6 +308,13 @@ def main(argv=None) -> int:
         profiles = pd.DataFrame(kernels)
         sweep.write_outputs(profiles, [kernels_csv])
         print(sweep.format_table(profiles.groupby(["variant", "batch", "seq", "d", "mode"], sort=False).head(6)))
+    if args.power:
+        print(f"each variant back to back for {args.power:g} s, twice: energy per call and the clock it ran at")
+        power = pd.DataFrame(power_rows(shapes, args.variants, args.modes, is_causal, args.power, nvml, device))
+        sweep.write_outputs(power, [power_csv])
+        keys = ["variant", "batch", "seq", "d", "mode"]
+        print(sweep.format_table(power.groupby(keys, sort=False).mean(numeric_only=True).drop(columns="repeat")
+                                 .reset_index()))
     return 0
 
 

@@ -94,3 +94,60 @@ def test_the_variants_take_turns_first_and_last():
     for name in variants:  # a variant's places in two turns mirror each other: first and last, middle and middle
         assert orders[0].index(name) + orders[1].index(name) == len(variants) - 1
     assert variants == ["default", "grouped", "sdpa_cudnn"]  # not reordered in place
+
+
+class FakeNvml:
+    """A GPU whose energy counter grows by `mj` per call made, read back at the clocks given, in turn."""
+
+    def __init__(self, mj: float, clocks: list[tuple[float, bool]]):
+        self.mj, self.clocks, self.calls = mj, clocks, 0
+
+    def call(self):
+        self.calls += 1
+
+    def energy_mj(self) -> float:
+        return 1000.0 + self.mj * self.calls
+
+    def reading(self) -> tuple[float, bool]:
+        return self.clocks[min(len(self.clocks) - 1, self.calls // 10 - 1)]
+
+
+def test_sustained_gives_energy_watts_and_clock_per_call():
+    sustained = runpy.run_path(str(SCRIPT))["sustained"]
+    nvml = FakeNvml(mj=2.5, clocks=[(1980.0, False), (1755.0, True), (1740.0, True)])
+    clock = iter(0.001 * i for i in range(1000))  # each read of the clock 1 ms later
+    waits = []
+    row = sustained(nvml.call, 0.0025, nvml, lambda: waits.append(nvml.calls), now=lambda: next(clock), batch=10)
+    assert nvml.calls == 30 and waits == [0, 10, 20, 30]  # a wait before the window and after each batch
+    assert row["calls"] == 30 and row["mj_per_call"] == 2.5 and row["sm_clock_mhz"] == 1755.0
+    assert row["at_power_cap"] == pytest.approx(2 / 3)
+    # the clock read at the start (0 ms), after each batch (1, 2, 3 ms: 3 ms ends the window) and at the end (4 ms)
+    assert row["ms_per_call"] == pytest.approx(4.0 / 30)
+    assert row["power_w"] == pytest.approx(75.0 / 1e3 / 0.004)
+
+
+def test_sustained_makes_one_batch_however_short_the_window():
+    sustained = runpy.run_path(str(SCRIPT))["sustained"]
+    nvml = FakeNvml(mj=1.0, clocks=[(1500.0, True)])
+    row = sustained(nvml.call, 0.0, nvml, lambda: None, now=iter([0.0, 5.0, 5.0]).__next__, batch=4)
+    assert row["calls"] == 4 and row["ms_per_call"] == 1250.0 and row["at_power_cap"] == 1.0
+
+
+def test_refuses_a_power_output_it_would_overwrite_or_a_negative_window(tmp_path, capsys):
+    main = runpy.run_path(str(SCRIPT))["main"]
+    existing = tmp_path / "variants-power.csv"
+    existing.write_text("kept\n")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "variants.csv"), "--power", "2"])
+    assert "variants-power.csv: give a new file ending in .csv" in capsys.readouterr().err
+    assert existing.read_text() == "kept\n"
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "new.csv"), "--power", "-1"])
+    assert "--power at least 0" in capsys.readouterr().err
+
+
+def test_nvml_says_why_it_cannot_read(monkeypatch):
+    Nvml = runpy.run_path(str(SCRIPT))["Nvml"]
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", None)  # import pynvml raises ImportError
+    nvml, why = Nvml.open()
+    assert nvml is None and "nvidia-ml-py" in why
