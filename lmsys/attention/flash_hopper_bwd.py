@@ -91,7 +91,10 @@ against 4.663 (cuDNN 4.285). Not taken: on the grid's one-head points, where bot
 the same order, the variant timed second in each turn was up to 3.8% faster too (3.554 against 3.695 ms at 65536
 tokens and d=64), so the leaderboard's 2.1% is within the position's bias; the script now reverses the turn on odd
 repeats. A list-scheduling model of the leaderboard's 2048 programs on 132 multiprocessors puts the gain of the order
-at 0.8% per kernel.
+at 0.8% per kernel. Measured again with the turns reversed (2026-11-25, session 47, the H100, `--points leaderboard
+--modes bwd --repeats 4 --variants default grouped sdpa_cudnn` at da83f0b, its GPU test passed the same start): the
+backward 3.400 ms against 3.436 (cuDNN 3.018), faster in each of the 4 repeats (by 0.4-1.9%), timed first or
+second: the default since.
 """
 
 import contextlib
@@ -147,8 +150,9 @@ CONCURRENT_MIN_KEYS = 16384
 PREFETCH_STATS = {(True, 64), (False, 64)}
 # Whether both kernels take the forwards' launch order (`launch_order.program_position`: heads in groups whose
 # streamed tiles share L2, the heaviest block of every head in the group first) instead of a grid of (blocks, heads),
-# which runs the heads one after the other, each from its heaviest block down to its lightest.
-GROUPED_ORDER = False
+# which runs the heads one after the other, each from its heaviest block down to its lightest. About 1% faster at the
+# leaderboard on the H100 (module docstring); on one head the two orders launch the same programs.
+GROUPED_ORDER = True
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
 
