@@ -21,8 +21,9 @@ medians and their range) and writes every row, each repeat's, to the CSV file na
 goes, per kernel (launches and microseconds per call, share of the call's device time), printed (the largest six of
 each) and written whole to <csv>-kernels.csv. With --power SECONDS, then each variant at each point and mode back to
 back for SECONDS, twice (in turns, the second reversed), with the GPU's energy counter, SM clock and power-cap state
-read through NVML: millijoules and watts per call and the clock it ran at (printed, and to <csv>-power.csv). On a GPU
-held at its power cap a kernel that takes more energy per call runs slower, whatever its instructions.
+read through NVML: millijoules and watts per call, the clock it ran at, the temperature and the throttle reasons seen
+(printed, and to <csv>-power.csv). On a GPU held at its power cap a kernel that takes more energy per call runs slower,
+whatever its instructions.
 
     PYTHONPATH=. python scripts/attention_backward_variants.py variants.csv          (from the repository root)
     PYTHONPATH=. python scripts/attention_backward_variants.py variants.csv --points leaderboard --modes bwd
@@ -51,6 +52,7 @@ from lmsys.attention.providers import attention_function, timed_call
 from lmsys.bench import sweep
 from lmsys.bench.attention import run_point
 from lmsys.bench.ncu import short_name
+from lmsys.perf.machine import THROTTLE_REASONS
 
 # (batch, heads, seq, d): the leaderboard's (16, 16384, 64) and the causal grid's (1, T, d) points, as 4-D inputs.
 POINTS = {
@@ -166,32 +168,39 @@ class Nvml:
     def energy_mj(self) -> float:
         return float(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle))
 
-    def reading(self) -> tuple[float, bool]:
-        """(SM clock in MHz, whether the GPU is held at its power cap now)."""
-        events = getattr(self.nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
-        reasons = (events or self.nvml.nvmlDeviceGetCurrentClocksThrottleReasons)(self.handle)
-        return float(self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM)), bool(reasons & 0x4)
+    def reading(self) -> tuple[float, float, list[str]]:
+        """(SM clock in MHz, temperature in C, the throttle reasons holding the clock down now, by name)."""
+        nvml = self.nvml
+        events = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        reasons = (events or nvml.nvmlDeviceGetCurrentClocksThrottleReasons)(self.handle)
+        return (float(nvml.nvmlDeviceGetClockInfo(self.handle, nvml.NVML_CLOCK_SM)),
+                float(nvml.nvmlDeviceGetTemperature(self.handle, nvml.NVML_TEMPERATURE_GPU)),
+                [name for bit, name in THROTTLE_REASONS.items() if reasons & bit])
 
 
 def sustained(call, seconds: float, nvml, synchronize, now=time.perf_counter, batch: int = 10) -> dict:
-    """`call` back to back for `seconds` (in batches of `batch`, each followed by an SM clock reading taken while the
+    """`call` back to back for `seconds` (in batches of `batch`, each followed by a reading of the GPU taken while the
     batch runs, then a wait for it): milliseconds, millijoules (the energy counter's difference) and mean watts per
-    call, the median SM clock of the readings and the share of them at the power cap. Whether a kernel is bound by
-    the power cap shows here: a GPU at its cap runs a call slower the more energy it takes."""
+    call, the median SM clock of the readings, the highest temperature, and each throttle reason seen with the share
+    of readings it held ("sw_power_cap 40%"). On a GPU held at its power cap a call runs slower the more energy it
+    takes; a clock below the GPU's top with no reason seen is the GPU's own choice at that load."""
     synchronize()
-    energy0, start, calls, clocks, capped = nvml.energy_mj(), now(), 0, [], 0
+    energy0, start, calls, clocks, temperatures, held = nvml.energy_mj(), now(), 0, [], [], {}
     while calls == 0 or now() - start < seconds:
         for _ in range(batch):
             call()
         calls += batch
-        clock, at_cap = nvml.reading()
+        clock, temperature, reasons = nvml.reading()
         clocks.append(clock)
-        capped += at_cap
+        temperatures.append(temperature)
+        for reason in reasons:
+            held[reason] = held.get(reason, 0) + 1
         synchronize()
     elapsed, energy = now() - start, nvml.energy_mj() - energy0
     return {"calls": calls, "ms_per_call": 1e3 * elapsed / calls, "mj_per_call": energy / calls,
             "power_w": energy / 1e3 / elapsed, "sm_clock_mhz": statistics.median(clocks),
-            "at_power_cap": capped / len(clocks)}
+            "max_temperature_c": max(temperatures),
+            "held_by": ", ".join(f"{reason} {count / len(clocks):.0%}" for reason, count in held.items()) or "-"}
 
 
 def power_rows(shapes, variants, modes, is_causal: bool, seconds: float, nvml, device) -> list[dict]:
@@ -312,15 +321,22 @@ def main(argv=None) -> int:
         print(f"each variant back to back for {args.power:g} s, twice: energy per call and the clock it ran at")
         power = pd.DataFrame(power_rows(shapes, args.variants, args.modes, is_causal, args.power, nvml, device))
         sweep.write_outputs(power, [power_csv])
-        keys = ["variant", "batch", "seq", "d", "mode"]
-        print(sweep.format_table(power.groupby(keys, sort=False).mean(numeric_only=True).drop(columns="repeat")
-                                 .reset_index()))
+        print(sweep.format_table(power_summary(power)))
     return 0
 
 
 def turns(variants: list[str], repeat: int) -> list[str]:
     """The order in which the variants are timed in repeat `repeat`: as given on even repeats, reversed on odd ones."""
     return list(variants) if repeat % 2 == 0 else list(reversed(variants))
+
+
+def power_summary(frame: pd.DataFrame) -> pd.DataFrame:
+    """A row per variant, point and mode of --power's rows: the mean of its two windows, their throttle reasons
+    side by side."""
+    keys = ["variant", "batch", "seq", "d", "mode"]
+    numbers = ["calls", "ms_per_call", "mj_per_call", "power_w", "sm_clock_mhz", "max_temperature_c"]
+    groups = frame.groupby(keys, sort=False)
+    return groups[numbers].mean().join(groups["held_by"].agg(" / ".join)).reset_index()
 
 
 def summary(frame: pd.DataFrame) -> pd.DataFrame:

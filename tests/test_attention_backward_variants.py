@@ -97,10 +97,11 @@ def test_the_variants_take_turns_first_and_last():
 
 
 class FakeNvml:
-    """A GPU whose energy counter grows by `mj` per call made, read back at the clocks given, in turn."""
+    """A GPU whose energy counter grows by `mj` per call made, read back (clock, temperature, throttle reasons) as
+    given, in turn."""
 
-    def __init__(self, mj: float, clocks: list[tuple[float, bool]]):
-        self.mj, self.clocks, self.calls = mj, clocks, 0
+    def __init__(self, mj: float, readings: list[tuple[float, float, list[str]]]):
+        self.mj, self.readings, self.calls = mj, readings, 0
 
     def call(self):
         self.calls += 1
@@ -108,19 +109,20 @@ class FakeNvml:
     def energy_mj(self) -> float:
         return 1000.0 + self.mj * self.calls
 
-    def reading(self) -> tuple[float, bool]:
-        return self.clocks[min(len(self.clocks) - 1, self.calls // 10 - 1)]
+    def reading(self) -> tuple[float, float, list[str]]:
+        return self.readings[min(len(self.readings) - 1, self.calls // 10 - 1)]
 
 
-def test_sustained_gives_energy_watts_and_clock_per_call():
+def test_sustained_gives_energy_watts_clock_and_throttling_per_call():
     sustained = runpy.run_path(str(SCRIPT))["sustained"]
-    nvml = FakeNvml(mj=2.5, clocks=[(1980.0, False), (1755.0, True), (1740.0, True)])
+    nvml = FakeNvml(mj=2.5, readings=[(1980.0, 40.0, []), (1755.0, 52.0, ["sw_power_cap"]),
+                                      (1740.0, 51.0, ["sw_power_cap", "sw_thermal_slowdown"])])
     clock = iter(0.001 * i for i in range(1000))  # each read of the clock 1 ms later
     waits = []
     row = sustained(nvml.call, 0.0025, nvml, lambda: waits.append(nvml.calls), now=lambda: next(clock), batch=10)
     assert nvml.calls == 30 and waits == [0, 10, 20, 30]  # a wait before the window and after each batch
     assert row["calls"] == 30 and row["mj_per_call"] == 2.5 and row["sm_clock_mhz"] == 1755.0
-    assert row["at_power_cap"] == pytest.approx(2 / 3)
+    assert row["max_temperature_c"] == 52.0 and row["held_by"] == "sw_power_cap 67%, sw_thermal_slowdown 33%"
     # the clock read at the start (0 ms), after each batch (1, 2, 3 ms: 3 ms ends the window) and at the end (4 ms)
     assert row["ms_per_call"] == pytest.approx(4.0 / 30)
     assert row["power_w"] == pytest.approx(75.0 / 1e3 / 0.004)
@@ -128,9 +130,21 @@ def test_sustained_gives_energy_watts_and_clock_per_call():
 
 def test_sustained_makes_one_batch_however_short_the_window():
     sustained = runpy.run_path(str(SCRIPT))["sustained"]
-    nvml = FakeNvml(mj=1.0, clocks=[(1500.0, True)])
+    nvml = FakeNvml(mj=1.0, readings=[(1500.0, 60.0, [])])
     row = sustained(nvml.call, 0.0, nvml, lambda: None, now=iter([0.0, 5.0, 5.0]).__next__, batch=4)
-    assert row["calls"] == 4 and row["ms_per_call"] == 1250.0 and row["at_power_cap"] == 1.0
+    assert row["calls"] == 4 and row["ms_per_call"] == 1250.0 and row["held_by"] == "-"
+
+
+def test_the_power_table_averages_both_windows_and_keeps_both_reasons():
+    power_summary = runpy.run_path(str(SCRIPT))["power_summary"]
+    point = {"batch": 16, "seq": 16384, "d": 64, "mode": "bwd", "calls": 700, "max_temperature_c": 50.0}
+    rows = [{"variant": "default", "repeat": 0, **point, "ms_per_call": 4.0, "mj_per_call": 2500.0, "power_w": 625.0,
+             "sm_clock_mhz": 1500.0, "held_by": "sw_power_cap 40%"},
+            {"variant": "default", "repeat": 1, **point, "ms_per_call": 4.2, "mj_per_call": 2300.0, "power_w": 550.0,
+             "sm_clock_mhz": 1440.0, "held_by": "-"}]
+    table = power_summary(pd.DataFrame(rows)).set_index("variant")
+    assert table.loc["default", ["ms_per_call", "mj_per_call", "sm_clock_mhz"]].tolist() == [4.1, 2400.0, 1470.0]
+    assert table.loc["default", "held_by"] == "sw_power_cap 40% / -"
 
 
 def test_refuses_a_power_output_it_would_overwrite_or_a_negative_window(tmp_path, capsys):
