@@ -94,7 +94,15 @@ repeats. A list-scheduling model of the leaderboard's 2048 programs on 132 multi
 at 0.8% per kernel. Measured again with the turns reversed (2026-11-25, session 47, the H100, `--points leaderboard
 --modes bwd --repeats 4 --variants default grouped sdpa_cudnn` at da83f0b, its GPU test passed the same start): the
 backward 3.400 ms against 3.436 (cuDNN 3.018), faster in each of the 4 repeats (by 0.4-1.9%), timed first or
-second: the default since.
+second: the default since. In the run after (2026-11-25, session 47, at e6f22bc, `--points leaderboard --modes bwd
+fwd_bwd --repeats 2 --variants default ungrouped sdpa_cudnn --power 3`): the backward 3.404 ms against 3.476
+ungrouped (cuDNN 3.008), forward and backward 4.710 against 4.774 (cuDNN 4.346).
+
+Power (the same run's --power 3: each variant back to back for 3 s, twice): under that sustained load the H100 ran
+every backward at 1440-1545 MHz (1980 MHz idle) and 555-655 W, seldom at its power cap (this backward's first window
+36% of its readings, no other); this backward 4.03 ms and 2.45 J per call, cuDNN's 3.64 ms and 2.24 J, ungrouped 4.12
+ms and 2.42 J. Per call it takes 9% more energy than cuDNN's (with 40% more tensor-core products), and its 11% more
+time is not the power cap's doing: both ran at about the same clock and power.
 """
 
 import contextlib
