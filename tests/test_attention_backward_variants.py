@@ -72,16 +72,19 @@ def test_kernel_rows_sum_each_kernels_launches_and_device_time_per_call():
     assert kernel_rows([event("aten::mm", 10.0, DeviceType.CPU)], steps=1) == []
 
 
-def test_refuses_a_kernels_output_it_would_overwrite(tmp_path, capsys):
+@pytest.mark.parametrize("option", ["--kernels", "--power"])
+def test_refuses_a_side_output_it_would_overwrite_or_a_negative_count(tmp_path, capsys, option):
+    """--kernels and --power write <csv>-kernels.csv and <csv>-power.csv: an existing one is kept, nothing written."""
     main = runpy.run_path(str(SCRIPT))["main"]
-    existing = tmp_path / "variants-kernels.csv"
+    existing = tmp_path / f"variants-{option[2:]}.csv"
     existing.write_text("kept\n")
     with pytest.raises(SystemExit):
-        main([str(tmp_path / "variants.csv"), "--kernels", "5"])
-    assert "variants-kernels.csv: give a new file ending in .csv" in capsys.readouterr().err
+        main([str(tmp_path / "variants.csv"), option, "5"])
+    assert f"variants-{option[2:]}.csv: give a new file ending in .csv" in capsys.readouterr().err
     assert existing.read_text() == "kept\n" and not (tmp_path / "variants.csv").exists()
     with pytest.raises(SystemExit):
-        main([str(tmp_path / "variants.csv"), "--kernels", "-1"])
+        main([str(tmp_path / "variants.csv"), option, "-1"])
+    assert "--warmup, --kernels and --power at least 0" in capsys.readouterr().err
 
 
 def test_the_variants_take_turns_first_and_last():
@@ -145,19 +148,6 @@ def test_the_power_table_averages_both_windows_and_keeps_both_reasons():
     table = power_summary(pd.DataFrame(rows)).set_index("variant")
     assert table.loc["default", ["ms_per_call", "mj_per_call", "sm_clock_mhz"]].tolist() == [4.1, 2400.0, 1470.0]
     assert table.loc["default", "held_by"] == "sw_power_cap 40% / -"
-
-
-def test_refuses_a_power_output_it_would_overwrite_or_a_negative_window(tmp_path, capsys):
-    main = runpy.run_path(str(SCRIPT))["main"]
-    existing = tmp_path / "variants-power.csv"
-    existing.write_text("kept\n")
-    with pytest.raises(SystemExit):
-        main([str(tmp_path / "variants.csv"), "--power", "2"])
-    assert "variants-power.csv: give a new file ending in .csv" in capsys.readouterr().err
-    assert existing.read_text() == "kept\n"
-    with pytest.raises(SystemExit):
-        main([str(tmp_path / "new.csv"), "--power", "-1"])
-    assert "--power at least 0" in capsys.readouterr().err
 
 
 def test_nvml_says_why_it_cannot_read(monkeypatch):
