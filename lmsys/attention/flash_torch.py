@@ -1,8 +1,9 @@
 """FlashAttention-2 in plain PyTorch: tiled forward with an online softmax, backward by recomputation.
 
 Algorithm (Dao, "FlashAttention-2", 2023, algorithms 1 and 2). The keys and values are cut into tiles of
-`BLOCK_K` positions (a multiple of it for more than MAX_KEY_TILES * BLOCK_K keys). The forward walks over the key tiles keeping, per query row, the running maximum `m`, the
-running sum `l` of exp(s - m) and the unnormalized output; each new tile rescales them by exp(m_old - m_new).
+`BLOCK_K` positions (a multiple of it for more than MAX_KEY_TILES * BLOCK_K keys). The forward walks over the key
+tiles keeping, per query row, the running maximum `m`, the running sum `l` of exp(s - m) and the unnormalized output;
+each new tile rescales them by exp(m_old - m_new).
 It returns the output and the log-sum-exp `L = m + log(l)` of the scaled scores, the only statistics saved for
 backward. The backward recomputes P = exp(S - L) tile by tile, with D = rowsum(dO * O):
 
