@@ -143,8 +143,8 @@ def profile_point(provider: str, shape: tuple, mode: str, is_causal: bool, steps
 
 
 class Nvml:
-    """The GPU's energy counter (mJ since the driver loaded), SM clock and power-cap state, read through NVML (pynvml,
-    of the optional nvidia-ml-py package), for --power."""
+    """The GPU's energy counter (mJ since the driver loaded), SM clock, temperature and throttle reasons, read through
+    NVML (pynvml, of the optional nvidia-ml-py package), for --power."""
 
     def __init__(self, pynvml, handle):
         self.nvml, self.handle = pynvml, handle
@@ -205,7 +205,7 @@ def sustained(call, seconds: float, nvml, synchronize, now=time.perf_counter, ba
 
 def power_rows(shapes, variants, modes, is_causal: bool, seconds: float, nvml, device) -> list[dict]:
     """sustained() for every point, mode and variant, each variant twice: the variants in the order given, then
-    reversed (the GPU warms as it goes)."""
+    reversed (the GPU warms as it goes). A case out of device memory says so in its status, and the others go on."""
     rows = []
     progress = sweep.Progress(len(shapes) * len(modes) * 2 * len(variants))
     try:
@@ -226,11 +226,13 @@ def _power_point(shape, variants, modes, is_causal, seconds, nvml, device, progr
                 provider, settings = VARIANTS[name]
                 progress.start(f"{shape} {mode} {name} back to back ({repeat + 1}/2)")
                 apply(settings)
-                fn, fn_args = timed_call(attention_function(provider), q, k, v, is_causal, mode)
-                fn(*fn_args)  # compiled, and its buffers allocated, before the window
-                point = {"variant": name, "repeat": repeat, "batch": shape[0], "seq": shape[2], "d": shape[3],
-                         "mode": mode}
-                rows.append({**point, **sustained(partial(fn, *fn_args), seconds, nvml, device.synchronize)})
+                row = {"variant": name, "repeat": repeat, "batch": shape[0], "seq": shape[2], "d": shape[3],
+                       "mode": mode, "status": sweep.OK}
+                with sweep.out_of_memory_as_status(device, row):
+                    fn, fn_args = timed_call(attention_function(provider), q, k, v, is_causal, mode)
+                    fn(*fn_args)  # compiled, and its buffers allocated, before the window
+                    row.update(sustained(partial(fn, *fn_args), seconds, nvml, device.synchronize))
+                rows.append(row)
     return rows
 
 
@@ -252,8 +254,8 @@ def main(argv=None) -> int:
                         "<csv>-kernels.csv (default 0: none)")
     parser.add_argument("--power", type=float, default=0, metavar="SECONDS",
                         help="then run each variant, point and mode back to back for SECONDS, twice, and read the "
-                        "GPU's energy, SM clock and power cap through NVML: mJ and W per call, to <csv>-power.csv "
-                        "(default 0: none)")
+                        "GPU's energy, SM clock, temperature and throttle reasons through NVML: mJ and W per call, to "
+                        "<csv>-power.csv (default 0: none)")
     args = parser.parse_args(argv)
     is_causal = not args.not_causal
     if args.repeats < 1 or args.steps < 1 or args.warmup < 0 or args.kernels < 0 or args.power < 0:
@@ -331,12 +333,14 @@ def turns(variants: list[str], repeat: int) -> list[str]:
 
 
 def power_summary(frame: pd.DataFrame) -> pd.DataFrame:
-    """A row per variant, point and mode of --power's rows: the mean of its two windows, their throttle reasons
-    side by side."""
+    """A row per variant, point and mode of --power's rows: the first window's status, the mean of the measured
+    windows, and their throttle reasons side by side."""
     keys = ["variant", "batch", "seq", "d", "mode"]
     numbers = ["calls", "ms_per_call", "mj_per_call", "power_w", "sm_clock_mhz", "max_temperature_c"]
+    frame = frame.reindex(columns=[*keys, "status", *numbers, "held_by"])
     groups = frame.groupby(keys, sort=False)
-    return groups[numbers].mean().join(groups["held_by"].agg(" / ".join)).reset_index()
+    reasons = groups["held_by"].agg(lambda held: " / ".join(held.dropna()))
+    return groups[["status"]].first().join(groups[numbers].mean()).join(reasons).reset_index()
 
 
 def summary(frame: pd.DataFrame) -> pd.DataFrame:

@@ -141,13 +141,18 @@ def test_sustained_makes_one_batch_however_short_the_window():
 def test_the_power_table_averages_both_windows_and_keeps_both_reasons():
     power_summary = runpy.run_path(str(SCRIPT))["power_summary"]
     point = {"batch": 16, "seq": 16384, "d": 64, "mode": "bwd", "calls": 700, "max_temperature_c": 50.0}
-    rows = [{"variant": "default", "repeat": 0, **point, "ms_per_call": 4.0, "mj_per_call": 2500.0, "power_w": 625.0,
-             "sm_clock_mhz": 1500.0, "held_by": "sw_power_cap 40%"},
-            {"variant": "default", "repeat": 1, **point, "ms_per_call": 4.2, "mj_per_call": 2300.0, "power_w": 550.0,
-             "sm_clock_mhz": 1440.0, "held_by": "-"}]
+    rows = [{"variant": "default", "repeat": 0, **point, "status": "ok", "ms_per_call": 4.0, "mj_per_call": 2500.0,
+             "power_w": 625.0, "sm_clock_mhz": 1500.0, "held_by": "sw_power_cap 40%"},
+            {"variant": "default", "repeat": 1, **point, "status": "ok", "ms_per_call": 4.2, "mj_per_call": 2300.0,
+             "power_w": 550.0, "sm_clock_mhz": 1440.0, "held_by": "-"}]
+    rows += [{"variant": "sdpa_flash", "repeat": r, "batch": 16, "seq": 16384, "d": 64, "mode": "bwd",
+              "status": "OOM: tried to allocate 2.00 GiB"} for r in (0, 1)]
     table = power_summary(pd.DataFrame(rows)).set_index("variant")
     assert table.loc["default", ["ms_per_call", "mj_per_call", "sm_clock_mhz"]].tolist() == [4.1, 2400.0, 1470.0]
-    assert table.loc["default", "held_by"] == "sw_power_cap 40% / -"
+    assert table.loc["default", "held_by"] == "sw_power_cap 40% / -" and table.loc["default", "status"] == "ok"
+    assert table.loc["sdpa_flash", "status"].startswith("OOM") and pd.isna(table.loc["sdpa_flash", "mj_per_call"])
+    assert table.loc["sdpa_flash", "held_by"] == ""
+    assert list(table.index) == ["default", "sdpa_flash"]
 
 
 def test_nvml_says_why_it_cannot_read(monkeypatch):
