@@ -52,7 +52,6 @@ from lmsys.attention.providers import attention_function, timed_call
 from lmsys.bench import sweep
 from lmsys.bench.attention import run_point
 from lmsys.bench.ncu import short_name
-from lmsys.perf.machine import THROTTLE_REASONS
 
 # (batch, heads, seq, d): the leaderboard's (16, 16384, 64) and the causal grid's (1, T, d) points, as 4-D inputs.
 POINTS = {
@@ -142,15 +141,16 @@ def profile_point(provider: str, shape: tuple, mode: str, is_causal: bool, steps
     return kernel_rows(prof.events(), steps)
 
 
-class Nvml:
-    """The GPU's energy counter (mJ since the driver loaded), SM clock, temperature and throttle reasons, read through
-    NVML (pynvml, of the optional nvidia-ml-py package), for --power."""
+class EnergyCounter:
+    """The GPU's total energy counter (mJ since the driver loaded), read through NVML (pynvml, of the optional
+    nvidia-ml-py package), for --power; its clock, temperature and throttle reasons come from the gate's reader
+    (`CudaBackend.machine_state`)."""
 
     def __init__(self, pynvml, handle):
         self.nvml, self.handle = pynvml, handle
 
     @classmethod
-    def open(cls) -> "tuple[Nvml | None, str | None]":
+    def open(cls) -> "tuple[EnergyCounter | None, str | None]":
         """The current CUDA device's, or (None, why not)."""
         try:
             import pynvml
@@ -168,56 +168,49 @@ class Nvml:
     def energy_mj(self) -> float:
         return float(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle))
 
-    def reading(self) -> tuple[float, float, list[str]]:
-        """(SM clock in MHz, temperature in C, the throttle reasons holding the clock down now, by name)."""
-        nvml = self.nvml
-        events = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
-        reasons = (events or nvml.nvmlDeviceGetCurrentClocksThrottleReasons)(self.handle)
-        return (float(nvml.nvmlDeviceGetClockInfo(self.handle, nvml.NVML_CLOCK_SM)),
-                float(nvml.nvmlDeviceGetTemperature(self.handle, nvml.NVML_TEMPERATURE_GPU)),
-                [name for bit, name in THROTTLE_REASONS.items() if reasons & bit])
 
-
-def sustained(call, seconds: float, nvml, synchronize, now=time.perf_counter, batch: int = 10) -> dict:
-    """`call` back to back for `seconds` (in batches of `batch`, each followed by a reading of the GPU taken while the
-    batch runs, then a wait for it): milliseconds, millijoules (the energy counter's difference) and mean watts per
-    call, the median SM clock of the readings, the highest temperature, and each throttle reason seen with the share
-    of readings it held ("sw_power_cap 40%"). On a GPU held at its power cap a call runs slower the more energy it
-    takes; a clock below the GPU's top with no reason seen is the GPU's own choice at that load."""
+def sustained(call, seconds: float, energy_mj, read, synchronize, now=time.perf_counter, batch: int = 10) -> dict:
+    """`call` back to back for `seconds` (in batches of `batch`, each followed by a reading of the GPU, `read()` as
+    lmsys.perf.machine.Reader.read gives it, taken while the batch runs, then a wait for it): milliseconds,
+    millijoules (the difference of `energy_mj()`) and mean watts per call, the median SM clock of the readings, the
+    highest temperature, and each throttle reason seen with the share of readings it held ("sw_power_cap 40%"). On a
+    GPU held at its power cap a call runs slower the more energy it takes; a clock below the GPU's top with no reason
+    seen is the GPU's own choice at that load."""
     synchronize()
-    energy0, start, calls, clocks, temperatures, held = nvml.energy_mj(), now(), 0, [], [], {}
+    energy0, start, calls, readings, clocks, temperatures, held = energy_mj(), now(), 0, 0, [], [], {}
     while calls == 0 or now() - start < seconds:
         for _ in range(batch):
             call()
         calls += batch
-        clock, temperature, reasons = nvml.reading()
-        clocks.append(clock)
-        temperatures.append(temperature)
-        for reason in reasons:
+        reading = read()  # a field NVML refuses is None: left out
+        clocks += [reading["sm_clock_mhz"]] if reading["sm_clock_mhz"] is not None else []
+        temperatures += [reading["temperature_c"]] if reading["temperature_c"] is not None else []
+        readings += 1
+        for reason in reading["throttle"] or ():
             held[reason] = held.get(reason, 0) + 1
         synchronize()
-    elapsed, energy = now() - start, nvml.energy_mj() - energy0
+    elapsed, energy = now() - start, energy_mj() - energy0
     return {"calls": calls, "ms_per_call": 1e3 * elapsed / calls, "mj_per_call": energy / calls,
-            "power_w": energy / 1e3 / elapsed, "sm_clock_mhz": statistics.median(clocks),
-            "max_temperature_c": max(temperatures),
-            "held_by": ", ".join(f"{reason} {count / len(clocks):.0%}" for reason, count in held.items()) or "-"}
+            "power_w": energy / 1e3 / elapsed, "sm_clock_mhz": statistics.median(clocks) if clocks else None,
+            "max_temperature_c": max(temperatures, default=None),
+            "held_by": ", ".join(f"{reason} {count / readings:.0%}" for reason, count in held.items()) or "-"}
 
 
-def power_rows(shapes, variants, modes, is_causal: bool, seconds: float, nvml, device) -> list[dict]:
+def power_rows(shapes, variants, modes, is_causal: bool, seconds: float, counter, device) -> list[dict]:
     """sustained() for every point, mode and variant, each variant twice: the variants in the order given, then
     reversed (the GPU warms as it goes). A case out of device memory says so in its status, and the others go on."""
     rows = []
     progress = sweep.Progress(len(shapes) * len(modes) * 2 * len(variants))
     try:
         for shape in shapes:
-            rows += _power_point(shape, variants, modes, is_causal, seconds, nvml, device, progress)
+            rows += _power_point(shape, variants, modes, is_causal, seconds, counter, device, progress)
     finally:
         progress.close()
         apply({})
     return rows
 
 
-def _power_point(shape, variants, modes, is_causal, seconds, nvml, device, progress) -> list[dict]:
+def _power_point(shape, variants, modes, is_causal, seconds, counter, device, progress) -> list[dict]:
     rows = []
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     for mode in modes:
@@ -231,7 +224,8 @@ def _power_point(shape, variants, modes, is_causal, seconds, nvml, device, progr
                 with sweep.out_of_memory_as_status(device, row):
                     fn, fn_args = timed_call(attention_function(provider), q, k, v, is_causal, mode)
                     fn(*fn_args)  # compiled, and its buffers allocated, before the window
-                    row.update(sustained(partial(fn, *fn_args), seconds, nvml, device.synchronize))
+                    row.update(sustained(partial(fn, *fn_args), seconds, counter.energy_mj, device.machine_state,
+                                         device.synchronize))
                 rows.append(row)
     return rows
 
@@ -268,13 +262,15 @@ def main(argv=None) -> int:
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         print("needs a Hopper GPU (compute capability 9.0): the Gluon backward runs nowhere else", file=sys.stderr)
         return 2
-    nvml = None
+    device = sweep.backend()
+    counter = None
     if args.power:
-        nvml, why = Nvml.open()
-        if nvml is None:
+        counter, why = EnergyCounter.open()
+        if counter is not None and device.machine_state() is None:  # the gate's reader: clock, temperature, reasons
+            why = device.machine_note
+        if why:
             print(f"--power: {why}", file=sys.stderr)
             return 2
-    device = sweep.backend()
     timing = SimpleNamespace(warmup=args.warmup, steps=args.steps)
     shapes = [shape for name in args.points for shape in POINTS[name]]
     profiled = len(args.variants) * len(args.modes) if args.kernels else 0
@@ -321,7 +317,7 @@ def main(argv=None) -> int:
         print(sweep.format_table(profiles.groupby(["variant", "batch", "seq", "d", "mode"], sort=False).head(6)))
     if args.power:
         print(f"each variant back to back for {args.power:g} s, twice: energy per call and the clock it ran at")
-        power = pd.DataFrame(power_rows(shapes, args.variants, args.modes, is_causal, args.power, nvml, device))
+        power = pd.DataFrame(power_rows(shapes, args.variants, args.modes, is_causal, args.power, counter, device))
         sweep.write_outputs(power, [power_csv])
         print(sweep.format_table(power_summary(power)))
     return 0

@@ -112,8 +112,10 @@ class FakeNvml:
     def energy_mj(self) -> float:
         return 1000.0 + self.mj * self.calls
 
-    def reading(self) -> tuple[float, float, list[str]]:
-        return self.readings[min(len(self.readings) - 1, self.calls // 10 - 1)]
+    def reading(self) -> dict:
+        """As lmsys.perf.machine.Reader.read gives it (the fields sustained reads)."""
+        clock, temperature, throttle = self.readings[min(len(self.readings) - 1, self.calls // 10 - 1)]
+        return {"sm_clock_mhz": clock, "temperature_c": temperature, "throttle": throttle}
 
 
 def test_sustained_gives_energy_watts_clock_and_throttling_per_call():
@@ -122,7 +124,8 @@ def test_sustained_gives_energy_watts_clock_and_throttling_per_call():
                                       (1740.0, 51.0, ["sw_power_cap", "sw_thermal_slowdown"])])
     clock = iter(0.001 * i for i in range(1000))  # each read of the clock 1 ms later
     waits = []
-    row = sustained(nvml.call, 0.0025, nvml, lambda: waits.append(nvml.calls), now=lambda: next(clock), batch=10)
+    row = sustained(nvml.call, 0.0025, nvml.energy_mj, nvml.reading, lambda: waits.append(nvml.calls),
+                    now=lambda: next(clock), batch=10)
     assert nvml.calls == 30 and waits == [0, 10, 20, 30]  # a wait before the window and after each batch
     assert row["calls"] == 30 and row["mj_per_call"] == 2.5 and row["sm_clock_mhz"] == 1755.0
     assert row["max_temperature_c"] == 52.0 and row["held_by"] == "sw_power_cap 67%, sw_thermal_slowdown 33%"
@@ -134,7 +137,8 @@ def test_sustained_gives_energy_watts_clock_and_throttling_per_call():
 def test_sustained_makes_one_batch_however_short_the_window():
     sustained = runpy.run_path(str(SCRIPT))["sustained"]
     nvml = FakeNvml(mj=1.0, readings=[(1500.0, 60.0, [])])
-    row = sustained(nvml.call, 0.0, nvml, lambda: None, now=iter([0.0, 5.0, 5.0]).__next__, batch=4)
+    row = sustained(nvml.call, 0.0, nvml.energy_mj, nvml.reading, lambda: None, now=iter([0.0, 5.0, 5.0]).__next__,
+                    batch=4)
     assert row["calls"] == 4 and row["ms_per_call"] == 1250.0 and row["held_by"] == "-"
 
 
@@ -155,8 +159,8 @@ def test_the_power_table_averages_both_windows_and_keeps_both_reasons():
     assert list(table.index) == ["default", "sdpa_flash"]
 
 
-def test_nvml_says_why_it_cannot_read(monkeypatch):
-    Nvml = runpy.run_path(str(SCRIPT))["Nvml"]
+def test_the_energy_counter_says_why_it_cannot_read(monkeypatch):
+    EnergyCounter = runpy.run_path(str(SCRIPT))["EnergyCounter"]
     monkeypatch.setitem(__import__("sys").modules, "pynvml", None)  # import pynvml raises ImportError
-    nvml, why = Nvml.open()
+    nvml, why = EnergyCounter.open()
     assert nvml is None and "nvidia-ml-py" in why

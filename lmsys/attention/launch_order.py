@@ -1,4 +1,6 @@
-"""Launch order of the attention forwards (the Triton one in flash_triton, the Gluon one in flash_hopper).
+"""Launch order of the attention forwards (the Triton one in flash_triton, the Gluon one in flash_hopper) and of the
+Gluon backward's two kernels (flash_hopper_bwd.GROUPED_ORDER: its dK/dV kernel over blocks of keys, heaviest first
+without the mask's reversal, since there the first keys are seen by every later query).
 
 Heads go in groups whose keys and values take about half of the H100's 50 MB L2 cache. Within a group, the
 programs of one query block of every head run side by side, the block with the most key tiles first: with a
@@ -21,7 +23,7 @@ def group_heads(k, heads):
 @triton.jit
 def program_position(N_Q, BH, GROUP_HEADS, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
     """(batch*head, query block) of this program of a 1-D grid of cdiv(N_Q, BLOCK_M) * BH programs. The Gluon
-    forward calls it too."""
+    forward and the Gluon backward's kernels call it too."""
     n_blocks = tl.cdiv(N_Q, BLOCK_M)
     pid = tl.program_id(0)
     group = pid // (GROUP_HEADS * n_blocks)
