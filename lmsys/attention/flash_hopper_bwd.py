@@ -102,7 +102,11 @@ Power (the same run's --power 3: each variant back to back for 3 s, twice): unde
 every backward at 1440-1545 MHz (1980 MHz idle) and 555-655 W, seldom at its power cap (this backward's first window
 36% of its readings, no other); this backward 4.03 ms and 2.45 J per call, cuDNN's 3.64 ms and 2.24 J, ungrouped 4.12
 ms and 2.42 J. Per call it takes 9% more energy than cuDNN's (with 40% more tensor-core products), and its 11% more
-time is not the power cap's doing: both ran at about the same clock and power.
+time is not the power cap's doing: both ran at about the same clock and power. On another machine start (2026-11-25,
+session 48, at 738ee3e, `--points leaderboard --modes bwd --repeats 2 --variants default ungrouped sdpa_cudnn --power
+3`) every window was at the power cap for all its readings, at 1665-1710 MHz and 692-719 W: this backward 3.70 ms and
+2.62 J per call, ungrouped 3.72 ms and 2.59 J, cuDNN's 3.32 ms and 2.34 J (the short timings: 3.478, 3.530 and 3.043
+ms). Capped or not, the gap is the same: 11% more time and 9-12% more energy per call than cuDNN's.
 """
 
 import contextlib
