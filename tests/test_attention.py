@@ -12,6 +12,7 @@ import functools
 import inspect
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -500,6 +501,22 @@ def test_every_tile_config_gpu(gpu, kernel, config, head_dim, monkeypatch):
         check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
 
 
+def _assert_compiled_well(folder):
+    """The kernel compiled into `folder` (kernel.ptx, kernel.cubin) spills no register, and ptxas kept its warpgroup
+    MMAs asynchronous: when a kernel keeps too many registers live, ptxas serializes them (message C7511: each MMA
+    waited for as soon as issued) with no error, and the kernel runs much slower (PIPELINED, flash_hopper_bwd's
+    docstring)."""
+    tools = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
+    usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", str(folder / "kernel.cubin")],
+                           capture_output=True, text=True, check=True).stdout
+    assert "STACK:0 " in usage and "LOCAL:0" in usage, (folder.name, usage)  # no register spilled
+    ptx = folder / "kernel.ptx"
+    arch = re.search(r"^\.target\s+(sm_\w+)", ptx.read_text(), re.MULTILINE).group(1)
+    ptxas = [os.path.join(tools, "ptxas"), f"-arch={arch}", "-v", str(ptx), "-o", str(folder / "ptxas.cubin")]
+    info = subprocess.run(ptxas, capture_output=True, text=True, check=True).stderr
+    assert "C7511" not in info and "serialized" not in info, (folder.name, info)
+
+
 # Compiles the Gluon forward for sm_90 (no GPU needed) at the only shape it takes, d=128 bf16, and writes its PTX,
 # cubin and shared-memory size to the folder argv[2]. It runs in its own process without TRITON_INTERPRET: under
 # the interpreter triton's own Triton functions (which Gluon's reductions call) are interpreter objects, and Gluon
@@ -546,10 +563,7 @@ def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, head_dim,
     assert result.returncode == 0, result.stderr
     assert int((tmp_path / "shared").read_text()) <= 227 * 1024
     assert "wgmma.wait_group.sync.aligned 1;" in (tmp_path / "kernel.ptx").read_text()
-    cuobjdump = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
-    usage = subprocess.run([cuobjdump, "-res-usage", str(tmp_path / "kernel.cubin")], capture_output=True, text=True,
-                           check=True).stdout
-    assert "STACK:0 " in usage and "LOCAL:0" in usage, usage
+    _assert_compiled_well(tmp_path)
 
 
 # Compiles the two kernels of the Gluon backward for sm_90 (no GPU needed), causal and not, at each head dim they take
@@ -609,7 +623,6 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
     result = subprocess.run([sys.executable, "-c", _COMPILE_HOPPER_BACKWARD, kernel, str(tmp_path)], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
-    cuobjdump = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
     built = sorted(tmp_path.glob(f"{kernel}-*/*"))
     variants = [folder.name for folder in built]
     assert variants.count("default") == 4
@@ -618,9 +631,7 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
     for folder in built:
         assert int((folder / "shared").read_text()) <= 227 * 1024, folder.name
         assert "wgmma.wait_group.sync.aligned 1;" in (folder / "kernel.ptx").read_text(), folder.name
-        usage = subprocess.run([cuobjdump, "-res-usage", str(folder / "kernel.cubin")], capture_output=True,
-                               text=True, check=True).stdout
-        assert "STACK:0 " in usage and "LOCAL:0" in usage, (folder.name, usage)  # no register spilled
+        _assert_compiled_well(folder)
 
 
 @pytest.mark.gpu
