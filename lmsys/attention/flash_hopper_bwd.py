@@ -41,7 +41,11 @@ backward's 3.565 and cuDNN's 3.019, with the 128-row query tiles it needs there,
 0.336-5.63 ms against 0.319-5.52 from 8192 to 65536 tokens): removed (its code: commit 2cb9bc4). So were query
 tiles of 128 rows at d=64 (FA3's tile there), and PIPELINED, a dK/dV loop that issued the next query tile's S^T and
 dP^T before waiting for this tile's dK and dV: right, and slower at every point (4.285 ms at the leaderboard; its
-code: commit e944207).
+code: commit e944207). Why, read later from its sm_90 build (2026-11-25): ptxas serialized its warpgroup MMAs (C7511,
+"insufficient register resources for the wgmma pipeline": each k-step of 16 waited for as soon as issued); there the
+next tile's S^T and dP^T need registers of their own while dV and dK still read P^T and dS^T. The compile tests now
+fail on that message. The loop here drains its MMAs at the end of every step (`warpgroup_mma_wait(0)` after dK), and
+the next S^T and dP^T take the registers that P^T and dS^T held.
 
 The kernels side by side (2026-11-24, session 44, the H100, `scripts/attention_backward_variants.py --points
 leaderboard grid --modes bwd --repeats 2`, causal bf16, medians of 2 repeats of 30 calls, same run): on the causal
