@@ -2,7 +2,7 @@
 (lmsys.attention.flash_hopper_bwd, whatever the problem's size: its kernels one after the other, with its dQ kernel
 beside the dK/dV one on a side stream, and, one after the other, with dQ tiles of 128 keys, with 3 stages, or
 without the dK/dV kernel's statistics loaded a step ahead; by default, or either, in the forwards' launch order:
-GROUPED_ORDER; by default with the dK/dV kernel's PIPELINED loop at d=64), the Gluon forward at d=64 at any size or never (by
+GROUPED_ORDER), the Gluon forward at d=64 at any size or never (by
 default it runs long problems of few blocks: flash_hopper.plan), SDPA's cuDNN and flash backends, and the default
 (what flash_attention runs: the Gluon backward as flash_hopper_bwd.plan decides by the problem's programs per
 multiprocessor, else the Triton one), at the CS336 leaderboard's shape and the causal grid's points from 8192 tokens
@@ -73,8 +73,6 @@ VARIANTS = {
     "hopper-dq128": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "TILES": {64: (64, 128), 128: (64, 128)}}),
     "hopper-3stages": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "NUM_STAGES": 3}),
     "hopper-no-prefetch": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "PREFETCH_STATS": set()}),
-    # the dK/dV kernel's dK product under the next tile's softmax, at d=64 (PIPELINED_PROBLEMS)
-    "pipelined": ("flash_triton", {"PIPELINED_PROBLEMS": {(True, 64), (False, 64)}}),
     "grouped": ("flash_triton", {"GROUPED_ORDER": True}),  # the default: the forwards' launch order
     "ungrouped": ("flash_triton", {"GROUPED_ORDER": False}),  # the default before 2026-11-25: a grid of (blocks, heads)
     "sdpa_cudnn": ("sdpa_cudnn", {}),
@@ -89,7 +87,6 @@ DEFAULTS = {
     "NUM_STAGES": (flash_hopper_bwd, flash_hopper_bwd.NUM_STAGES),
     "PREFETCH_STATS": (flash_hopper_bwd, flash_hopper_bwd.PREFETCH_STATS),
     "GROUPED_ORDER": (flash_hopper_bwd, flash_hopper_bwd.GROUPED_ORDER),
-    "PIPELINED_PROBLEMS": (flash_hopper_bwd, flash_hopper_bwd.PIPELINED_PROBLEMS),
     "FORWARD_64_MIN_KEYS": (flash_hopper, flash_hopper.FORWARD_64_MIN_KEYS),  # where the Gluon forward runs d=64
     "FORWARD_64_BELOW_PROGRAMS_PER_SM": (flash_hopper, flash_hopper.FORWARD_64_BELOW_PROGRAMS_PER_SM),
 }

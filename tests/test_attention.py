@@ -567,10 +567,10 @@ def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, head_dim,
 
 
 # Compiles the two kernels of the Gluon backward for sm_90 (no GPU needed), causal and not, at each head dim they take
-# (and the dK/dV kernel at d=64 with the other PREFETCH setting: causal without it, not causal with it, and with the
-# other PIPELINED_PROBLEMS setting; and each kernel, causal at d=64, in the other launch order, GROUPED_ORDER: variants
-# scripts/attention_backward_variants.py times), and writes each one's PTX, cubin and shared-memory size to
-# argv[2]/<kernel>-<causal>-<d>/<default, other-prefetch, pipelined or other-order>.
+# (and the dK/dV kernel at d=64 with the other PREFETCH setting: causal without it, not causal with it; and each
+# kernel, causal at d=64, in the other launch order, GROUPED_ORDER: variants scripts/attention_backward_variants.py
+# times), and writes each one's PTX, cubin and shared-memory size to
+# argv[2]/<kernel>-<causal>-<d>/<default, other-prefetch or other-order>.
 _COMPILE_HOPPER_BACKWARD = """
 import pathlib, sys
 import triton
@@ -582,8 +582,7 @@ from lmsys.attention import flash_hopper_bwd as hb
 which = sys.argv[1]
 kernel = hb._dkdv_kernel if which == "dkdv" else hb._dq_kernel
 builds = [(causal, d, "default") for causal in (False, True) for d in hb.HEAD_DIMS]
-if which == "dkdv":
-    builds += [(causal, 64, v) for causal in (False, True) for v in ("other-prefetch", "pipelined")]
+builds += [(causal, 64, "other-prefetch") for causal in (False, True)] if which == "dkdv" else []
 builds += [(True, 64, "other-order")]
 for causal, d, variant in builds:
     def descriptor(rows):
@@ -601,9 +600,6 @@ for causal, d, variant in builds:
                       PRODUCER_REGS=hb.PRODUCER_REGS, GROUPED=hb.GROUPED_ORDER != (variant == "other-order"))
     if which == "dkdv":
         constexprs["PREFETCH"] = ((causal, d) in hb.PREFETCH_STATS) != (variant == "other-prefetch")
-        constexprs["PIPELINED"] = ((causal, d) in hb.PIPELINED_PROBLEMS) != (variant == "pipelined")
-        if constexprs["PIPELINED"]:
-            constexprs["NUM_STAGES"] = max(hb.NUM_STAGES, 3)
     types = {**descs, "LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
              **dict.fromkeys(constexprs, "constexpr")}
     names = kernel.arg_names
@@ -622,8 +618,7 @@ for causal, d, variant in builds:
 def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path):
     """On any machine: each kernel of the Gluon backward compiles for sm_90 with the installed triton at both head dims,
     causal and not, fits shared memory, spills no register, and works on the probabilities while a product is still
-    in flight (`wgmma.wait_group 1`); the dK/dV kernel at d=64 with the other PREFETCH_STATS and PIPELINED_PROBLEMS
-    settings too."""
+    in flight (`wgmma.wait_group 1`); the dK/dV kernel at d=64 with the other PREFETCH_STATS setting too."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
     result = subprocess.run([sys.executable, "-c", _COMPILE_HOPPER_BACKWARD, kernel, str(tmp_path)], env=env,
                             capture_output=True, text=True, timeout=600)
@@ -632,7 +627,6 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
     variants = [folder.name for folder in built]
     assert variants.count("default") == 4
     assert variants.count("other-prefetch") == (2 if kernel == "dkdv" else 0)
-    assert variants.count("pipelined") == (2 if kernel == "dkdv" else 0)
     assert variants.count("other-order") == 1
     for folder in built:
         assert int((folder / "shared").read_text()) <= 227 * 1024, folder.name
@@ -682,8 +676,7 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, mo
 @pytest.mark.parametrize("setting, value", [
     ("CONCURRENT_DQ", True), ("CONCURRENT_DQ", False), ("TILES", {64: (64, 128), 128: (64, 128)}), ("NUM_STAGES", 3),
     ("PREFETCH_STATS", set()), ("GROUPED_ORDER", not flash_hopper_bwd.GROUPED_ORDER),
-    ("PIPELINED_PROBLEMS", {(True, 64), (False, 64)}),
-], ids=["concurrent-dq", "serial-dq", "dq-tiles-128", "3-stages", "no-prefetch", "other-order", "pipelined"])
+], ids=["concurrent-dq", "serial-dq", "dq-tiles-128", "3-stages", "no-prefetch", "other-order"])
 @pytest.mark.parametrize("q_shape, is_causal", [((2, 3, 1024, 64), True), ((1, 2, 512, 128), False),
                                                 ((2, 3, 640, 64), False)])
 def test_hopper_backward_variants_gpu(gpu, setting, value, q_shape, is_causal, monkeypatch, seed):

@@ -45,7 +45,16 @@ code: commit e944207). Why, read later from its sm_90 build (2026-11-25): ptxas 
 "insufficient register resources for the wgmma pipeline": each k-step of 16 waited for as soon as issued); there the
 next tile's S^T and dP^T need registers of their own while dV and dK still read P^T and dS^T. The compile tests now
 fail on that message. The loop here drains its MMAs at the end of every step (`warpgroup_mma_wait(0)` after dK), and
-the next S^T and dP^T take the registers that P^T and dS^T held.
+the next S^T and dP^T take the registers that P^T and dS^T held. A second PIPELINED (2026-11-25, session 49; its code:
+commit b56a94c) fit the registers: ptxas serialized every form of loop that carried a product in flight across its
+back edge (message C7514, "non wgmma instructions reading accumulator registers"; with the last tile peeled, with the
+next tile's products issued on whatever its slot held instead, even with everything waited for at the step's end), so
+it issued each tile's dK product in the next tile's step, behind that tile's S^T and dP^T and under its softmax, each
+step still ending with nothing in flight, and a ring of 3 stages (a slot is released a step later). It compiled at d=64
+without a spill or a serialized product and passed the float64 GPU tests, and was slower in each of 4 repeats at the
+leaderboard (the H100, `scripts/attention_backward_variants.py --points leaderboard --modes bwd --repeats 4 --variants
+default pipelined sdpa_cudnn`: 3.644 ms, repeats 3.462-3.685, against this backward's 3.419, 3.392-3.468, and cuDNN's
+3.022, 3.003-3.041): removed.
 
 The kernels side by side (2026-11-24, session 44, the H100, `scripts/attention_backward_variants.py --points
 leaderboard grid --modes bwd --repeats 2`, causal bf16, medians of 2 repeats of 30 calls, same run): on the causal
@@ -164,11 +173,6 @@ CONCURRENT_MIN_KEYS = 16384
 # spill at d=128), and there it made the dK/dV kernel 0.6-5.0% faster with the mask and 4.5-14% without it on the H100
 # (module docstring).
 PREFETCH_STATS = {(True, 64), (False, 64)}
-# The problems, as (is_causal, head dim), for which the dK/dV kernel issues each query tile's dK product in the next
-# tile's step, under that tile's softmax (_dkdv_loop_pipelined, with a ring of at least 3 stages; PREFETCH_STATS has
-# no say there). It compiles for sm_90 with its MMAs kept asynchronous and no spill at d=64 alone (at d=128 it spills
-# about 600 bytes). Not yet timed on a GPU: off.
-PIPELINED_PROBLEMS: set = set()
 # Whether both kernels take the forwards' launch order (`launch_order.program_position`: heads in groups whose
 # streamed tiles share L2, the heaviest block of every head in the group first) instead of a grid of (blocks, heads),
 # which runs the heads one after the other, each from its heaviest block down to its lightest. About 1% faster at the
@@ -302,85 +306,10 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
 
 
 @gluon.jit
-def _dkdv_front(s_token, dp_token, dv, do_tile, lse2, delta, cols, keys, qk_scale, WAITING: gl.constexpr,
-                MASK: gl.constexpr, a_layout: gl.constexpr):
-    """A query tile's S^T and dP^T (in flight, with WAITING - 1 groups issued after them) into dV += P^T dO, issued and
-    waited for, and dS^T as the A operand of dK's product."""
-    s = warpgroup_mma_wait(WAITING, deps=[s_token])
-    p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
-    if MASK:
-        p = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1), p, 0.0)
-    p_op = gl.convert_layout(p.to(do_tile.dtype), a_layout)
-    dv_token = warpgroup_mma(p_op, do_tile, dv, is_async=True)
-    dp = warpgroup_mma_wait(WAITING, deps=[dp_token])
-    ds_op = gl.convert_layout((p * (dp - gl.expand_dims(delta, 0))).to(do_tile.dtype), a_layout)
-    return dv_token, p_op, ds_op
-
-
-@gluon.jit
-def _dkdv_loop_pipelined(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys, lo,
-                         hi, qk_scale, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
-                         s_layout: gl.constexpr, a_layout: gl.constexpr):
-    """_dkdv_loop with each query tile's dK += dS^T Q issued in the next tile's step, behind its S^T and dP^T, so that
-    it runs under that tile's softmax (PIPELINED); each step still ends with no product in flight (ptxas serializes
-    the products of a loop that carries one across its back edge: message C7514). A tile's slot is released a step
-    later, so the ring needs 3 stages."""
-    gl.static_assert(NUM_STAGES >= 3, "PIPELINED keeps each slot a step longer: 3 stages at least")
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    half: gl.constexpr = k_w.shape[0]
-    s_zero = gl.zeros([half, BLOCK_M], gl.float32, s_layout)
-    if hi > lo:
-        # The first tile: S^T, dP^T, then dV and dS^T; its dK waits for the next step.
-        cols = (m_first + lo) * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_layout)
-        lse2 = gl.load(LSE + stat_row + cols) * LOG2E
-        delta = gl.load(DELTA + stat_row + cols)
-        slot = lo % NUM_STAGES
-        mbarrier.wait(ready.index(slot), (lo // NUM_STAGES) & 1)
-        s_token = warpgroup_mma(k_w, q_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp_token = warpgroup_mma(v_w, do_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dv_token, p_op, ds_op = _dkdv_front(s_token, dp_token, dv, do_smem.index(slot), lse2, delta, cols, keys,
-                                            qk_scale, 1, MASK, a_layout)
-        dv, p_op = warpgroup_mma_wait(0, deps=[dv_token, p_op])
-        for j in range(lo + 1, hi):
-            prev = slot
-            slot = j % NUM_STAGES
-            cols = cols + BLOCK_M
-            lse2 = gl.load(LSE + stat_row + cols) * LOG2E
-            delta = gl.load(DELTA + stat_row + cols)
-            mbarrier.wait(ready.index(slot), (j // NUM_STAGES) & 1)
-            s_token = warpgroup_mma(k_w, q_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dp_token = warpgroup_mma(v_w, do_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dk_token = warpgroup_mma(ds_op, q_smem.index(prev), dk, is_async=True)  # the previous tile's
-            dv_token, p_op, ds_prev = _dkdv_front(s_token, dp_token, dv, do_smem.index(slot), lse2, delta, cols,
-                                                  keys, qk_scale, 2, MASK, a_layout)
-            dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=[dk_token, dv_token, p_op, ds_op])
-            ds_op = ds_prev
-            mbarrier.arrive(empty.index(prev))
-        dk_token = warpgroup_mma(ds_op, q_smem.index(slot), dk, is_async=True)
-        dk, ds_op = warpgroup_mma_wait(0, deps=[dk_token, ds_op])
-        mbarrier.arrive(empty.index(slot))
-    return dk, dv
-
-
-@gluon.jit
-def _dkdv_tiles(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys, lo, hi,
-                qk_scale, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr,
-                a_layout: gl.constexpr, PREFETCH: gl.constexpr, PIPELINED: gl.constexpr):
-    """Query tiles [lo, hi) into dK, dV: by _dkdv_loop_pipelined with PIPELINED, else by _dkdv_loop."""
-    if PIPELINED:
-        dk, dv = _dkdv_loop_pipelined(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first,
-                                      keys, lo, hi, qk_scale, BLOCK_M, NUM_STAGES, MASK, s_layout, a_layout)
-    else:
-        dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys, lo,
-                            hi, qk_scale, BLOCK_M, NUM_STAGES, MASK, s_layout, a_layout, PREFETCH)
-    return dk, dv
-
-
-@gluon.jit
 def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_bar, ready, empty,
                    out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
                    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   PREFETCH: gl.constexpr, PIPELINED: gl.constexpr):
+                   PREFETCH: gl.constexpr):
     half: gl.constexpr = k_w.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
@@ -391,16 +320,16 @@ def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_b
     mbarrier.wait(kv_bar, 0)
     if CAUSAL:
         # The query tiles that overlap the program's keys need the mask; those after them do not.
-        dk, dv = _dkdv_tiles(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
+        dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
                             0, n_masked, qk_scale, BLOCK_M, NUM_STAGES, True, s_layout, a_layout,
-                            PREFETCH, PIPELINED)
-        dk, dv = _dkdv_tiles(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
+                            PREFETCH)
+        dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
                             n_masked, n_tiles, qk_scale, BLOCK_M, NUM_STAGES, False, s_layout, a_layout,
-                            PREFETCH, PIPELINED)
+                            PREFETCH)
     else:
-        dk, dv = _dkdv_tiles(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
+        dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
                             0, n_tiles, qk_scale, BLOCK_M, NUM_STAGES, False, s_layout, a_layout,
-                            PREFETCH, PIPELINED)
+                            PREFETCH)
     # Epilogue: through this warpgroup's K and V buffers (no longer read) and TMA stores.
     k_w.store((dk * sm_scale).to(dk_desc.dtype))
     v_w.store(dv.to(dv_desc.dtype))
@@ -417,7 +346,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, 
                  DO_RB, DO_RH, DO_CB, DO_CH,
                  HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PREFETCH: gl.constexpr,
-                 PIPELINED: gl.constexpr, GROUPED: gl.constexpr):
+                 GROUPED: gl.constexpr):
     HALF: gl.constexpr = k_desc.block_type.shape[0]  # keys per consumer warpgroup
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
@@ -451,10 +380,10 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, 
     gl.warp_specialize([
         (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_smem.index(0), v_smem.index(0), q_smem, do_smem, kv_bar,
                           ready, empty, out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
-                          CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, PREFETCH, PIPELINED)),
+                          CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, PREFETCH)),
         (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_smem.index(1), v_smem.index(1), q_smem, do_smem, kv_bar,
                           ready, empty, out_row + HALF, stat_row, key0 + HALF, m_first, n_masked, n_tiles, qk_scale,
-                          sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, PREFETCH, PIPELINED)),
+                          sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, PREFETCH)),
         (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
                           b * K_RB + h * K_RH + key0, b * K_CB + h * K_CH, b * V_RB + h * V_RH + key0,
                           b * V_CB + h * V_CH, b * Q_RB + h * Q_RH + m_first * BLOCK_M, b * Q_CB + h * Q_CH,
@@ -610,7 +539,6 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
     groups = (launch_order.group_heads(q, bh), launch_order.group_heads(k, bh)) if GROUPED_ORDER else (1, 1)
     # dq, dk, dv are new; lse and delta contiguous. The tiles are the descriptors' block shapes, not constexprs.
     key = (q.device, q.dtype, q.shape, k.shape, block_m, block_n, qv, kv, vv, dov)
-    pipelined = (is_causal, d) in PIPELINED_PROBLEMS
     if concurrent:
         current, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
         side.wait_stream(current)  # the inputs, delta included, are ready on it
@@ -619,8 +547,7 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
         (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m),
          desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), lse, delta, n_q, n_k,
          heads, bh, groups[0], qk_scale, sm_scale, *strides),
-        ("dkdv", *key), PREFETCH=(is_causal, d) in PREFETCH_STATS, PIPELINED=pipelined,
-        **{**common, "NUM_STAGES": max(NUM_STAGES, 3) if pipelined else NUM_STAGES},
+        ("dkdv", *key), PREFETCH=(is_causal, d) in PREFETCH_STATS, **common,
     )
     half = BLOCK_ROWS // 2
     with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
