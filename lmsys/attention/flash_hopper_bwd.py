@@ -46,12 +46,12 @@ code: commit e944207). Why, read later from its sm_90 build (2026-11-25): ptxas 
 next tile's S^T and dP^T need registers of their own while dV and dK still read P^T and dS^T. The compile tests now
 fail on that message. The loop here drains its MMAs at the end of every step (`warpgroup_mma_wait(0)` after dK), and
 the next S^T and dP^T take the registers that P^T and dS^T held. A second PIPELINED (2026-11-25, session 49; its code:
-commit b56a94c) fit the registers: ptxas serialized every form of loop that carried a product in flight across its
-back edge (message C7514, "non wgmma instructions reading accumulator registers"; with the last tile peeled, with the
-next tile's products issued on whatever its slot held instead, even with everything waited for at the step's end), so
-it issued each tile's dK product in the next tile's step, behind that tile's S^T and dP^T and under its softmax, each
-step still ending with nothing in flight, and a ring of 3 stages (a slot is released a step later). It compiled at d=64
-without a spill or a serialized product and passed the float64 GPU tests, and was slower in each of 4 repeats at the
+commit b56a94c) fit the registers. ptxas serialized every loop tried that issued the next tile's S^T and dP^T in one
+step and read them in the next (message C7514, "non wgmma instructions reading accumulator registers": with the last
+tile peeled, with the products issued past the last tile on whatever its slot held, even with each step ending in a
+wait for every product), so it issued each tile's dK product in the next tile's step, behind that tile's S^T and
+dP^T and under its softmax, each step still ending with nothing in flight, and a ring of 3 stages (a slot is released
+a step later). It compiled at d=64 without a spill or a serialized product and passed the float64 GPU tests, and was slower in each of 4 repeats at the
 leaderboard (the H100, `scripts/attention_backward_variants.py --points leaderboard --modes bwd --repeats 4 --variants
 default pipelined sdpa_cudnn`: 3.644 ms, repeats 3.462-3.685, against this backward's 3.419, 3.392-3.468, and cuDNN's
 3.022, 3.003-3.041): removed.
