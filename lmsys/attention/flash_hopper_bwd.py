@@ -51,10 +51,10 @@ step and read them in the next (message C7514, "non wgmma instructions reading a
 tile peeled, with the products issued past the last tile on whatever its slot held, even with each step ending in a
 wait for every product), so it issued each tile's dK product in the next tile's step, behind that tile's S^T and
 dP^T and under its softmax, each step still ending with nothing in flight, and a ring of 3 stages (a slot is released
-a step later). It compiled at d=64 without a spill or a serialized product and passed the float64 GPU tests, and was slower in each of 4 repeats at the
-leaderboard (the H100, `scripts/attention_backward_variants.py --points leaderboard --modes bwd --repeats 4 --variants
-default pipelined sdpa_cudnn`: 3.644 ms, repeats 3.462-3.685, against this backward's 3.419, 3.392-3.468, and cuDNN's
-3.022, 3.003-3.041): removed.
+a step later). It compiled at d=64 without a spill or a serialized product and passed the float64 GPU tests, and was
+slower in each of 4 repeats at the leaderboard (the H100, `scripts/attention_backward_variants.py --points leaderboard
+--modes bwd --repeats 4 --variants default pipelined sdpa_cudnn`: 3.644 ms, repeats 3.462-3.685, against this backward's
+3.419, 3.392-3.468, and cuDNN's 3.022, 3.003-3.041): removed.
 
 The kernels side by side (2026-11-24, session 44, the H100, `scripts/attention_backward_variants.py --points
 leaderboard grid --modes bwd --repeats 2`, causal bf16, medians of 2 repeats of 30 calls, same run): on the causal
