@@ -120,6 +120,16 @@ session 48, at 738ee3e, `--points leaderboard --modes bwd --repeats 2 --variants
 3`) every window was at the power cap for all its readings, at 1665-1710 MHz and 692-719 W: this backward 3.70 ms and
 2.62 J per call, ungrouped 3.72 ms and 2.59 J, cuDNN's 3.32 ms and 2.34 J (the short timings: 3.478, 3.530 and 3.043
 ms). Capped or not, the gap is the same: 11% more time and 9-12% more energy per call than cuDNN's.
+
+The causal grid, forward and backward, by default (2026-11-25, session 49, the H100, at 1170f44,
+`scripts/attention_backward_variants.py --points grid --modes fwd_bwd --repeats 2 --variants default sdpa_cudnn`,
+medians of the 2 repeats' medians, cuDNN's in brackets): at d=64, from 8192 to 65536 tokens, 0.195 (0.272), 0.613
+(0.530), 1.195 (1.194) and 4.524 (4.451) ms; at d=128 0.315 (0.418), 0.661 (0.782), 1.718 (1.771) and 7.143 (6.920).
+Behind at d=64 from 16384 tokens and at d=128 at 65536. At d=64 and 16384 tokens both repeats were behind (0.598 and
+0.628 ms, cuDNN 0.528 and 0.532), where the gate's baseline of 2026-11-23 (0021_h100-gluon-bwd) had 0.526 against
+cuDNN's 0.535, before the dQ kernel ran beside the dK/dV one there (`plan`): not yet split into forward and backward.
+At d=64 and 32768 tokens the default read 1.266 ms timed first and 1.125 timed second: these one-head points need
+more than 2 repeats.
 """
 
 import contextlib
