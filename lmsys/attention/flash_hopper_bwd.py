@@ -127,9 +127,10 @@ medians of the 2 repeats' medians, cuDNN's in brackets): at d=64, from 8192 to 6
 (0.530), 1.195 (1.194) and 4.524 (4.451) ms; at d=128 0.315 (0.418), 0.661 (0.782), 1.718 (1.771) and 7.143 (6.920).
 Behind at d=64 from 16384 tokens and at d=128 at 65536. At d=64 and 16384 tokens both repeats were behind (0.598 and
 0.628 ms, cuDNN 0.528 and 0.532), where the gate's baseline of 2026-11-23 (0021_h100-gluon-bwd) had 0.526 against
-cuDNN's 0.535, before the dQ kernel ran beside the dK/dV one there (`plan`): not yet split into forward and backward.
-At d=64 and 32768 tokens the default read 1.266 ms timed first and 1.125 timed second: these one-head points need
-more than 2 repeats.
+cuDNN's 0.535, with the Triton backward. This backward, its dQ kernel beside the dK/dV one, has taken that point since
+2026-11-24 (`plan`), for its backward alone timed faster (0.264 ms against the Triton one's 0.418, above): so forward
+and backward together lose there what the backward alone gained. Not yet split into its kernels. At d=64 and 32768
+tokens the default read 1.266 ms timed first and 1.125 timed second: these one-head points need more than 2 repeats.
 """
 
 import contextlib
