@@ -503,9 +503,9 @@ def test_every_tile_config_gpu(gpu, kernel, config, head_dim, monkeypatch):
 
 def _assert_compiled_well(folder):
     """The kernel compiled into `folder` (kernel.ptx, kernel.cubin) spills no register, and ptxas kept its warpgroup
-    MMAs asynchronous: when a kernel keeps too many registers live, ptxas serializes them (message C7511: each MMA
-    waited for as soon as issued) with no error, and the kernel runs much slower (PIPELINED, flash_hopper_bwd's
-    docstring)."""
+    MMAs asynchronous: when a kernel keeps too many registers live (message C7511), or reads an MMA's accumulator
+    registers while it may be in flight (C7514), ptxas serializes them (each MMA waited for as soon as issued) with no
+    error, and the kernel runs much slower (PIPELINED, flash_hopper_bwd's docstring)."""
     tools = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
     usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", str(folder / "kernel.cubin")],
                            capture_output=True, text=True, check=True).stdout

@@ -43,18 +43,18 @@ tiles of 128 rows at d=64 (FA3's tile there), and PIPELINED, a dK/dV loop that i
 dP^T before waiting for this tile's dK and dV: right, and slower at every point (4.285 ms at the leaderboard; its
 code: commit e944207). Why, read later from its sm_90 build (2026-11-25): ptxas serialized its warpgroup MMAs (C7511,
 "insufficient register resources for the wgmma pipeline": each k-step of 16 waited for as soon as issued); there the
-next tile's S^T and dP^T need registers of their own while dV and dK still read P^T and dS^T. The compile tests now
-fail on that message. The loop here drains its MMAs at the end of every step (`warpgroup_mma_wait(0)` after dK), and
-the next S^T and dP^T take the registers that P^T and dS^T held. A second PIPELINED (2026-11-25, session 49; its code:
+next tile's S^T and dP^T need registers of their own while dV and dK still read P^T and dS^T. The compile tests now fail
+on it (and on C7514). The loop here drains its MMAs at the end of every step (`warpgroup_mma_wait(0)` after dK), and the
+next S^T and dP^T take the registers that P^T and dS^T held. A second PIPELINED (2026-11-25, session 49; its code:
 commit b56a94c) fit the registers. ptxas serialized every loop tried that issued the next tile's S^T and dP^T in one
 step and read them in the next (message C7514, "non wgmma instructions reading accumulator registers": with the last
-tile peeled, with the products issued past the last tile on whatever its slot held, even with each step ending in a
-wait for every product), so it issued each tile's dK product in the next tile's step, behind that tile's S^T and
-dP^T and under its softmax, each step still ending with nothing in flight, and a ring of 3 stages (a slot is released
-a step later). It compiled at d=64 without a spill or a serialized product and passed the float64 GPU tests, and was
-slower in each of 4 repeats at the leaderboard (the H100, `scripts/attention_backward_variants.py --points leaderboard
---modes bwd --repeats 4 --variants default pipelined sdpa_cudnn`: 3.644 ms, repeats 3.462-3.685, against this backward's
-3.419, 3.392-3.468, and cuDNN's 3.022, 3.003-3.041): removed.
+tile peeled, with the products issued past the last tile on whatever its slot held, even with each step ending in a wait
+for every product), so it issued each tile's dK product in the next tile's step, behind that tile's S^T and dP^T and
+under its softmax, each step still ending with nothing in flight, and a ring of 3 stages (a slot is released a step
+later). It compiled at d=64 without a spill or a serialized product and passed the float64 GPU tests, and was slower in
+each of 4 repeats at the leaderboard (the H100, `scripts/attention_backward_variants.py --points leaderboard --modes bwd
+--repeats 4 --variants default pipelined sdpa_cudnn`: 3.644 ms, repeats 3.462-3.685, against this backward's 3.419,
+3.392-3.468, and cuDNN's 3.022, 3.003-3.041): removed.
 
 The kernels side by side (2026-11-24, session 44, the H100, `scripts/attention_backward_variants.py --points
 leaderboard grid --modes bwd --repeats 2`, causal bf16, medians of 2 repeats of 30 calls, same run): on the causal
@@ -128,8 +128,8 @@ medians of the 2 repeats' medians, cuDNN's in brackets): at d=64, from 8192 to 6
 Behind at d=64 from 16384 tokens and at d=128 at 65536. At d=64 and 16384 tokens both repeats were behind (0.598 and
 0.628 ms, cuDNN 0.528 and 0.532), where the gate's baseline of 2026-11-23 (0021_h100-gluon-bwd) had 0.526 against
 cuDNN's 0.535, with the Triton backward. This backward, its dQ kernel beside the dK/dV one, has taken that point since
-2026-11-24 (`plan`), for its backward alone timed faster (0.264 ms against the Triton one's 0.418, above): so forward
-and backward together lose there what the backward alone gained. Not yet split into its kernels. At d=64 and 32768
+2026-11-24 (`plan`), for its backward alone timed faster (0.264 ms against the Triton one's 0.418, above): forward
+and backward together are slower there all the same. Not yet split into its kernels. At d=64 and 32768
 tokens the default read 1.266 ms timed first and 1.125 timed second: these one-head points need more than 2 repeats.
 """
 
