@@ -29,6 +29,7 @@ whatever its instructions.
     PYTHONPATH=. python scripts/attention_backward_variants.py variants.csv --points leaderboard --modes bwd
     PYTHONPATH=. python scripts/attention_backward_variants.py v.csv --points leaderboard --modes bwd --kernels 10
     PYTHONPATH=. python scripts/attention_backward_variants.py v.csv --points leaderboard --modes bwd --power 3
+    PYTHONPATH=. python scripts/attention_backward_variants.py v.csv --points grid --seqs 16384 --head-dims 64
 
 Needs a Hopper GPU (the Gluon kernels are for sm_90): elsewhere it says so and exits with status 2.
 """
@@ -236,6 +237,10 @@ def main(argv=None) -> int:
     parser.add_argument("--points", nargs="+", choices=POINTS, default=list(POINTS))
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--modes", nargs="+", choices=["fwd", "bwd", "fwd_bwd"], default=["fwd", "bwd", "fwd_bwd"])
+    parser.add_argument("--seqs", nargs="+", type=int, metavar="T",
+                        help="only the points of these sequence lengths (default: every point's)")
+    parser.add_argument("--head-dims", nargs="+", type=int, metavar="D",
+                        help="only the points of these head dimensions (default: every point's)")
     parser.add_argument("--not-causal", action="store_true", help="time the points without the causal mask")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
@@ -254,6 +259,10 @@ def main(argv=None) -> int:
     is_causal = not args.not_causal
     if args.repeats < 1 or args.steps < 1 or args.warmup < 0 or args.kernels < 0 or args.power < 0:
         parser.error("--repeats and --steps must be at least 1, --warmup, --kernels and --power at least 0")
+    shapes = [shape for name in args.points for shape in POINTS[name]
+              if (args.seqs is None or shape[2] in args.seqs) and (args.head_dims is None or shape[3] in args.head_dims)]
+    if not shapes:
+        parser.error(f"no point of {' '.join(args.points)} has --seqs {args.seqs} and --head-dims {args.head_dims}")
     kernels_csv = args.csv.with_name(args.csv.stem + "-kernels.csv")
     power_csv = args.csv.with_name(args.csv.stem + "-power.csv")
     for path in [args.csv] + [kernels_csv] * bool(args.kernels) + [power_csv] * bool(args.power):
@@ -272,7 +281,6 @@ def main(argv=None) -> int:
             print(f"--power: {why}", file=sys.stderr)
             return 2
     timing = SimpleNamespace(warmup=args.warmup, steps=args.steps)
-    shapes = [shape for name in args.points for shape in POINTS[name]]
     profiled = len(args.variants) * len(args.modes) if args.kernels else 0
     progress = sweep.Progress(len(shapes) * (1 + args.repeats * len(args.variants) * len(args.modes) + profiled))
     rows, kernels = [], []

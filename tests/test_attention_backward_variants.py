@@ -33,6 +33,14 @@ def test_refuses_an_existing_output_and_an_unknown_variant(tmp_path, capsys):
         main([str(tmp_path / "new.csv"), "--variants", "nope"])
 
 
+def test_refuses_point_filters_that_leave_no_point(tmp_path, capsys):
+    main = runpy.run_path(str(SCRIPT))["main"]
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "new.csv"), "--points", "leaderboard", "--head-dims", "128"])
+    assert "no point of leaderboard has --seqs None and --head-dims [128]" in capsys.readouterr().err
+    assert not (tmp_path / "new.csv").exists()
+
+
 def test_the_table_gives_each_variant_the_median_of_its_repeats_and_their_range():
     summary = runpy.run_path(str(SCRIPT))["summary"]
     point = {"batch": 16, "seq": 16384, "d": 64, "mode": "bwd"}
