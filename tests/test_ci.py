@@ -135,8 +135,18 @@ def test_the_detection_script_in_a_copy_without_git_needs_the_gate_named(tmp_pat
     named = {**env, "LMSYS_DETECTION_GATE": "abc1234", "LMSYS_GIT_COMMIT": "0" * 40}
     done = subprocess.run(command, cwd=tree, env=named, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "an untimed run first" in done.stderr
     assert [p.name for p in (tmp_path / "root").iterdir()] == ["abc1234"]
     assert "| test_empty_function | 0/1 |" in (tmp_path / "root" / "abc1234" / "table.md").read_text()
+    # Caches already warm (a device machine given the earlier start's): LMSYS_DETECTION_WARM_UP=0 skips the untimed run
+    done = subprocess.run(command, cwd=tree, env={**named, "LMSYS_DETECTION_WARM_UP": "2"}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2 and "LMSYS_DETECTION_WARM_UP must be" in done.stderr
+    cold = {**named, "LMSYS_DETECTION_WARM_UP": "0", "LMSYS_DETECTION_RUNS": "2"}
+    done = subprocess.run(command, cwd=tree, env=cold, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "an untimed run first" not in done.stderr
+    assert "| test_empty_function | 0/2 |" in (tmp_path / "root" / "abc1234" / "table.md").read_text()
 
 
 def run_script(out: Path, *args: str, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
