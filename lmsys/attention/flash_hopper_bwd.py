@@ -131,6 +131,23 @@ cuDNN's 0.535, with the Triton backward. This backward, its dQ kernel beside the
 2026-11-24 (`plan`), for its backward alone timed faster (0.264 ms against the Triton one's 0.418, above): forward
 and backward together are slower there all the same. Not yet split into its kernels. At d=64 and 32768
 tokens the default read 1.266 ms timed first and 1.125 timed second: these one-head points need more than 2 repeats.
+
+That point split (2026-11-26, session 50, the H100, at ac0a9e8, `scripts/attention_backward_variants.py --points grid
+--seqs 16384 --head-dims 64 --modes fwd bwd fwd_bwd --repeats 4 --variants default hopper hopper-concurrent triton
+sdpa_cudnn --kernels 5`): forward + backward by default 0.428 ms (the kernels side by side 0.428, one after the other
+0.599, the Triton backward 0.478, cuDNN 0.533), the backward 0.269 (0.267, 0.428, 0.320; cuDNN 0.387), the forward
+0.162 (cuDNN 0.149); profiled, the dK/dV kernel 264 us, the dQ kernel 168 and the Triton forward 160, as before. The
+kernels had not slowed down. What most likely moved is the CPU: the script's clock (the gate's eager one,
+`CudaBackend.time_call`) queues a 0.5 ms device-side sleep ahead of each call, and a call whose backward the CPU
+issues later than that sleep and the forward take on the GPU leaves the GPU waiting. Issued behind a longer sleep in
+batches of 20, a forward + backward here took the CPU 0.42-0.99 ms per call on this session's two machine starts (the
+Triton backward 0.39-0.50, cuDNN 0.18-0.34; the same launches read 0.92 and 0.46 in one run: the CPU's time is that
+noisy) against 0.42 ms of GPU work, so a slower or busier CPU reads more; session 49's CPU was not measured. The perf
+suite times the causal grid eagerly from 8192 tokens (GRAPH_MAX_SEQ), so its verdict there can move with the CPU too.
+The grid again at 14be70a, on the next machine start (`--points grid --modes fwd_bwd --repeats 4 --variants default
+triton sdpa_cudnn`; medians of 4, cuDNN in brackets): at d=64 from 8192 to 65536 tokens 0.201 (0.272), 0.427 (0.539),
+1.162 (1.197) and 4.462 (4.448) ms; at d=128 0.295 (0.396), 0.620 (0.794), 1.703 (1.775) and 6.949 (6.932). Behind
+cuDNN at 65536 tokens alone, by 0.3% at d=64 and 0.2% at d=128.
 """
 
 import contextlib
