@@ -86,6 +86,16 @@ def test_the_gpu_scripts_are_executable_valid_bash(name):
     subprocess.run(["bash", "-n", str(script)], check=True)
 
 
+def test_the_device_detection_helper_is_valid_bash_and_refuses_what_it_cannot_run():
+    script = ROOT / "scripts" / "detection_on_device.sh"
+    assert os.access(script, os.X_OK)
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    for args, said in ((["start", "everything", "abc1234", "0" * 40], "PART must be attention or rest"),
+                       (["wait", "soon"], "detection_on_device.sh wait SECONDS"), ([], "pack-caches")):
+        done = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and said in done.stderr, done.stderr
+
+
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs the git checkout")
 def test_the_detection_script_adds_runs_per_call_until_it_has_them_all(tmp_path):
     env = {**os.environ, "GITHUB_STEP_SUMMARY": str(tmp_path / "step-summary.md"), "LMSYS_DETECTION_RUNS": "2",

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# A part of the gate's detection measured on a lent GPU machine whose calls last at most 10 minutes and whose copy of
+# the tree is synced again at every call (README, "Measuring the gate"): the job runs in the background from a frozen
+# copy of the tree, and each later call waits for it a while.
+#
+#   bash scripts/detection_on_device.sh start PART GATE COMMIT   PART: attention or rest; GATE: the folder .ci/detection
+#                                                                 names (`git log -1 --format=%h -- <gate files>`)
+#   bash scripts/detection_on_device.sh wait SECONDS             then, once it has ended, into $OUT: PART.tar.gz (the
+#                                                                 kept folder, to --compact) and the log
+#   bash scripts/detection_on_device.sh pack-caches              triton's and inductor's caches into $OUT, in parts
+#                                                                 of 15 MiB (caches.tgz.part-*)
+#
+# `start` copies baselines/<GPU>/detection/PART/GATE (the runs kept so far) out of the tree and runs .ci/detection,
+# one run more. Parts of caches.tgz.part-* carried into the tree's .devrun/ (an earlier start's `pack-caches`) are
+# unpacked first, and then the untimed run is left out (LMSYS_DETECTION_WARM_UP=0). The machine goes back when no call
+# is in flight for 30 s, and after 30 minutes held at the end of the call in flight: call `wait` again at once.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+job=/tmp/detection-job
+
+usage() { sed -n 5,11p "$0" >&2; exit 2; }
+
+start() {
+    local part=$1 gate=$2 commit=$3 args gpu
+    case $part in
+        attention) args=(perf_tests/test_attention.py) ;;
+        rest) args=(perf_tests --ignore=perf_tests/test_attention.py) ;;
+        *) echo "PART must be attention or rest, not $part" >&2; exit 2 ;;
+    esac
+    gpu=$(PYTHONPATH=$PWD python3 -c "import torch; from lmsys.perf.baselines import machine_id
+print(machine_id(torch.cuda.get_device_name(), True))") || exit 2
+    [[ -d baselines/$gpu ]] || { echo "no baselines/$gpu in the tree" >&2; exit 2; }
+    rm -rf "$job" && mkdir -p "$job/keep"
+    local warm=1
+    if compgen -G ".devrun/caches.tgz.part-*" >/dev/null; then
+        cat .devrun/caches.tgz.part-* | tar -xzf - -C / && warm=0
+    fi
+    cp -r . "$job/tree"
+    [[ ! -d baselines/$gpu/detection/$part/$gate ]] || cp -r "baselines/$gpu/detection/$part/$gate" "$job/keep/"
+    echo "$part" > "$job/part"
+    (
+        cd "$job/tree" || exit 2
+        start=$(date +%s)
+        LMSYS_DETECTION_GATE=$gate LMSYS_DETECTION_PER_CALL=1 LMSYS_DETECTION_WARM_UP=$warm LMSYS_GIT_COMMIT=$commit \
+            PYTHONUNBUFFERED=1 bash .ci/detection "$job/keep" -- "${args[@]}" > "$job/log" 2>&1
+        status=$?
+        echo "exit $status after $(($(date +%s) - start)) s (caches carried in: $((1 - warm)))" >> "$job/log"
+        echo "$status" > "$job/done"
+    ) < /dev/null > /dev/null 2>&1 &
+    disown
+    echo "started: $part, gate $gate, one run more; the warm-up run $([[ $warm == 1 ]] && echo first || echo left out)"
+}
+
+wait_for() {
+    local limit=$1 begun
+    [[ -f $job/part ]] || { echo "no job was started on this machine" >&2; exit 2; }
+    begun=$(date +%s)
+    while [[ ! -f $job/done && $(($(date +%s) - begun)) -lt $limit ]]; do sleep 5; done
+    grep -E "^\.ci/detection|done, exit|untimed|exit [0-9]+ after" "$job/log" | tail -n 8
+    if [[ -f $job/done ]]; then
+        tail -n 12 "$job/log"
+        tar -C "$job/keep" -czf "${OUT:?}/$(cat "$job/part").tar.gz" . && cp "$job/log" "$OUT/detection.log"
+    else
+        echo "still running after $(($(date +%s) - begun)) s of waiting"
+    fi
+}
+
+pack_caches() {
+    tar -czf - /tmp/torchinductor_"$(whoami)" ~/.triton/cache 2>/dev/null | split -b 15m - "${OUT:?}/caches.tgz.part-"
+    ls -l "$OUT"
+}
+
+case ${1:-} in
+    start) [[ $# -eq 4 ]] || usage; start "$2" "$3" "$4" ;;
+    wait) [[ $# -eq 2 && $2 =~ ^[0-9]+$ ]] || usage; wait_for "$2" ;;
+    pack-caches) [[ $# -eq 1 ]] || usage; pack_caches ;;
+    *) usage ;;
+esac
