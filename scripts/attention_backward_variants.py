@@ -12,7 +12,9 @@ For each point (bf16, causal unless --not-causal): first each variant's output a
 kernels' on the same inputs (the largest difference of each of o, dq, dk, dv relative to the Triton tensor's largest
 magnitude: a wrong kernel at a shape the float64 tests do not reach shows here), then every variant in the `fwd`,
 `bwd` (the forward once, untimed; each timed call one backward) and `fwd_bwd` modes, timed as `lmsys-bench
-attention` times them (the regression gate's clock: CUDA events; the median of --steps calls after --warmup),
+attention` times them (the regression gate's clock: CUDA events; the median of --steps calls after --warmup; with
+--clock queued the device's time alone, with --clock host the CPU's time to issue a call: on the H100 a forward and
+backward of one head of 16384 tokens took the CPU up to 1 ms for 0.42 ms of GPU work, flash_hopper_bwd's docstring),
 --repeats times, the variants taking turns, in the order given on even repeats and reversed on odd ones (the same
 kernels timed first and second in one repeat differed by 1-4%: over an even number of repeats each variant is timed
 as often early as late). Prints a table (per variant, point and mode: the median of the repeats'
@@ -30,6 +32,7 @@ whatever its instructions.
     PYTHONPATH=. python scripts/attention_backward_variants.py v.csv --points leaderboard --modes bwd --kernels 10
     PYTHONPATH=. python scripts/attention_backward_variants.py v.csv --points leaderboard --modes bwd --power 3
     PYTHONPATH=. python scripts/attention_backward_variants.py v.csv --points grid --seqs 16384 --head-dims 64
+    PYTHONPATH=. python scripts/attention_backward_variants.py v.csv --points grid --seqs 16384 --clock host
 
 Needs a Hopper GPU (the Gluon kernels are for sm_90): elsewhere it says so and exits with status 2.
 """
@@ -244,6 +247,10 @@ def main(argv=None) -> int:
     parser.add_argument("--not-causal", action="store_true", help="time the points without the causal mask")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--clock", choices=sweep.CLOCKS, default="eager",
+                        help="eager (default, the gate's eager clock): the device's time from a short device-side "
+                        "sleep on, which a call the CPU issues slower than that sleep waits for; queued: the device's "
+                        "time alone, behind a sleep longer than the CPU's issue time; host: the CPU's time to issue it")
     parser.add_argument("--repeats", type=int, default=4,
                         help="times each point's variants are timed, taking turns, the order reversed on odd repeats "
                         "(default 4): the table gives the median of their medians and their spread, so that a drift "
@@ -280,7 +287,7 @@ def main(argv=None) -> int:
         if why:
             print(f"--power: {why}", file=sys.stderr)
             return 2
-    timing = SimpleNamespace(warmup=args.warmup, steps=args.steps)
+    timing = SimpleNamespace(warmup=args.warmup, steps=args.steps, clock=args.clock)
     profiled = len(args.variants) * len(args.modes) if args.kernels else 0
     progress = sweep.Progress(len(shapes) * (1 + args.repeats * len(args.variants) * len(args.modes) + profiled))
     rows, kernels = [], []
@@ -298,7 +305,8 @@ def main(argv=None) -> int:
                         progress.start(f"{shape} {mode} {name} ({repeat + 1}/{args.repeats})")
                         apply(settings)
                         row = run_point(provider, shape, "bf16", mode, is_causal, timing, device)
-                        rows.append({"variant": name, "repeat": repeat, **row, **checked.get(name, {})})
+                        rows.append({"variant": name, "repeat": repeat, "clock": args.clock, **row,
+                                     **checked.get(name, {})})
             for mode in args.modes if args.kernels else ():
                 for name in args.variants:
                     provider, settings = VARIANTS[name]
@@ -317,7 +325,7 @@ def main(argv=None) -> int:
         apply({})
     frame = pd.DataFrame(rows)
     sweep.write_outputs(frame, [args.csv])
-    print("causal" if is_causal else "not causal", "bf16")
+    print("causal" if is_causal else "not causal", "bf16,", f"the {args.clock} clock")
     print(sweep.format_table(summary(frame)))
     if args.kernels:
         profiles = pd.DataFrame(kernels)

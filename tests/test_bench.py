@@ -16,6 +16,7 @@ from lmsys.bench import attention as attention_bench
 from lmsys.bench import memory, sweep
 from lmsys.bench import model as model_bench
 from lmsys.bench.__main__ import main
+from perf_fakes import FakeGpu
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--sizes", "tiny", "--batch", "2", "--warmup", "1", "--steps", "2", "--dtypes", "fp32"]
@@ -132,6 +133,29 @@ def test_model_usage_errors(arguments, problem, capsys):
         pytest.skip("this machine has a GPU: what is refused without one is possible")
     assert main(["model", *QUICK, *arguments]) == 2
     assert problem in capsys.readouterr().err
+
+
+def test_time_steps_reads_the_device_with_launch_delays_alone_or_the_cpu_as_the_clock_says():
+    """A call of 1 ms on the device whose launch takes the CPU 3 ms, 0.5 ms of it hidden by the eager clock's sleep."""
+    device = FakeGpu("Fake GPU")
+    device.sleep_hides = 0.5e-3
+    call = device.work(1.0, launch_ms=3.0)
+    read = {clock: sweep.time_steps(device, call, 1, 3, clock) for clock in sweep.CLOCKS}
+    assert read["eager"] == pytest.approx([3.5e-3] * 3)  # the device waits for the launch the sleep does not hide
+    assert read["queued"] == pytest.approx([1e-3] * 3)  # behind a lead longer than the launch: the device alone
+    assert read["host"] == pytest.approx([3e-3] * 3)  # the CPU's time to issue it
+    with pytest.raises(ValueError, match="clock must be one of eager, queued, host, got 'wall'"):
+        sweep.time_steps(device, call, 0, 1, "wall")
+
+
+def test_attention_on_another_clock_says_so(tmp_path, capsys):
+    status = main(["attention", "--providers", "naive", "--seq", "16", "--dims", "16", "--batch", "1", "--warmup", "0",
+                   "--steps", "2", "--clock", "host", "-o", str(tmp_path / "a.csv")])
+    assert status == 0 and "2 timed calls (host clock)" in capsys.readouterr().out
+    assert (pd.read_csv(tmp_path / "a.csv")["median_ms"] > 0).all()
+    with pytest.raises(SystemExit):
+        main(["attention", "--clock", "wall"])
+    assert "invalid choice: 'wall'" in capsys.readouterr().err
 
 
 def test_attention_table_plots_and_unsupported_providers(tmp_path):

@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--causal", action="store_true", help="causal masking (default: full attention)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls after the first (default: 3)")
     parser.add_argument("--steps", type=int, default=10, help="timed calls (default: 10)")
+    parser.add_argument("--clock", choices=sweep.CLOCKS, default="eager",
+                        help="eager (default): the device's time from a short device-side sleep on, the CPU's launch "
+                        "delays that outlast it included; queued: the device's time alone; host: the CPU's time to "
+                        "issue a call")
     parser.add_argument("--output", "-o", type=Path, action="append", default=[],
                         help="write the table to this .csv or .json file (repeatable)")
     parser.add_argument("--plots", type=Path, metavar="DIR",
@@ -77,7 +81,7 @@ def measure(provider: str, shape: tuple, dtype: str, mode: str, causal: bool, ar
             if provider.startswith("sdpa"):
                 return {"status": _refusal(exc, caught)}
             raise
-    samples = sweep.time_steps(device, call, args.warmup, args.steps)
+    samples = sweep.time_steps(device, call, args.warmup, args.steps, args.clock)
     _, reading = device.measure_memory(call)
     batch, heads, seq, d = shape
     seconds = sweep.summary(samples)["median_ms"] / 1e3
@@ -154,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
     points = [(p, (args.batch, args.heads, s, d), m) for d in args.dims for s in args.seq for m in args.modes
               for p in args.providers]
     print(f"lmsys-bench attention on {device.name} (torch {torch.__version__}): {len(points)} points, "
-          f"{args.dtype}, {'causal' if args.causal else 'full'}, {args.warmup} warmup + {args.steps} timed calls")
+          f"{args.dtype}, {'causal' if args.causal else 'full'}, {args.warmup} warmup + {args.steps} timed calls "
+          f"({args.clock} clock)")
     progress = sweep.Progress(len(points))
     rows = []
     for provider, shape, mode in points:

@@ -15,6 +15,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from lmsys.perf import timing
 from lmsys.perf.backend import CpuBackend, CudaBackend, detect_backend
 from lmsys.perf.fixture import oom_reason
 
@@ -31,14 +32,26 @@ def backend() -> CpuBackend | CudaBackend:
     return detect_backend(time.perf_counter)
 
 
-def time_steps(device, fn: Callable[[], Any], warmup: int, steps: int) -> list[float]:
-    """Seconds of each of `steps` calls of fn after `warmup` untimed ones, each synchronized with the device."""
+# What time_steps reads: "eager", the device's time from a short device-side sleep on (the gate's eager clock: a call
+# that takes the CPU longer than the sleep to issue is timed waiting for it); "queued", the device's time alone, behind
+# a sleep longer than the CPU takes to issue the call (the gate's queued timing); "host", the CPU's time to issue it,
+# behind such a sleep (the gate's host timing).
+CLOCKS = ("eager", "queued", "host")
+
+
+def time_steps(device, fn: Callable[[], Any], warmup: int, steps: int, clock: str = "eager") -> list[float]:
+    """Seconds of each of `steps` calls of fn after `warmup` untimed ones, each synchronized with the device, read on
+    `clock` (CLOCKS)."""
     if warmup < 0 or steps < 1:
         raise ValueError(f"warmup must be >= 0 and steps >= 1, got {warmup} and {steps}")
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
     for _ in range(warmup):
         fn()
     device.synchronize()
-    return [device.time_call(fn) for _ in range(steps)]
+    if clock == "eager":
+        return [device.time_call(fn) for _ in range(steps)]
+    return timing.time_rounds(device, fn, steps, None, timing.queue_lead(device, fn, None), host=clock == "host")
 
 
 def summary(samples: list[float]) -> dict[str, float]:
