@@ -85,9 +85,11 @@ def measure(provider: str, shape: tuple, dtype: str, mode: str, causal: bool, ar
     _, reading = device.measure_memory(call)
     batch, heads, seq, d = shape
     seconds = sweep.summary(samples)["median_ms"] / 1e3
+    flops = attention_flops(batch, heads, seq, seq, d, causal, mode)
     return {
         **sweep.summary(samples),
-        "tflop_per_s": attention_flops(batch, heads, seq, seq, d, causal, mode) / seconds / 1e12,
+        # A time of the CPU's (--clock host) says nothing of the device's arithmetic.
+        "tflop_per_s": None if args.clock == "host" else flops / seconds / 1e12,
         "peak_memory_mib": None if reading is None else reading.peak_allocated_above_start / 2**20,
     }
 
