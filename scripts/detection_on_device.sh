@@ -13,7 +13,9 @@
 # `start` copies baselines/<GPU>/detection/PART/GATE (the runs kept so far) out of the tree and runs .ci/detection,
 # one run more. Parts of caches.tgz.part-* carried into the tree's .devrun/ (an earlier start's `pack-caches`) are
 # unpacked first, and then the untimed run is left out (LMSYS_DETECTION_WARM_UP=0). The machine goes back when no call
-# is in flight for 30 s, and after 30 minutes held at the end of the call in flight: call `wait` again at once.
+# is in flight for 30 s, and after 30 minutes held at the end of the call in flight: call `wait` again at once. Back on
+# the workstation: `tar -xzf PART.tar.gz -C X` and `python -m lmsys.perf.detection --compact X/GATE
+# baselines/<GPU>/detection/PART/GATE`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 job=/tmp/detection-job
@@ -38,17 +40,22 @@ print(machine_id(torch.cuda.get_device_name(), True))") || exit 2
     cp -r . "$job/tree"
     [[ ! -d baselines/$gpu/detection/$part/$gate ]] || cp -r "baselines/$gpu/detection/$part/$gate" "$job/keep/"
     echo "$part" > "$job/part"
-    (
-        cd "$job/tree" || exit 2
-        start=$(date +%s)
-        LMSYS_DETECTION_GATE=$gate LMSYS_DETECTION_PER_CALL=1 LMSYS_DETECTION_WARM_UP=$warm LMSYS_GIT_COMMIT=$commit \
-            PYTHONUNBUFFERED=1 bash .ci/detection "$job/keep" -- "${args[@]}" > "$job/log" 2>&1
-        status=$?
-        echo "exit $status after $(($(date +%s) - start)) s (caches carried in: $((1 - warm)))" >> "$job/log"
-        echo "$status" > "$job/done"
-    ) < /dev/null > /dev/null 2>&1 &
-    disown
+    # A session of its own (setsid): the end of the call that started it, and its process group, leave it running.
+    setsid nohup bash "$job/tree/scripts/detection_on_device.sh" _job "$gate" "$commit" "$warm" "${args[@]}" \
+        < /dev/null > /dev/null 2>&1 &
     echo "started: $part, gate $gate, one run more; the warm-up run $([[ $warm == 1 ]] && echo first || echo left out)"
+}
+
+job_body() {
+    local gate=$1 commit=$2 warm=$3 begun status
+    shift 3
+    cd "$job/tree" || exit 2
+    begun=$(date +%s)
+    LMSYS_DETECTION_GATE=$gate LMSYS_DETECTION_PER_CALL=1 LMSYS_DETECTION_WARM_UP=$warm LMSYS_GIT_COMMIT=$commit \
+        PYTHONUNBUFFERED=1 bash .ci/detection "$job/keep" -- "$@" > "$job/log" 2>&1
+    status=$?
+    echo "exit $status after $(($(date +%s) - begun)) s (caches carried in: $((1 - warm)))" >> "$job/log"
+    echo "$status" > "$job/done"
 }
 
 wait_for() {
@@ -74,5 +81,6 @@ case ${1:-} in
     start) [[ $# -eq 4 ]] || usage; start "$2" "$3" "$4" ;;
     wait) [[ $# -eq 2 && $2 =~ ^[0-9]+$ ]] || usage; wait_for "$2" ;;
     pack-caches) [[ $# -eq 1 ]] || usage; pack_caches ;;
+    _job) shift; job_body "$@" ;;  # start's background job
     *) usage ;;
 esac
