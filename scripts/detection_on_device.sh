@@ -3,8 +3,9 @@
 # the tree is synced again at every call (README, "Measuring the gate"): the job runs in the background from a frozen
 # copy of the tree, and each later call waits for it a while.
 #
-#   bash scripts/detection_on_device.sh start PART GATE COMMIT   PART: attention or rest; GATE: the folder .ci/detection
-#                                                                 names (`git log -1 --format=%h -- <gate files>`)
+#   bash scripts/detection_on_device.sh start PART GATE COMMIT [RUNS]   PART: attention or rest; GATE: the folder
+#                                      .ci/detection names (`git log -1 --format=%h -- <gate files>`); RUNS: runs to add
+#                                      (default 1; with warm caches a rest run takes the H100 about 14 minutes)
 #   bash scripts/detection_on_device.sh wait SECONDS             then, once it has ended, into $OUT: PART.tar.gz (the
 #                                                                 kept folder, to --compact) and the log
 #   bash scripts/detection_on_device.sh pack-caches              triton's and inductor's caches into $OUT, in parts
@@ -20,15 +21,16 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 job=/tmp/detection-job
 
-usage() { sed -n 5,11p "$0" >&2; exit 2; }
+usage() { sed -n 5,12p "$0" >&2; exit 2; }
 
 start() {
-    local part=$1 gate=$2 commit=$3 args gpu
+    local part=$1 gate=$2 commit=$3 runs=${4:-1} args gpu
     case $part in
         attention) args=(perf_tests/test_attention.py) ;;
         rest) args=(perf_tests --ignore=perf_tests/test_attention.py) ;;
         *) echo "PART must be attention or rest, not $part" >&2; exit 2 ;;
     esac
+    [[ $runs =~ ^[1-9][0-9]*$ ]] || { echo "RUNS must be a positive integer, not $runs" >&2; exit 2; }
     gpu=$(PYTHONPATH=$PWD python3 -c "import torch; from lmsys.perf.baselines import machine_id
 print(machine_id(torch.cuda.get_device_name(), True))") || exit 2
     [[ -d baselines/$gpu ]] || { echo "no baselines/$gpu in the tree" >&2; exit 2; }
@@ -41,17 +43,18 @@ print(machine_id(torch.cuda.get_device_name(), True))") || exit 2
     [[ ! -d baselines/$gpu/detection/$part/$gate ]] || cp -r "baselines/$gpu/detection/$part/$gate" "$job/keep/"
     echo "$part" > "$job/part"
     # A session of its own (setsid): the end of the call that started it, and its process group, leave it running.
-    setsid nohup bash "$job/tree/scripts/detection_on_device.sh" _job "$gate" "$commit" "$warm" "${args[@]}" \
+    setsid nohup bash "$job/tree/scripts/detection_on_device.sh" _job "$gate" "$commit" "$warm" "$runs" "${args[@]}" \
         < /dev/null > /dev/null 2>&1 &
-    echo "started: $part, gate $gate, one run more; the warm-up run $([[ $warm == 1 ]] && echo first || echo left out)"
+    echo "started: $part, gate $gate, $runs run(s) more;" \
+        "the warm-up run $([[ $warm == 1 ]] && echo first || echo left out)"
 }
 
 job_body() {
-    local gate=$1 commit=$2 warm=$3 begun status
-    shift 3
+    local gate=$1 commit=$2 warm=$3 runs=$4 begun status
+    shift 4
     cd "$job/tree" || exit 2
     begun=$(date +%s)
-    LMSYS_DETECTION_GATE=$gate LMSYS_DETECTION_PER_CALL=1 LMSYS_DETECTION_WARM_UP=$warm LMSYS_GIT_COMMIT=$commit \
+    LMSYS_DETECTION_GATE=$gate LMSYS_DETECTION_PER_CALL=$runs LMSYS_DETECTION_WARM_UP=$warm LMSYS_GIT_COMMIT=$commit \
         PYTHONUNBUFFERED=1 bash .ci/detection "$job/keep" -- "$@" > "$job/log" 2>&1
     status=$?
     echo "exit $status after $(($(date +%s) - begun)) s (caches carried in: $((1 - warm)))" >> "$job/log"
@@ -78,7 +81,7 @@ pack_caches() {
 }
 
 case ${1:-} in
-    start) [[ $# -eq 4 ]] || usage; start "$2" "$3" "$4" ;;
+    start) [[ $# -eq 4 || $# -eq 5 ]] || usage; start "${@:2}" ;;
     wait) [[ $# -eq 2 && $2 =~ ^[0-9]+$ ]] || usage; wait_for "$2" ;;
     pack-caches) [[ $# -eq 1 ]] || usage; pack_caches ;;
     _job) shift; job_body "$@" ;;  # start's background job

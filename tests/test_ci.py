@@ -91,6 +91,7 @@ def test_the_device_detection_helper_is_valid_bash_and_refuses_what_it_cannot_ru
     assert os.access(script, os.X_OK)
     subprocess.run(["bash", "-n", str(script)], check=True)
     for args, said in ((["start", "everything", "abc1234", "0" * 40], "PART must be attention or rest"),
+                       (["start", "rest", "abc1234", "0" * 40, "0"], "RUNS must be a positive integer"),
                        (["wait", "soon"], "detection_on_device.sh wait SECONDS"), ([], "pack-caches")):
         done = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and said in done.stderr, done.stderr
