@@ -11,8 +11,8 @@
 #   bash scripts/detection_on_device.sh pack-caches              triton's and inductor's caches into $OUT, in parts
 #                                                                 of 15 MiB (caches.tgz.part-*)
 #
-# `start` copies baselines/<GPU>/detection/PART/GATE (the runs kept so far) out of the tree and runs .ci/detection,
-# one run more. Parts of caches.tgz.part-* carried into the tree's .devrun/ (an earlier start's `pack-caches`; git
+# `start` copies baselines/<GPU>/detection/PART/GATE (the runs kept so far) out of the tree and runs .ci/detection
+# for RUNS runs more. Parts of caches.tgz.part-* carried into the tree's .devrun/ (an earlier start's `pack-caches`; git
 # ignores the folder, the device tool carries it when asked) are unpacked first, and then the untimed run is left out
 # (LMSYS_DETECTION_WARM_UP=0). The machine goes back when no call is in flight for 30 s, and after 30 minutes held at
 # the end of the call in flight: call `wait` again at once. Back on the workstation: `tar -xzf PART.tar.gz -C X` and
