@@ -17,8 +17,8 @@
 # (LMSYS_DETECTION_WARM_UP=0). The machine goes back when no call is in flight for 30 s, and after 30 minutes held at
 # the end of the call in flight: call `wait` again at once. Back on the workstation: `tar -xzf PART.tar.gz -C X` and
 # `python -m lmsys.perf.detection --compact X/GATE baselines/<GPU>/detection/PART/GATE`.
-# Compact into the tree before the next start: a start copies the runs the tree holds and names its runs after them,
-# so a start from an older tree gives names already kept (--compact refuses those; rename them to the next free number).
+# Compact into the tree before the next start: a start copies the runs the tree holds and numbers its runs on from them
+# (a start from an older tree gives names already kept, which --compact renumbers, naming each).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 job=/tmp/detection-job

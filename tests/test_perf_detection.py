@@ -617,7 +617,7 @@ def test_compact_refuses_a_differing_run_another_measurement_or_no_measurement_a
     changed.write_text(changed.read_text().replace('"PASS"', '"SLOWER"'))
     before = files("dest")
     with pytest.raises(SystemExit, match=r"--compact: dest/aa/aa-run-0.json: not what compacting the run of that name "
-                       r"in src gives, and a kept run is never replaced \(nothing was written\)"):
+                       r"or datetime in src gives, and a kept run is never replaced \(nothing was written\)"):
         detection.main(["--compact", "src", "dest"])
     assert files("dest") == before
 
@@ -645,6 +645,51 @@ def test_compact_refuses_a_differing_run_another_measurement_or_no_measurement_a
     with pytest.raises(SystemExit, match=r"--compact: nowhere holds no measurement \(detection.json is missing\)"):
         detection.main(["--compact", "nowhere", "fresh"])
     assert not (tmp_path / "fresh").exists()
+
+
+def stamp(folder: str, run: int, when: str) -> None:
+    """Gives an in-process run kept in folder the datetime pytest-benchmark records in a real run."""
+    path = Path(folder) / "runs" / f"runs-run-{run}.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "datetime": when}, indent=4))
+
+
+def test_compact_renumbers_another_measurement_whose_name_is_taken_and_never_copies_a_run_twice(
+        monkeypatch, tmp_path, capsys):
+    """A session's copy of the kept runs taken before the last runs were compacted numbers its runs as those: each is
+    added under the next free number, once; a run of the same datetime with other contents is refused."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(detection.reruns, "rerun", keeping_rerun([]))
+    argv = ["--in-process", "--inject", "0.05", "--keep"]
+    assert detection.main(["--runs", "1", *argv, "src", "--", "perf_tests"]) == 0
+    stamp("src", 0, "2026-11-26T12:00:00")
+    shutil.copytree(tmp_path / "src", tmp_path / "session")  # taken when one run was kept
+    assert detection.main(["--runs", "2", "--resume", *argv, "src", "--", "perf_tests"]) == 0
+    stamp("src", 1, "2026-11-26T12:30:00")
+    assert detection.main(["--compact", "src", "dest"]) == 0
+    assert detection.main(["--runs", "2", "--resume", *argv, "session", "--", "perf_tests"]) == 0
+    stamp("session", 1, "2026-11-26T13:00:00")
+    before = files("dest")
+    capsys.readouterr()
+    assert detection.main(["--compact", "session", "dest"]) == 0
+    assert ("--compact: 1 runs added to dest (1 renumbered, their names taken: runs/runs-run-1.json as "
+            "runs-run-2.json), 1 already there") in capsys.readouterr().err
+    after = files("dest")
+    assert {path: after[path] for path in before} == before
+    assert sorted(set(after) - set(before)) == [Path("runs/runs-run-2.json")]
+    kept = json.loads((tmp_path / "dest" / "runs" / "runs-run-2.json").read_text())
+    assert kept == detection.compacted(json.loads((tmp_path / "session" / "runs" / "runs-run-1.json").read_text()))
+    assert table_of(capsys, "dest").splitlines()[-1].split() == ["all", "0/3", "3/3"]
+    # Again: the renumbered run is there already.
+    assert detection.main(["--compact", "session", "dest"]) == 0
+    assert "--compact: 0 runs added to dest, 2 already there" in capsys.readouterr().err
+    assert files("dest") == after
+    # The same run (its datetime) with other contents: refused, naming the run kept under the other name.
+    path = tmp_path / "session" / "runs" / "runs-run-1.json"
+    path.write_text(path.read_text().replace('"PASS"', '"SLOWER"'))
+    with pytest.raises(SystemExit, match=r"--compact: dest/runs/runs-run-2.json: not what compacting the run of that "
+                       r"name or datetime in session gives"):
+        detection.main(["--compact", "session", "dest"])
+    assert files("dest") == after
 
 
 def test_a_compact_folder_is_resumed_with_a_fresh_reference_and_compacted_again(monkeypatch, tmp_path, capsys):

@@ -20,8 +20,9 @@ adds to them later (another session, another machine start) until each case has 
 another gate (gate_files: the manifest records a hash of each file that decides a verdict); --table DIR...
 tabulates the runs kept by several measurements of the same cases without running anything; --compact SRC DEST
 copies the runs kept in SRC into DEST without their rounds, small enough to commit (baselines/<GPU>/detection/<gate>/),
-adding only the runs DEST lacks. The table counts, per benchmark and over all, the failing verdicts of the A/A runs,
-the caught delays of each size (any failing verdict) and the caught allocations (MORE-MEMORY).
+adding only the runs DEST lacks (renumbered where DEST has taken a run's name with another measurement). The table
+counts, per benchmark and over all, the failing verdicts of the A/A runs, the caught delays of each size (any failing
+verdict) and the caught allocations (MORE-MEMORY).
 """
 
 import argparse
@@ -151,6 +152,11 @@ def _run_files(folder: Path) -> list[Path]:
         if match:
             numbered.append((int(match[1]), path))
     return [path for _, path in sorted(numbered)]
+
+
+def _run_number(name: str) -> int:
+    """N of a run file's name, <case>-run-N.json."""
+    return int(re.fullmatch(r".*-run-(\d+)\.json", name)[1])
 
 
 def _resumed_runs(folder: Path) -> list[dict]:
@@ -503,10 +509,13 @@ def _read_run(path: Path) -> dict:
 
 def compact(src: Path, dest: Path) -> str:
     """Copies the measurement kept in src (--keep) into dest small enough to commit: its manifest as it is and each
-    kept run compacted (`compacted`), adding only the runs dest lacks; returns the summary line. The references
-    (src/references/) are not copied: they are baselines, with every round. Refuses (SystemExit), before writing
-    anything, a src without a measurement, a dest of another measurement (another manifest) and a run file in dest
-    that is not the compacted run of the same name in src. Runs in dest that src lacks stay."""
+    kept run compacted (`compacted`), adding only the runs dest lacks (a run already kept under any name counts as
+    there); returns the summary line. The references (src/references/) are not copied: they are baselines, with every
+    round. A run of another measurement (another `datetime`, both recorded) whose name dest has taken is added under the
+    next free number: what a session's copy of the kept runs numbers on when it was taken before the last runs were
+    compacted into dest. Refuses (SystemExit), before writing anything, a src without a measurement, a dest of another
+    measurement (another manifest) and a run file in dest that is not the compacted run of the same name in src and
+    not another measurement. Runs in dest that src lacks stay."""
     manifest = _manifest(src)
     if manifest is None:
         raise SystemExit(f"--compact: {src} holds no measurement ({MANIFEST} is missing)")
@@ -523,20 +532,37 @@ def compact(src: Path, dest: Path) -> str:
         raise SystemExit(f"--compact: {why}: compact into another folder (nothing was written)")
     settings = {key: value for key, value in manifest.items() if key != GATE}
     folders = [IN_PROCESS] if settings.get("in_process") else [case.name for case in _cases(settings)[0]]
-    new, already, conflicts = [], 0, []
+    new, already, conflicts, renamed = [], 0, [], []
     for name in folders:
+        kept = {path.name: _read_run(path) for path in _run_files(dest / name)}
+        texts = {n: json.dumps(doc, indent=1) for n, doc in kept.items()}  # as text: a NaN never equals a NaN
+        free = 1 + max(map(_run_number, kept), default=-1)
         for path in _run_files(src / name):
-            text = json.dumps(compacted(_read_run(path)), indent=1)
-            target = dest / name / path.name
-            if not target.exists():
-                new.append((path, target, text))
-            elif json.dumps(_read_run(target), indent=1) == text:  # compared as text: a NaN never equals a NaN
+            doc = compacted(_read_run(path))
+            text = json.dumps(doc, indent=1)
+            when, taken = doc.get("datetime"), kept.get(path.name)
+            # There already: under its name, or renumbered (a run that records when it ran is that run alone).
+            if texts.get(path.name) == text or (when is not None and text in texts.values()):
                 already += 1
-            else:
-                conflicts.append(str(target))
+                continue
+            # This run kept otherwise, under its name or (renumbered) another, or a name taken by a run that is not
+            # known to be another measurement: refused, never a second copy.
+            clash = [n for n, run in kept.items() if when is not None and run.get("datetime") == when]
+            if taken is not None and (when is None or taken.get("datetime") in (None, when)):
+                clash = sorted({path.name, *clash})
+            if clash:
+                conflicts.extend(str(dest / name / n) for n in clash)
+                continue
+            target = dest / name / path.name
+            if taken is not None:  # the name is another measurement's
+                target = dest / name / f"{name}-run-{free}.json"
+                renamed.append(f"{path.relative_to(src)} as {target.name}")
+                free += 1
+            texts[target.name] = text
+            new.append((path, target, text))
     if conflicts:
-        raise SystemExit(f"--compact: {', '.join(conflicts)}: not what compacting the run of that name in {src} "
-                         "gives, and a kept run is never replaced (nothing was written)")
+        raise SystemExit(f"--compact: {', '.join(conflicts)}: not what compacting the run of that name or datetime in "
+                         f"{src} gives, and a kept run is never replaced (nothing was written)")
     written = read = 0
     if there is None:
         text = (src / MANIFEST).read_text(encoding="utf-8")
@@ -547,9 +573,10 @@ def compact(src: Path, dest: Path) -> str:
         report.write_new_file(target, text)
         written += len(text.encode())
         read += path.stat().st_size
-    return (f"--compact: {len(new)} runs added to {dest}, {already} already there; {format_bytes(written)} written "
-            f"for {format_bytes(read)} in {src}; its references ({src / REFERENCES}) are not copied: baselines with "
-            "every round")
+    renumbered = f" ({len(renamed)} renumbered, their names taken: {', '.join(renamed)})" if renamed else ""
+    return (f"--compact: {len(new)} runs added to {dest}{renumbered}, {already} already there; "
+            f"{format_bytes(written)} written for {format_bytes(read)} in {src}; its references ({src / REFERENCES}) "
+            "are not copied: baselines with every round")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
