@@ -77,6 +77,7 @@ VARIANTS = {
     "hopper-dq128": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "TILES": {64: (64, 128), 128: (64, 128)}}),
     "hopper-3stages": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "NUM_STAGES": 3}),
     "hopper-no-prefetch": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "PREFETCH_STATS": set()}),
+    "hopper-fused": ("flash_triton", {**GLUON, "FUSED_DQ": True}),  # dQ accumulated in the dK/dV kernel (d=64)
     "grouped": ("flash_triton", {"GROUPED_ORDER": True}),  # the default: the forwards' launch order
     "ungrouped": ("flash_triton", {"GROUPED_ORDER": False}),  # the default before 2026-11-25: a grid of (blocks, heads)
     "sdpa_cudnn": ("sdpa_cudnn", {}),
@@ -91,6 +92,7 @@ DEFAULTS = {
     "NUM_STAGES": (flash_hopper_bwd, flash_hopper_bwd.NUM_STAGES),
     "PREFETCH_STATS": (flash_hopper_bwd, flash_hopper_bwd.PREFETCH_STATS),
     "GROUPED_ORDER": (flash_hopper_bwd, flash_hopper_bwd.GROUPED_ORDER),
+    "FUSED_DQ": (flash_hopper_bwd, flash_hopper_bwd.FUSED_DQ),
     "FORWARD_64_MIN_KEYS": (flash_hopper, flash_hopper.FORWARD_64_MIN_KEYS),  # where the Gluon forward runs d=64
     "FORWARD_64_BELOW_PROGRAMS_PER_SM": (flash_hopper, flash_hopper.FORWARD_64_BELOW_PROGRAMS_PER_SM),
 }
@@ -267,7 +269,8 @@ def main(argv=None) -> int:
     if args.repeats < 1 or args.steps < 1 or args.warmup < 0 or args.kernels < 0 or args.power < 0:
         parser.error("--repeats and --steps must be at least 1, --warmup, --kernels and --power at least 0")
     shapes = [shape for name in args.points for shape in POINTS[name]
-              if (args.seqs is None or shape[2] in args.seqs) and (args.head_dims is None or shape[3] in args.head_dims)]
+              if (args.seqs is None or shape[2] in args.seqs)
+              and (args.head_dims is None or shape[3] in args.head_dims)]
     if not shapes:
         parser.error(f"no point of {' '.join(args.points)} has --seqs {args.seqs} and --head-dims {args.head_dims}")
     kernels_csv = args.csv.with_name(args.csv.stem + "-kernels.csv")

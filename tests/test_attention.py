@@ -567,10 +567,10 @@ def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, head_dim,
 
 
 # Compiles the two kernels of the Gluon backward for sm_90 (no GPU needed), causal and not, at each head dim they take
-# (and the dK/dV kernel at d=64 with the other PREFETCH setting: causal without it, not causal with it; and each
-# kernel, causal at d=64, in the other launch order, GROUPED_ORDER: variants scripts/attention_backward_variants.py
-# times), and writes each one's PTX, cubin and shared-memory size to
-# argv[2]/<kernel>-<causal>-<d>/<default, other-prefetch or other-order>.
+# (and the dK/dV kernel at d=64 with the other PREFETCH setting: causal without it, not causal with it, and
+# accumulating dQ, FUSED_DQ, causal and not; and each kernel, causal at d=64, in the other launch order, GROUPED_ORDER:
+# variants scripts/attention_backward_variants.py times), and writes each one's PTX, cubin and shared-memory size to
+# argv[2]/<kernel>-<causal>-<d>/<default, other-prefetch, fused or other-order>.
 _COMPILE_HOPPER_BACKWARD = """
 import pathlib, sys
 import triton
@@ -582,7 +582,8 @@ from lmsys.attention import flash_hopper_bwd as hb
 which = sys.argv[1]
 kernel = hb._dkdv_kernel if which == "dkdv" else hb._dq_kernel
 builds = [(causal, d, "default") for causal in (False, True) for d in hb.HEAD_DIMS]
-builds += [(causal, 64, "other-prefetch") for causal in (False, True)] if which == "dkdv" else []
+builds += [(causal, 64, variant) for causal in (False, True) for variant in ("other-prefetch", "fused")
+           if which == "dkdv"]
 builds += [(True, 64, "other-order")]
 for causal, d, variant in builds:
     def descriptor(rows):
@@ -600,6 +601,11 @@ for causal, d, variant in builds:
                       PRODUCER_REGS=hb.PRODUCER_REGS, GROUPED=hb.GROUPED_ORDER != (variant == "other-order"))
     if which == "dkdv":
         constexprs["PREFETCH"] = ((causal, d) in hb.PREFETCH_STATS) != (variant == "other-prefetch")
+        constexprs["FUSED"] = variant == "fused"
+        if variant == "fused":
+            descs["dq_desc"] = f"tensordesc<fp32[{hb.TILES[d][0]}, {d}],{hb.DQ_ACC_LAYOUT!r}>"
+        else:
+            constexprs["dq_desc"] = None
     types = {**descs, "LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
              **dict.fromkeys(constexprs, "constexpr")}
     names = kernel.arg_names
@@ -618,7 +624,8 @@ for causal, d, variant in builds:
 def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path):
     """On any machine: each kernel of the Gluon backward compiles for sm_90 with the installed triton at both head dims,
     causal and not, fits shared memory, spills no register, and works on the probabilities while a product is still
-    in flight (`wgmma.wait_group 1`); the dK/dV kernel at d=64 with the other PREFETCH_STATS setting too."""
+    in flight (`wgmma.wait_group 1`); the dK/dV kernel at d=64 with the other PREFETCH_STATS setting too, and
+    accumulating dQ (FUSED_DQ) by TMA's bulk reduction, its dS^T read transposed from shared memory."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
     result = subprocess.run([sys.executable, "-c", _COMPILE_HOPPER_BACKWARD, kernel, str(tmp_path)], env=env,
                             capture_output=True, text=True, timeout=600)
@@ -626,11 +633,16 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
     built = sorted(tmp_path.glob(f"{kernel}-*/*"))
     variants = [folder.name for folder in built]
     assert variants.count("default") == 4
-    assert variants.count("other-prefetch") == (2 if kernel == "dkdv" else 0)
+    assert variants.count("other-prefetch") == variants.count("fused") == (2 if kernel == "dkdv" else 0)
     assert variants.count("other-order") == 1
     for folder in built:
         assert int((folder / "shared").read_text()) <= 227 * 1024, folder.name
-        assert "wgmma.wait_group.sync.aligned 1;" in (folder / "kernel.ptx").read_text(), folder.name
+        ptx = (folder / "kernel.ptx").read_text()
+        assert "wgmma.wait_group.sync.aligned 1;" in ptx, folder.name
+        reductions = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add", ptx)
+        # Per consumer warpgroup, one in the loop without the mask and (causal) one in the loop with it.
+        expected = (4 if "True" in folder.parent.name else 2) if folder.name == "fused" else 0
+        assert len(reductions) == expected, folder
         _assert_compiled_well(folder)
 
 
@@ -675,8 +687,8 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, mo
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting, value", [
     ("CONCURRENT_DQ", True), ("CONCURRENT_DQ", False), ("TILES", {64: (64, 128), 128: (64, 128)}), ("NUM_STAGES", 3),
-    ("PREFETCH_STATS", set()), ("GROUPED_ORDER", not flash_hopper_bwd.GROUPED_ORDER),
-], ids=["concurrent-dq", "serial-dq", "dq-tiles-128", "3-stages", "no-prefetch", "other-order"])
+    ("PREFETCH_STATS", set()), ("GROUPED_ORDER", not flash_hopper_bwd.GROUPED_ORDER), ("FUSED_DQ", True),
+], ids=["concurrent-dq", "serial-dq", "dq-tiles-128", "3-stages", "no-prefetch", "other-order", "fused-dq"])
 @pytest.mark.parametrize("q_shape, is_causal", [((2, 3, 1024, 64), True), ((1, 2, 512, 128), False),
                                                 ((2, 3, 640, 64), False)])
 def test_hopper_backward_variants_gpu(gpu, setting, value, q_shape, is_causal, monkeypatch, seed):

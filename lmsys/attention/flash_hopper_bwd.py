@@ -14,7 +14,10 @@ next step needs:
   S = Q K^T and dP = dO V^T, then dQ += dS K.
 
 Like the Triton backward (and unlike FA3, which accumulates dQ with atomics) the scores are computed twice, once per
-kernel: no atomics and no fp32 dQ buffer. delta = rowsum(dO * O) comes from the Triton preprocessing kernel. The two
+kernel: no atomics and no fp32 dQ buffer. FUSED_DQ (off: compiled and checked on the CPU, not yet run on a GPU) takes
+FA3's way at d=64: the dK/dV kernel also forms each query tile's dQ = dS K over its keys and adds it into an fp32
+buffer with TMA's bulk reduction, and the dQ kernel does not run. delta = rowsum(dO * O) comes from the Triton
+preprocessing kernel. The two
 kernels share only their inputs: on problems of few programs (CONCURRENT_DQ, `plan`) the dQ kernel runs on a side
 stream beside the other, except under CUDA-graph capture.
 
@@ -155,8 +158,11 @@ import functools
 import math
 
 import torch
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -206,7 +212,26 @@ PREFETCH_STATS = {(True, 64), (False, 64)}
 # which runs the heads one after the other, each from its heaviest block down to its lightest. About 1% faster at the
 # leaderboard on the H100 (module docstring); on one head the two orders launch the same programs.
 GROUPED_ORDER = True
+# Whether the dK/dV kernel also accumulates dQ, as FA3 does (for head dims in FUSED_HEAD_DIMS; the others keep the
+# dQ kernel): each step's dQ tile = dS K over the warpgroup's 64 keys, computed from dS^T written to shared memory,
+# is added into an fp32 buffer by TMA's bulk reduction, so the scores are computed once (5 products per step instead
+# of the two kernels' 7), at the cost of that traffic (per query tile, an fp32 tile per 64 keys) and of the buffer,
+# cast into dq at the end. Not measured yet: off.
+FUSED_DQ = False
+FUSED_HEAD_DIMS = (64,)  # at d=128 dK, dV and the dQ tile (64 fp32 registers each) do not fit beside S and dP
+# The fp32 dQ tiles' shared buffers and the dQ buffer's TMA descriptor: unswizzled (a row of 64 fp32 is 256 bytes,
+# past the 128-byte swizzle's box).
+DQ_ACC_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA's bulk reduction (cp.reduce.async.bulk.tensor, add) of the shared tile src into tensor_desc's global tile
+    at coord, completed like a TMA store (tma.store_wait): Gluon 3.6 builds it (create_async_tma_reduce) but exposes
+    no function for it on Hopper."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 def plan(programs_per_sm: float, keys: int, capturing: bool) -> bool | None:
@@ -274,8 +299,9 @@ def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_s
 def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, delta_ahead, a_layout: gl.constexpr,
                  PREFETCH: gl.constexpr):
     """A query tile's dV += P^T dO issued, then (once dP^T is in, while dV is on the tensor cores) dS^T = P^T (dP^T -
-    delta) formed and dK += dS^T Q issued: their tokens and the register operands they read, to keep until waited.
-    delta is loaded here, or with PREFETCH it is delta_ahead, loaded a step earlier."""
+    delta) formed and dK += dS^T Q issued: their tokens, the register operands they read, to keep until waited, and
+    dS^T (16-bit, in the MMA layout). delta is loaded here, or with PREFETCH it is delta_ahead, loaded a step
+    earlier."""
     p_op = gl.convert_layout(p.to(q_tile.dtype), a_layout)
     dv_token = warpgroup_mma(p_op, do_tile, dv, is_async=True)
     if PREFETCH:
@@ -283,22 +309,27 @@ def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, de
     else:
         delta = gl.load(DELTA + stat_row + cols)
     dp = warpgroup_mma_wait(1, deps=[dp_token])
-    ds = p * (dp - gl.expand_dims(delta, 0))
-    ds_op = gl.convert_layout(ds.to(q_tile.dtype), a_layout)
+    ds = (p * (dp - gl.expand_dims(delta, 0))).to(q_tile.dtype)
+    ds_op = gl.convert_layout(ds, a_layout)
     dk_token = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
-    return dv_token, dk_token, p_op, ds_op
+    return dv_token, dk_token, p_op, ds_op, ds
 
 
 @gluon.jit
 def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys, lo, hi,
-               qk_scale, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
-               s_layout: gl.constexpr, a_layout: gl.constexpr, PREFETCH: gl.constexpr):
+               qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+               MASK: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr, PREFETCH: gl.constexpr,
+               FUSED: gl.constexpr):
     """Query tiles [lo, hi) (counted from the first one the program visits, m_first) into dK, dV. Each tile's
     log-sum-exp and delta are loaded from global memory in its step, or with PREFETCH one step ahead
-    (PREFETCH_STATS)."""
+    (PREFETCH_STATS). With FUSED (FUSED_DQ) each tile's dQ = dS K over these keys too, through ds_smem (dS^T) and
+    one of the two buffers of dq_smem, added into dq_desc's rows by TMA."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     half: gl.constexpr = k_w.shape[0]
     s_zero = gl.zeros([half, BLOCK_M], gl.float32, s_layout)
+    if FUSED:
+        head_dim: gl.constexpr = k_w.shape[1]
+        dq_zero = gl.zeros([BLOCK_M, head_dim], gl.float32, _mma_layout(head_dim))
     if PREFETCH:
         end = (m_first + hi) * BLOCK_M
         ahead = (m_first + lo) * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_layout)
@@ -326,18 +357,32 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
         if MASK:
             p = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1), p, 0.0)
-        dv_token, dk_token, p_op, ds_op = _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols,
-                                                       delta, a_layout, PREFETCH)
-        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op])
-        mbarrier.arrive(empty.index(slot))
+        dv_token, dk_token, p_op, ds_op, ds = _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row,
+                                                           cols, delta, a_layout, PREFETCH)
+        if FUSED:
+            # dQ = dS K, its A operand dS^T from shared memory, transposed; the buffer is free (last step's product
+            # was waited for).
+            ds_smem.store(ds)
+            fence_async_shared()
+            dq_token = warpgroup_mma(ds_smem.permute((1, 0)), k_w, dq_zero, use_acc=False, is_async=True)
+            dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op, dq_token])
+            mbarrier.arrive(empty.index(slot))
+            dq_buffer = dq_smem.index(j % 2)
+            tma.store_wait(1)  # the reduction issued from this buffer two steps ago has read it
+            dq_buffer.store(dq * sm_scale)
+            fence_async_shared()
+            _tma_reduce_add(dq_desc, [stat_row + (m_first + j) * BLOCK_M, 0], dq_buffer)
+        else:
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op])
+            mbarrier.arrive(empty.index(slot))
     return dk, dv
 
 
 @gluon.jit
-def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_bar, ready, empty,
-                   out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
+def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, ds_smem, dq_smem, kv_bar,
+                   ready, empty, out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
                    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   PREFETCH: gl.constexpr):
+                   PREFETCH: gl.constexpr, FUSED: gl.constexpr):
     half: gl.constexpr = k_w.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
@@ -349,16 +394,17 @@ def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_b
     if CAUSAL:
         # The query tiles that overlap the program's keys need the mask; those after them do not.
         dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
-                            0, n_masked, qk_scale, BLOCK_M, NUM_STAGES, True, s_layout, a_layout,
-                            PREFETCH)
+                            0, n_masked, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, BLOCK_M, NUM_STAGES, True,
+                            s_layout, a_layout, PREFETCH, FUSED)
         dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
-                            n_masked, n_tiles, qk_scale, BLOCK_M, NUM_STAGES, False, s_layout, a_layout,
-                            PREFETCH)
+                            n_masked, n_tiles, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, BLOCK_M, NUM_STAGES,
+                            False, s_layout, a_layout, PREFETCH, FUSED)
     else:
         dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
-                            0, n_tiles, qk_scale, BLOCK_M, NUM_STAGES, False, s_layout, a_layout,
-                            PREFETCH)
-    # Epilogue: through this warpgroup's K and V buffers (no longer read) and TMA stores.
+                            0, n_tiles, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, BLOCK_M, NUM_STAGES, False,
+                            s_layout, a_layout, PREFETCH, FUSED)
+    # Epilogue: through this warpgroup's K and V buffers (no longer read) and TMA stores; the wait covers the dQ
+    # reductions too.
     k_w.store((dk * sm_scale).to(dk_desc.dtype))
     v_w.store(dv.to(dv_desc.dtype))
     fence_async_shared()
@@ -368,13 +414,13 @@ def _dkdv_consumer(dk_desc, dv_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, kv_b
 
 
 @gluon.jit
-def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, N_Q, N_K, H, BH, GROUP_HEADS,
-                 qk_scale, sm_scale,
+def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, N_Q, N_K, H, BH,
+                 GROUP_HEADS, qk_scale, sm_scale,
                  Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH,
                  DO_RB, DO_RH, DO_CB, DO_CH,
                  HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PREFETCH: gl.constexpr,
-                 GROUPED: gl.constexpr):
+                 GROUPED: gl.constexpr, FUSED: gl.constexpr):
     HALF: gl.constexpr = k_desc.block_type.shape[0]  # keys per consumer warpgroup
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
@@ -402,16 +448,23 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, 
     # Q and dO tiles share a ring's barriers: a tile's pair arrives, and is released, together.
     q_smem, ready, empty = ring(q_desc, NUM_STAGES, HEAD_DIM)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    if FUSED:  # per consumer warpgroup: dS^T, and two fp32 dQ tiles (one may still be read by its reduction)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_M], q_desc.layout)
+        dq_0 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_desc.layout)
+        dq_1 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_desc.layout)
+        ds_0, ds_1 = ds_smem.index(0), ds_smem.index(1)
+    else:  # not read
+        ds_0, ds_1, dq_0, dq_1 = k_smem, k_smem, k_smem, k_smem
 
-    stat_row = off_bh * N_Q  # lse and delta: contiguous, one row per head
+    stat_row = off_bh * N_Q  # lse and delta (and the fp32 dQ): contiguous, one row per head
     out_row = off_bh * N_K + key0  # dK and dV are contiguous: (B*H*N_K, D) views
     gl.warp_specialize([
-        (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_smem.index(0), v_smem.index(0), q_smem, do_smem, kv_bar,
-                          ready, empty, out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
-                          CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, PREFETCH)),
-        (_dkdv_consumer, (dk_desc, dv_desc, LSE, DELTA, k_smem.index(1), v_smem.index(1), q_smem, do_smem, kv_bar,
-                          ready, empty, out_row + HALF, stat_row, key0 + HALF, m_first, n_masked, n_tiles, qk_scale,
-                          sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, PREFETCH)),
+        (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, k_smem.index(0), v_smem.index(0), q_smem, do_smem,
+                          ds_0, dq_0, kv_bar, ready, empty, out_row, stat_row, key0, m_first, n_masked, n_tiles,
+                          qk_scale, sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, PREFETCH, FUSED)),
+        (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, k_smem.index(1), v_smem.index(1), q_smem, do_smem,
+                          ds_1, dq_1, kv_bar, ready, empty, out_row + HALF, stat_row, key0 + HALF, m_first, n_masked,
+                          n_tiles, qk_scale, sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, PREFETCH, FUSED)),
         (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
                           b * K_RB + h * K_RH + key0, b * K_CB + h * K_CH, b * V_RB + h * V_RH + key0,
                           b * V_CB + h * V_CH, b * Q_RB + h * Q_RH + m_first * BLOCK_M, b * Q_CB + h * Q_CH,
@@ -567,16 +620,24 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
     groups = (launch_order.group_heads(q, bh), launch_order.group_heads(k, bh)) if GROUPED_ORDER else (1, 1)
     # dq, dk, dv are new; lse and delta contiguous. The tiles are the descriptors' block shapes, not constexprs.
     key = (q.device, q.dtype, q.shape, k.shape, block_m, block_n, qv, kv, vv, dov)
+    fused = FUSED_DQ and d in FUSED_HEAD_DIMS
+    if fused:
+        dq_acc = torch.zeros((bh * n_q, d), device=q.device, dtype=torch.float32)
+        dq_desc = TensorDescriptor(dq_acc, [bh * n_q, d], [d, 1], [block_m, d], DQ_ACC_LAYOUT)
+        concurrent = False  # no dQ kernel
     if concurrent:
         current, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
         side.wait_stream(current)  # the inputs, delta included, are ready on it
     launcher.launch(
         _dkdv_kernel, (n_k // BLOCK_KEYS * bh,) if GROUPED_ORDER else (n_k // BLOCK_KEYS, bh),
         (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m),
-         desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), lse, delta, n_q, n_k,
-         heads, bh, groups[0], qk_scale, sm_scale, *strides),
-        ("dkdv", *key), PREFETCH=(is_causal, d) in PREFETCH_STATS, **common,
+         desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), dq_desc if fused else None,
+         lse, delta, n_q, n_k, heads, bh, groups[0], qk_scale, sm_scale, *strides),
+        ("dkdv", *key), PREFETCH=(is_causal, d) in PREFETCH_STATS, FUSED=fused, **common,
     )
+    if fused:
+        dq.view(-1, d).copy_(dq_acc)
+        return
     half = BLOCK_ROWS // 2
     with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
         launcher.launch(
