@@ -219,9 +219,10 @@ GROUPED_ORDER = True
 # cast into dq at the end. Not measured yet: off.
 FUSED_DQ = False
 FUSED_HEAD_DIMS = (64,)  # at d=128 dK, dV and the dQ tile (64 fp32 registers each) do not fit beside S and dP
-# The fp32 dQ tiles' shared buffers and the dQ buffer's TMA descriptor: unswizzled (a row of 64 fp32 is 256 bytes,
-# past the 128-byte swizzle's box).
-DQ_ACC_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+# The fp32 dQ tiles' shared buffers and the dQ buffer's TMA descriptor. A row of 64 fp32 (256 bytes) is wider than
+# the 128-byte swizzle: triton keeps the tile as two of 32 columns and two warps each issue one's reduction (the
+# compiled kernel's descriptor boxes are 64 x 32). Unswizzled, the rows of a warp's stores would fall in the same banks.
+DQ_ACC_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
 
