@@ -218,7 +218,9 @@ GROUPED_ORDER = True
 # of the two kernels' 7), at the cost of that traffic (per query tile, an fp32 tile per 64 keys) and of the buffer,
 # cast into dq at the end. Not measured yet: off.
 FUSED_DQ = False
-FUSED_HEAD_DIMS = (64,)  # at d=128 dK, dV and the dQ tile (64 fp32 registers each) do not fit beside S and dP
+# Not d=128: dK, dV and a dQ tile take 64 fp32 registers each there. Formed in two halves of 64 columns into one dQ
+# buffer (two do not fit shared memory), it compiled in 213 KB of shared memory but spilled 72-84 bytes (2026-11-26).
+FUSED_HEAD_DIMS = (64,)
 # The fp32 dQ tiles' shared buffers and the dQ buffer's TMA descriptor. A row of 64 fp32 (256 bytes) is wider than
 # the 128-byte swizzle: triton keeps the tile as two of 32 columns and two warps each issue one's reduction (the
 # compiled kernel's descriptor boxes are 64 x 32). Unswizzled, the rows of a warp's stores would fall in the same banks.
