@@ -647,6 +647,7 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["two-kernels", "fused-dq"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
     "q_shape, k_shape, is_causal, layout",
@@ -656,18 +657,23 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
         ((3, 128, 64), (3, 128, 64), True, "contiguous"),
         ((1, 2, 256, 64), (1, 2, 640, 64), False, "contiguous"),
         ((1, 2, 640, 128), (1, 2, 256, 128), False, "contiguous"),
+        ((1, 2, 640, 64), (1, 2, 256, 64), False, "contiguous"),
         ((2, 3, 1024, 64), (2, 3, 1024, 64), True, "transposed"),
         ((3, 384, 128), (3, 384, 128), True, "transposed"),
         ((2, 3, 512, 128), (2, 3, 512, 128), True, "packed"),
     ],
 )
-def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, monkeypatch, seed):
+def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, fused, monkeypatch, seed):
     """The Gluon backward (HOPPER_BACKWARD) against float64, forward and every gradient, on inputs it takes:
     contiguous, transposed views and the model's packed q, k, v, head dims 64 and 128, causal and not, more queries
-    than keys and fewer; and it is the backward that ran."""
+    than keys and fewer; its two kernels, and dQ accumulated by the dK/dV kernel (FUSED_DQ) at the head dims that
+    take it; and it is the backward that ran."""
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
+    if fused and q_shape[-1] not in flash_hopper_bwd.FUSED_HEAD_DIMS:
+        pytest.skip(f"FUSED_DQ is for head dims {flash_hopper_bwd.FUSED_HEAD_DIMS}")
     monkeypatch.setattr(flash_triton, "HOPPER_BACKWARD", True)
+    monkeypatch.setattr(flash_hopper_bwd, "FUSED_DQ", fused)
     # Small problems, which it would leave (they run with the dQ kernel beside the other).
     monkeypatch.setattr(flash_hopper_bwd, "MIN_PROGRAMS_PER_SM", 0)
     monkeypatch.setattr(flash_hopper_bwd, "MIN_PROGRAMS_PER_SM_CONCURRENT", 0)
