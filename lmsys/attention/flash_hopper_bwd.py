@@ -17,9 +17,8 @@ Like the Triton backward (and unlike FA3, which accumulates dQ with atomics) the
 kernel: no atomics and no fp32 dQ buffer. FUSED_DQ (off: compiled and checked on the CPU, not yet run on a GPU) takes
 FA3's way at d=64: the dK/dV kernel also forms each query tile's dQ = dS K over its keys and adds it into an fp32
 buffer with TMA's bulk reduction, and the dQ kernel does not run. delta = rowsum(dO * O) comes from the Triton
-preprocessing kernel. The two
-kernels share only their inputs: on problems of few programs (CONCURRENT_DQ, `plan`) the dQ kernel runs on a side
-stream beside the other, except under CUDA-graph capture.
+preprocessing kernel. The two kernels share only their inputs: on problems of few programs (CONCURRENT_DQ, `plan`)
+the dQ kernel runs on a side stream beside the other, except under CUDA-graph capture.
 
 Scope: what the Gluon forward takes (`flash_hopper.views`: sm_90, bf16 or fp16, lengths multiples of 128, q, k, v
 and dO contiguous or the (B, H, T, D) views of (B, T, H, D) tensors), head dims 64 and 128, problems of at least
@@ -162,7 +161,6 @@ from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -170,6 +168,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from lmsys.attention import flash_hopper, launch_order, launcher
 from lmsys.attention.flash_hopper import ring, stream_kv
