@@ -16,7 +16,8 @@
 # ignores the folder, the device tool carries it when asked) are unpacked first, and then the untimed run is left out
 # (LMSYS_DETECTION_WARM_UP=0). The machine goes back when no call is in flight for 30 s, and after 30 minutes held at
 # the end of the call in flight: call `wait` again at once. Back on the workstation: `tar -xzf PART.tar.gz -C X` and
-# `python -m lmsys.perf.detection --compact X/GATE baselines/<GPU>/detection/PART/GATE`.
+# `python -m lmsys.perf.detection --compact X/GATE baselines/<GPU>/detection/PART/GATE`, then `--table` that folder
+# `--per-run --markdown` for the runs' numbers (docs/gate-measurements.md).
 # Compact into the tree before the next start: a start copies the runs the tree holds and numbers its runs on from them
 # (a start from an older tree gives names already kept, which --compact renumbers, naming each).
 set -uo pipefail

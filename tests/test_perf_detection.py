@@ -467,6 +467,42 @@ def injected_doc(verdict: str, cases: dict[tuple[float, int], str]) -> dict:
     }}]}
 
 
+def test_per_run_gives_each_runs_counts_and_extreme_changes_its_misses_and_throttling():
+    def bench(name, verdict, timing, change, throttle=()):
+        return {"name": name, "extra_info": {"verdict": verdict, "timing": timing, "time_change": change,
+                                             "machine": {"after": {"throttle": list(throttle)}}}}
+
+    aa = [{"benchmarks": [bench("a", "PASS", "graph", 0.004), bench("b", "PASS", "graph", -0.002),
+                          bench("c", "PASS", "eager", 0.01, ["sw_power_cap"]), bench("d", "NEW", "graph", None)]},
+          {"benchmarks": [bench("a", "SLOWER", "graph", 0.031), bench("b", "PASS", "graph", 0.001),
+                          bench("c", "PASS", "eager", -0.02)]}]
+    delayed = [{"benchmarks": [bench("a", "SLOWER+MORE-MEMORY", "graph", 0.052),
+                               bench("b", "MORE-MEMORY", "graph", 0.021), bench("c", "SLOWER", "eager", 0.06)]},
+               {"benchmarks": [bench("a", "SLOWER+MORE-MEMORY", "graph", 0.049),
+                               bench("b", "SLOWER+MORE-MEMORY", "graph", 0.055),
+                               bench("c", "SLOWER+MORE-MEMORY", "eager", 0.07)]}]
+    cases = [(detection.AA_COLUMN, aa, detection.failed), ("+5% caught", delayed, detection.slower)]
+    table, lines = detection.per_run(cases, {detection.INJECT_MEMORY: str(2**20)})
+    assert table.values.tolist() == [
+        [1, "A/A false alarms", "eager", "0/1", "+1.00% c", "+1.00% c"],
+        [1, "A/A false alarms", "graph", "0/2", "-0.20% b", "+0.40% a"],
+        [1, "+5% caught", "eager", "1/1", "+6.00% c", "+6.00% c"],
+        [1, "+5% caught", "graph", "1/2", "+2.10% b", "+5.20% a"],
+        [2, "A/A false alarms", "eager", "0/1", "-2.00% c", "-2.00% c"],
+        [2, "A/A false alarms", "graph", "1/2", "+0.10% b", "+3.10% a"],
+        [2, "+5% caught", "eager", "1/1", "+7.00% c", "+7.00% c"],
+        [2, "+5% caught", "graph", "2/2", "+4.90% a", "+5.50% b"],
+    ]
+    assert lines == ["run 1: c throttled after: sw_power_cap",
+                     "run 1, +5% caught: missed b at +2.10% (MORE-MEMORY)",
+                     "run 1, +5% caught: the allocation missed by c (SLOWER)"]
+    # An allocation's case of its own: its verdicts counted, no change.
+    allocated = [{"benchmarks": [bench("a", "PASS", "graph", 0.001)]}]
+    table, lines = detection.per_run([("+1 MiB caught", allocated, detection.more_memory)], {})
+    assert table.values.tolist() == [[1, "+1 MiB caught", "graph", "0/1", "", ""]]
+    assert lines == ["run 1, +1 MiB caught: missed a (PASS)"]
+
+
 def test_in_process_runs_every_case_in_each_run_and_tallies_them_apart(monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(tmp_path)
     calls = []
@@ -497,6 +533,13 @@ def test_in_process_runs_every_case_in_each_run_and_tallies_them_apart(monkeypat
     # The kept runs make the same table without running anything, and a resumed measurement has nothing to add.
     assert detection.main(["--table", "k"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].split() == ["all", "1/2", "1/2", "2/2", "3/4"]
+    # Run by run: the injected cases' verdicts and changes come from each benchmark's extra_info.
+    assert detection.main(["--table", "k", "--per-run", "--markdown"]) == 0
+    out = capsys.readouterr()
+    assert "| 1 | +3% caught |  | 0/1 | +0.00% test_x | +0.00% test_x |" in out.out
+    assert "| 2 | A/A false alarms |  | 1/1 |  |  |" in out.out
+    assert "run 1, +3% caught: missed test_x at +0.00% (MORE-MEMORY)" in out.err
+    assert "run 2, +5% caught: the allocation missed by test_x (SLOWER)" in out.err
     assert detection.main([*argv[:-2], "--resume", "--", "perf_tests"]) == 0
     assert "2 runs kept already: nothing to run" in capsys.readouterr().err and len(calls) == 2
     # Runs of separate processes per case are other cases: not resumed into this folder.
@@ -714,7 +757,7 @@ def test_a_compact_folder_is_resumed_with_a_fresh_reference_and_compacted_again(
     assert table_of(capsys, "committed") == table
 
 
-def test_compact_runs_nothing_and_goes_with_nothing_else(capsys):
+def test_compact_runs_nothing_and_goes_with_nothing_else_and_per_run_only_with_table(capsys):
     with pytest.raises(SystemExit):
         detection.main(["--compact", "a", "b", "--table", "a"])
     assert "argument --table: not allowed with argument --compact" in capsys.readouterr().err
@@ -724,6 +767,9 @@ def test_compact_runs_nothing_and_goes_with_nothing_else(capsys):
     with pytest.raises(SystemExit):
         detection.main(["--compact", "a", "b", "--keep", "c", "--resume"])
     assert "--compact runs nothing" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        detection.main(["--per-run", "--", "perf_tests"])
+    assert "--per-run goes with --table" in capsys.readouterr().err
 
 
 def test_false_alarms_name_the_benchmark_its_change_and_the_throttling_after_it():

@@ -18,11 +18,12 @@ the H100 such a run of the default subset took 982 s, a plain warm run 330 s: th
 start-up, is most of it). --keep DIR keeps every run's JSON (and each fresh reference, DIR/references/), and --resume
 adds to them later (another session, another machine start) until each case has --runs runs, but never to runs of
 another gate (gate_files: the manifest records a hash of each file that decides a verdict); --table DIR...
-tabulates the runs kept by several measurements of the same cases without running anything; --compact SRC DEST
-copies the runs kept in SRC into DEST without their rounds, small enough to commit (baselines/<GPU>/detection/<gate>/),
-adding only the runs DEST lacks (renumbered where DEST has taken a run's name with another measurement). The table
-counts, per benchmark and over all, the failing verdicts of the A/A runs, the caught delays of each size (any failing
-verdict) and the caught allocations (MORE-MEMORY).
+tabulates the runs kept by several measurements of the same cases without running anything (--per-run: also run by
+run, with each miss and each throttled GPU); --compact SRC DEST copies the runs kept in SRC into DEST without their
+rounds, small enough to commit (baselines/<GPU>/detection/<gate>/), adding only the runs DEST lacks (renumbered where
+DEST has taken a run's name with another measurement). The table counts, per benchmark and over all, the failing
+verdicts of the A/A runs, the caught delays of each size (any failing verdict) and the caught allocations
+(MORE-MEMORY).
 """
 
 import argparse
@@ -96,13 +97,50 @@ def tally(cases: list[tuple[str, list[dict], Callable[[str | None], bool]]]) -> 
     return pd.DataFrame(rows, columns=["benchmark", *columns])
 
 
-def _with_memory(results: list, held: dict) -> pd.DataFrame:
-    """The table of the cases run, plus (with --memory-with-delays) the allocation's column over all delay runs."""
+def _with_memory(results: list, held: dict) -> list:
+    """The cases run, plus (with --memory-with-delays) the allocation's case over all delay runs."""
     if not held:
-        return tally(results)
+        return results
     memory = [doc for column, docs, _ in results if column != AA_COLUMN for doc in docs]
     column = f"+{format_bytes(int(held[INJECT_MEMORY]))} caught"
-    return tally(results + ([(column, memory, more_memory)] if memory else []))
+    return results + ([(column, memory, more_memory)] if memory else [])
+
+
+def per_run(cases: list[tuple[str, list[dict], Callable[[str | None], bool]]], held: dict
+            ) -> tuple[pd.DataFrame, list[str]]:
+    """What a measurement's table sums, run by run (the n-th document of each case is run n; `cases` as `tally` takes
+    them, before `_with_memory`): a row per run, case and timing with the verdicts counted as in `tally` and the lowest
+    and highest time change (none for an allocation's case), and a line per verdict of an injected case that was not
+    counted (a missed delay or allocation; with an allocation `held` in the delay runs, a delay verdict without
+    MORE-MEMORY too) and per benchmark throttled after its A/A measurement."""
+    rows, lines = [], []
+    for column, docs, counted in cases:
+        changes = counted is not more_memory
+        for run, doc in enumerate(docs, 1):
+            timings: dict[str, list] = {}
+            for bench in doc.get("benchmarks", []):
+                info = bench.get("extra_info") or {}
+                label = info.get("verdict")
+                if label is None or label == "NEW":
+                    continue
+                change = info.get("time_change")
+                timings.setdefault(info.get("timing") or "", []).append((change, bench["name"], counted(label)))
+                if column != AA_COLUMN and not counted(label):
+                    measured = f" at {change:+.2%}" if changes and change is not None else ""
+                    lines.append(f"run {run}, {column}: missed {bench['name']}{measured} ({label})")
+                if column != AA_COLUMN and held and not more_memory(label):
+                    lines.append(f"run {run}, {column}: the allocation missed by {bench['name']} ({label})")
+                throttle = ((info.get("machine") or {}).get("after") or {}).get("throttle")
+                if column == AA_COLUMN and throttle:
+                    lines.append(f"run {run}: {bench['name']} throttled after: {', '.join(throttle)}")
+            for timing, entries in sorted(timings.items()):
+                known = sorted((change, name) for change, name, _ in entries if change is not None and changes)
+                ends = [f"{change:+.2%} {name}" for change, name in (known[0], known[-1])] if known else ["", ""]
+                rows.append({"run": run, "case": column, "timing": timing,
+                             "counted": f"{sum(hit for *_, hit in entries)}/{len(entries)}",
+                             "lowest change": ends[0], "highest change": ends[1]})
+    columns = ["run", "case", "timing", "counted", "lowest change", "highest change"]
+    return pd.DataFrame(rows, columns=columns).sort_values(["run"], kind="stable"), lines
 
 
 def _markdown(table: pd.DataFrame) -> str:
@@ -224,7 +262,8 @@ def _case_docs(docs: list[dict], case: tuple[float, int]) -> list[dict]:
         for bench in doc.get("benchmarks", []):
             for entry in (bench.get("extra_info") or {}).get(INJECTED_CASES_KEY, []):
                 if (entry["delay"], entry["memory"]) == case:
-                    info = {"verdict": entry["verdict"], "timing": bench["extra_info"].get("timing")}
+                    info = {"verdict": entry["verdict"], "timing": bench["extra_info"].get("timing"),
+                            "time_change": entry.get("time_change")}
                     benchmarks.append({"name": bench["name"], "extra_info": info})
         out.append({"benchmarks": benchmarks})
     return out
@@ -262,11 +301,12 @@ def _manifest(folder: Path) -> dict | None:
     return manifest
 
 
-def _table_of_kept(folders: list[Path]) -> tuple[pd.DataFrame, dict[Path, list[str]]]:
-    """The table of the runs kept by one or more measurements of the same cases and gate (--table), and each folder's
-    test selection. The selections may differ: a benchmark's row counts its verdicts wherever they were kept, so
-    measurements of parts of a suite (each part's runs after a fresh reference of its own, when a whole run does not
-    fit in one machine start) make up the suite's table."""
+def _table_of_kept(folders: list[Path]) -> tuple[pd.DataFrame, dict[Path, list[str]], list[str], tuple[list, dict]]:
+    """The table of the runs kept by one or more measurements of the same cases and gate (--table), each folder's test
+    selection, the false alarms and what `per_run` takes (the cases and the allocation held in the delay runs). The
+    selections may differ: a benchmark's row counts its verdicts wherever they were kept, so measurements of parts
+    of a suite (each part's runs after a fresh reference of its own, when a whole run does not fit in one machine
+    start) make up the suite's table."""
     manifests = {folder: _manifest(folder) for folder in folders}
     for folder, manifest in manifests.items():
         if manifest is None:
@@ -294,7 +334,7 @@ def _table_of_kept(folders: list[Path]) -> tuple[pd.DataFrame, dict[Path, list[s
     else:
         results = [(case.column, [doc for folder in folders for doc in kept_runs(folder / case.name)], case.counted)
                    for case in cases]
-    return _with_memory(results, held), selections, false_alarms(results)
+    return tally(_with_memory(results, held)), selections, false_alarms(results), (results, held)
 
 
 def false_alarms(results: list[tuple[str, list[dict], Callable[[str | None], bool]]]) -> list[str]:
@@ -442,7 +482,7 @@ def _measure_in_process(args: argparse.Namespace, cases: list[Case], held: dict
                                  keep=None if args.keep is None else args.keep / IN_PROCESS, first=len(docs))
             if len(docs) < args.runs:  # what is measured so far, in case the rest never finishes
                 print(f"after {len(docs)} of {args.runs} runs:", file=sys.stderr)
-                print(_with_memory(_in_process_results(cases, docs), held).to_string(index=False),
+                print(tally(_with_memory(_in_process_results(cases, docs), held)).to_string(index=False),
                       file=sys.stderr, flush=True)
     return _in_process_results(cases, docs)
 
@@ -472,7 +512,7 @@ def _measure(args: argparse.Namespace, cases: list[Case], held: dict) -> list[tu
                 results = [(case.column, docs[case.name], case.counted) for case in cases]
                 if index + 1 < args.runs:  # what is measured so far, in case the rest never finishes
                     print(f"after {index + 1} of {args.runs} rounds:", file=sys.stderr)
-                    print(_with_memory(results, held).to_string(index=False), file=sys.stderr, flush=True)
+                    print(tally(_with_memory(results, held)).to_string(index=False), file=sys.stderr, flush=True)
     return results
 
 
@@ -608,6 +648,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     offline.add_argument("--table", type=Path, nargs="+", metavar="DIR",
                          help="run nothing: print the table of the runs kept (--keep) by one or more measurements of "
                          "the same tests and cases, e.g. one per machine start")
+    parser.add_argument("--per-run", action="store_true",
+                        help="with --table: also a row per run, case and timing (the verdicts counted, the lowest and "
+                        "highest time change and their benchmarks), each missed injection and each throttled GPU")
     offline.add_argument("--compact", type=Path, nargs=2, metavar=("SRC", "DEST"),
                          help="run nothing: copy the measurement kept in SRC (--keep) into DEST without the runs' "
                          "rounds (stats data, eager rounds, CPU probe times), small enough to commit; adds the runs "
@@ -623,17 +666,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "start-up and compilation instead of one per case")
     parser.add_argument("pytest_args", nargs="*", help="what to run, after --: test paths, -k, options")
     args = parser.parse_args(argv)
+    if args.per_run and not args.table:
+        parser.error("--per-run goes with --table: it breaks a table of kept runs down run by run")
     if args.compact:
         if args.pytest_args or args.keep or args.resume:
             parser.error("--compact runs nothing: give it no tests to run, no --keep and no --resume")
         print(compact(*args.compact), file=sys.stderr)
         return 0
     if args.table:
-        table, selections, alarms = _table_of_kept(args.table)
+        table, selections, alarms, cases = _table_of_kept(args.table)
         for folder, selection in selections.items():
             print(f"runs kept in {folder} of: {' '.join(selection)}", file=sys.stderr)
         print(_markdown(table) if args.markdown else table.to_string(index=False))
         print("\n".join([f"{len(alarms)} A/A false alarm(s):"] + [f"  {line}" for line in alarms]), file=sys.stderr)
+        if args.per_run:
+            runs, lines = per_run(*cases)
+            print("\n" + (_markdown(runs) if args.markdown else runs.to_string(index=False)))
+            print("\n".join(lines), file=sys.stderr)
         return 0
     if not args.pytest_args:
         parser.error("what to run is missing: give the tests after --, e.g. -- perf_tests -k anchors")
@@ -653,7 +702,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = _measure_in_process(args, cases, held)
     else:
         results = _measure(args, cases, held)
-    table = _with_memory(results, held)
+    table = tally(_with_memory(results, held))
     print(_markdown(table) if args.markdown else table.to_string(index=False))
     return 0
 
