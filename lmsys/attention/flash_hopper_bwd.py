@@ -14,9 +14,9 @@ next step needs:
   S = Q K^T and dP = dO V^T, then dQ += dS K.
 
 Like the Triton backward (and unlike FA3, which accumulates dQ with atomics) the scores are computed twice, once per
-kernel: no atomics and no fp32 dQ buffer. FUSED_DQ (off: compiled and checked on the CPU, not yet run on a GPU) takes
-FA3's way at d=64: the dK/dV kernel also forms each query tile's dQ = dS K over its keys and adds it into an fp32
-buffer with TMA's bulk reduction, and the dQ kernel does not run. delta = rowsum(dO * O) comes from the Triton
+kernel: no atomics and no fp32 dQ buffer. FUSED_DQ (off, measured below) takes FA3's way at d=64: the dK/dV kernel
+also forms each query tile's dQ = dS K over its keys and adds it into an fp32 buffer with TMA's bulk reduction, and
+the dQ kernel does not run. delta = rowsum(dO * O) comes from the Triton
 preprocessing kernel. The two kernels share only their inputs: on problems of few programs (CONCURRENT_DQ, `plan`)
 the dQ kernel runs on a side stream beside the other, except under CUDA-graph capture.
 
@@ -150,6 +150,23 @@ The grid again at 14be70a, on the next machine start (`--points grid --modes fwd
 triton sdpa_cudnn`; medians of 4, cuDNN in brackets): at d=64 from 8192 to 65536 tokens 0.201 (0.272), 0.427 (0.539),
 1.162 (1.197) and 4.462 (4.448) ms; at d=128 0.295 (0.396), 0.620 (0.794), 1.703 (1.775) and 6.949 (6.932). Behind
 cuDNN at 65536 tokens alone, by 0.3% at d=64 and 0.2% at d=128.
+
+FUSED_DQ on the H100 (2026-11-26, session 52; its float64 GPU tests, `pytest tests/test_attention.py -k fused`,
+passed first in the same start; `scripts/attention_backward_variants.py --points leaderboard --modes bwd fwd_bwd
+--repeats 2 --variants default hopper hopper-fused sdpa_cudnn --kernels 5`, then `--points grid --modes bwd --repeats
+2 --variants hopper hopper-fused sdpa_cudnn`; causal bf16, medians of 30 calls, same run). At the leaderboard the
+backward took 3.167 and 3.629 ms (the second repeat noisy: std 1.85 ms) against 3.337/3.435 by default (the two
+kernels), 3.399/3.402 with them one after the other, and cuDNN's 3.012/3.055; forward and backward 4.532/4.558 ms
+against 4.709/4.740 by default and cuDNN's 4.302/4.270. Per call under the profiler: the dK/dV kernel with dQ 3.179 ms,
+the buffer's zeroing 0.020 and its cast 0.034, against 2.002 + 1.316 ms for the two kernels, and cuDNN's one kernel
+of 2.909 (with 0.046 and 0.039 for its delta and dQ cast). On the grid at d=64 (batch 1, one head; "hopper": the two
+kernels one after the other), from 8192 to 65536 tokens: 0.209, 0.406, 0.811-0.839 and 3.077-3.134 ms against 0.220,
+0.427, 0.847-1.008 and 3.283-3.545 (cuDNN 0.199, 0.385-0.387, 0.784-0.793 and 3.004-3.030; by default, measured in
+session 45, 0.124 (Triton), 0.264 (side by side), 0.826 and 3.305). So it is faster than the two kernels one after
+the other at every point (7% at the leaderboard in the quiet repeat, 6-12% at 65536 tokens: 3.9 dK/dV programs per
+multiprocessor), slower than them side by side at 16384 tokens, and still 2-5% behind cuDNN; its fp32 buffer raises the peak memory by 4 bytes per dQ element (161
+against 97 MiB at the leaderboard's backward, cuDNN's 162): not the default yet, which would change the committed
+attention baselines' memory.
 """
 
 import contextlib
@@ -215,7 +232,8 @@ GROUPED_ORDER = True
 # dQ kernel): each step's dQ tile = dS K over the warpgroup's 64 keys, computed from dS^T written to shared memory,
 # is added into an fp32 buffer by TMA's bulk reduction, so the scores are computed once (5 products per step instead
 # of the two kernels' 7), at the cost of that traffic (per query tile, an fp32 tile per 64 keys) and of the buffer,
-# cast into dq at the end. Not measured yet: off.
+# cast into dq at the end. 6-12% faster than the two kernels at the leaderboard and 65536 tokens, still behind cuDNN
+# (module docstring): off.
 FUSED_DQ = False
 # Not d=128: dK, dV and a dQ tile take 64 fp32 registers each there. Formed in two halves of 64 columns into one dQ
 # buffer (two do not fit shared memory), it compiled in 213 KB of shared memory but spilled 72-84 bytes (2026-11-26).
