@@ -1,10 +1,10 @@
 """The attention kernels' variants side by side in one process: the Triton backward, the Gluon backward for Hopper
 (lmsys.attention.flash_hopper_bwd, whatever the problem's size: its kernels one after the other, with its dQ kernel
-beside the dK/dV one on a side stream, and, one after the other, with dQ tiles of 128 keys, with 3 stages, or
-without the dK/dV kernel's statistics loaded a step ahead; by default, or either, in the forwards' launch order:
-GROUPED_ORDER), the Gluon forward at d=64 at any size or never (by
-default it runs long problems of few blocks: flash_hopper.plan), SDPA's cuDNN and flash backends, and the default
-(what flash_attention runs: the Gluon backward as flash_hopper_bwd.plan decides by the problem's programs per
+beside the dK/dV one on a side stream, and, one after the other, with dQ tiles of 128 keys, with 3 stages, or without
+the dK/dV kernel's statistics loaded a step ahead; dQ accumulated by the dK/dV kernel, FUSED_DQ, with or without
+FUSED_SPLIT; by default, or either, in the forwards' launch order: GROUPED_ORDER), the Gluon forward at d=64 at any size
+or never (by default it runs long problems of few blocks: flash_hopper.plan), SDPA's cuDNN and flash backends, and the
+default (what flash_attention runs: the Gluon backward as flash_hopper_bwd.plan decides by the problem's programs per
 multiprocessor, else the Triton one), at the CS336 leaderboard's shape and the causal grid's points from 8192 tokens
 (issue 15).
 
@@ -78,6 +78,7 @@ VARIANTS = {
     "hopper-3stages": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "NUM_STAGES": 3}),
     "hopper-no-prefetch": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "PREFETCH_STATS": set()}),
     "hopper-fused": ("flash_triton", {**GLUON, "FUSED_DQ": True}),  # dQ accumulated in the dK/dV kernel (d=64)
+    "hopper-fused-split": ("flash_triton", {**GLUON, "FUSED_DQ": True, "FUSED_SPLIT": True}),  # half dQ's columns each
     "grouped": ("flash_triton", {"GROUPED_ORDER": True}),  # the default: the forwards' launch order
     "ungrouped": ("flash_triton", {"GROUPED_ORDER": False}),  # the default before 2026-11-25: a grid of (blocks, heads)
     "sdpa_cudnn": ("sdpa_cudnn", {}),
@@ -93,6 +94,7 @@ DEFAULTS = {
     "PREFETCH_STATS": (flash_hopper_bwd, flash_hopper_bwd.PREFETCH_STATS),
     "GROUPED_ORDER": (flash_hopper_bwd, flash_hopper_bwd.GROUPED_ORDER),
     "FUSED_DQ": (flash_hopper_bwd, flash_hopper_bwd.FUSED_DQ),
+    "FUSED_SPLIT": (flash_hopper_bwd, flash_hopper_bwd.FUSED_SPLIT),
     "FORWARD_64_MIN_KEYS": (flash_hopper, flash_hopper.FORWARD_64_MIN_KEYS),  # where the Gluon forward runs d=64
     "FORWARD_64_BELOW_PROGRAMS_PER_SM": (flash_hopper, flash_hopper.FORWARD_64_BELOW_PROGRAMS_PER_SM),
 }

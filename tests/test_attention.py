@@ -568,9 +568,9 @@ def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, head_dim,
 
 # Compiles the two kernels of the Gluon backward for sm_90 (no GPU needed), causal and not, at each head dim they take
 # (and the dK/dV kernel at d=64 with the other PREFETCH setting: causal without it, not causal with it, and
-# accumulating dQ, FUSED_DQ, causal and not; and each kernel, causal at d=64, in the other launch order, GROUPED_ORDER:
-# variants scripts/attention_backward_variants.py times), and writes each one's PTX, cubin and shared-memory size to
-# argv[2]/<kernel>-<causal>-<d>/<default, other-prefetch, fused or other-order>.
+# accumulating dQ, FUSED_DQ, causal and not, with and without FUSED_SPLIT; and each kernel, causal at d=64, in the other
+# launch order, GROUPED_ORDER: variants scripts/attention_backward_variants.py times), and writes each one's PTX, cubin
+# and shared-memory size to argv[2]/<kernel>-<causal>-<d>/<default, other-prefetch, fused, fused-split or other-order>.
 _COMPILE_HOPPER_BACKWARD = """
 import pathlib, sys
 import triton
@@ -582,7 +582,7 @@ from lmsys.attention import flash_hopper_bwd as hb
 which = sys.argv[1]
 kernel = hb._dkdv_kernel if which == "dkdv" else hb._dq_kernel
 builds = [(causal, d, "default") for causal in (False, True) for d in hb.HEAD_DIMS]
-builds += [(causal, 64, variant) for causal in (False, True) for variant in ("other-prefetch", "fused")
+builds += [(causal, 64, variant) for causal in (False, True) for variant in ("other-prefetch", "fused", "fused-split")
            if which == "dkdv"]
 builds += [(True, 64, "other-order")]
 for causal, d, variant in builds:
@@ -601,11 +601,18 @@ for causal, d, variant in builds:
                       PRODUCER_REGS=hb.PRODUCER_REGS, GROUPED=hb.GROUPED_ORDER != (variant == "other-order"))
     if which == "dkdv":
         constexprs["PREFETCH"] = ((causal, d) in hb.PREFETCH_STATS) != (variant == "other-prefetch")
-        constexprs["FUSED"] = variant == "fused"
-        if variant == "fused":
-            descs["dq_desc"] = f"tensordesc<fp32[{hb.TILES[d][0]}, {d}],{hb.DQ_ACC_LAYOUT!r}>"
+        constexprs["FUSED"] = variant.startswith("fused")
+        constexprs["SPLIT"] = variant == "fused-split"
+        dq_cols = d // 2 if constexprs["SPLIT"] else d
+        if constexprs["FUSED"]:
+            descs["dq_desc"] = f"tensordesc<fp32[{hb.TILES[d][0]}, {dq_cols}],{hb.DQ_ACC_LAYOUT!r}>"
         else:
             constexprs["dq_desc"] = None
+        if constexprs["SPLIT"]:
+            layout = gl.NVMMASharedLayout.get_default_for([hb.BLOCK_KEYS, dq_cols], gl.bfloat16)
+            descs["kc_desc"] = f"tensordesc<bf16[{hb.BLOCK_KEYS}, {dq_cols}],{layout!r}>"
+        else:
+            constexprs["kc_desc"] = None
     types = {**descs, "LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
              **dict.fromkeys(constexprs, "constexpr")}
     names = kernel.arg_names
@@ -625,7 +632,8 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
     """On any machine: each kernel of the Gluon backward compiles for sm_90 with the installed triton at both head dims,
     causal and not, fits shared memory, spills no register, and works on the probabilities while a product is still
     in flight (`wgmma.wait_group 1`); the dK/dV kernel at d=64 with the other PREFETCH_STATS setting too, and
-    accumulating dQ (FUSED_DQ) by TMA's bulk reduction, its dS^T read transposed from shared memory."""
+    accumulating dQ (FUSED_DQ) by TMA's bulk reduction, its dS^T read transposed from shared memory, each warpgroup's
+    over its own keys or (FUSED_SPLIT) half of dQ's columns over both warpgroups' keys."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
     result = subprocess.run([sys.executable, "-c", _COMPILE_HOPPER_BACKWARD, kernel, str(tmp_path)], env=env,
                             capture_output=True, text=True, timeout=600)
@@ -633,7 +641,8 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
     built = sorted(tmp_path.glob(f"{kernel}-*/*"))
     variants = [folder.name for folder in built]
     assert variants.count("default") == 4
-    assert variants.count("other-prefetch") == variants.count("fused") == (2 if kernel == "dkdv" else 0)
+    assert (variants.count("other-prefetch") == variants.count("fused") == variants.count("fused-split")
+            == (2 if kernel == "dkdv" else 0))
     assert variants.count("other-order") == 1
     for folder in built:
         assert int((folder / "shared").read_text()) <= 227 * 1024, folder.name
@@ -641,13 +650,13 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
         assert "wgmma.wait_group.sync.aligned 1;" in ptx, folder.name
         reductions = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add", ptx)
         # Per consumer warpgroup, one in the loop without the mask and (causal) one in the loop with it.
-        expected = (4 if "True" in folder.parent.name else 2) if folder.name == "fused" else 0
+        expected = (4 if "True" in folder.parent.name else 2) if folder.name.startswith("fused") else 0
         assert len(reductions) == expected, folder
         _assert_compiled_well(folder)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [False, True], ids=["two-kernels", "fused-dq"])
+@pytest.mark.parametrize("dq", ["two-kernels", "fused-dq", "fused-split"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
     "q_shape, k_shape, is_causal, layout",
@@ -663,17 +672,19 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
         ((2, 3, 512, 128), (2, 3, 512, 128), True, "packed"),
     ],
 )
-def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, fused, monkeypatch, seed):
+def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, dq, monkeypatch, seed):
     """The Gluon backward (HOPPER_BACKWARD) against float64, forward and every gradient, on inputs it takes:
     contiguous, transposed views and the model's packed q, k, v, head dims 64 and 128, causal and not, more queries
-    than keys and fewer; its two kernels, and dQ accumulated by the dK/dV kernel (FUSED_DQ) at the head dims that
-    take it; and it is the backward that ran."""
+    than keys and fewer; its two kernels, and dQ accumulated by the dK/dV kernel (FUSED_DQ, each warpgroup's over its
+    keys or, FUSED_SPLIT, half of its columns over the program's) at the head dims that take it; and it is the backward
+    that ran."""
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
-    if fused and q_shape[-1] not in flash_hopper_bwd.FUSED_HEAD_DIMS:
+    if dq != "two-kernels" and q_shape[-1] not in flash_hopper_bwd.FUSED_HEAD_DIMS:
         pytest.skip(f"FUSED_DQ is for head dims {flash_hopper_bwd.FUSED_HEAD_DIMS}")
     monkeypatch.setattr(flash_triton, "HOPPER_BACKWARD", True)
-    monkeypatch.setattr(flash_hopper_bwd, "FUSED_DQ", fused)
+    monkeypatch.setattr(flash_hopper_bwd, "FUSED_DQ", dq != "two-kernels")
+    monkeypatch.setattr(flash_hopper_bwd, "FUSED_SPLIT", dq == "fused-split")
     # Small problems, which it would leave (they run with the dQ kernel beside the other).
     monkeypatch.setattr(flash_hopper_bwd, "MIN_PROGRAMS_PER_SM", 0)
     monkeypatch.setattr(flash_hopper_bwd, "MIN_PROGRAMS_PER_SM_CONCURRENT", 0)
@@ -691,19 +702,22 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, fu
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("setting, value", [
-    ("CONCURRENT_DQ", True), ("CONCURRENT_DQ", False), ("TILES", {64: (64, 128), 128: (64, 128)}), ("NUM_STAGES", 3),
-    ("PREFETCH_STATS", set()), ("GROUPED_ORDER", not flash_hopper_bwd.GROUPED_ORDER), ("FUSED_DQ", True),
-], ids=["concurrent-dq", "serial-dq", "dq-tiles-128", "3-stages", "no-prefetch", "other-order", "fused-dq"])
+@pytest.mark.parametrize("settings", [
+    {"CONCURRENT_DQ": True}, {"CONCURRENT_DQ": False}, {"TILES": {64: (64, 128), 128: (64, 128)}}, {"NUM_STAGES": 3},
+    {"PREFETCH_STATS": set()}, {"GROUPED_ORDER": not flash_hopper_bwd.GROUPED_ORDER}, {"FUSED_DQ": True},
+    {"FUSED_DQ": True, "FUSED_SPLIT": True},
+], ids=["concurrent-dq", "serial-dq", "dq-tiles-128", "3-stages", "no-prefetch", "other-order", "fused-dq",
+        "fused-split"])
 @pytest.mark.parametrize("q_shape, is_causal", [((2, 3, 1024, 64), True), ((1, 2, 512, 128), False),
                                                 ((2, 3, 640, 64), False)])
-def test_hopper_backward_variants_gpu(gpu, setting, value, q_shape, is_causal, monkeypatch, seed):
+def test_hopper_backward_variants_gpu(gpu, settings, q_shape, is_causal, monkeypatch, seed):
     """Each variant of the Gluon backward that scripts/attention_backward_variants.py times, against float64."""
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
     monkeypatch.setattr(flash_triton, "HOPPER_BACKWARD", True)
     monkeypatch.setattr(flash_hopper_bwd, "MIN_PROGRAMS_PER_SM", 0)
-    monkeypatch.setattr(flash_hopper_bwd, setting, value)
+    for setting, value in settings.items():
+        monkeypatch.setattr(flash_hopper_bwd, setting, value)
     # Groups of 4 heads at d=64 and 1024 rows: the 6 heads of a batch of 2 end short, in the forward too. The group is
     # an argument the launcher's keys leave out (in a program it follows from them), so fresh launch tables.
     monkeypatch.setattr(launch_order, "_GROUP_BYTES", 2**20)

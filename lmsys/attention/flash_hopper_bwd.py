@@ -151,22 +151,24 @@ triton sdpa_cudnn`; medians of 4, cuDNN in brackets): at d=64 from 8192 to 65536
 1.162 (1.197) and 4.462 (4.448) ms; at d=128 0.295 (0.396), 0.620 (0.794), 1.703 (1.775) and 6.949 (6.932). Behind
 cuDNN at 65536 tokens alone, by 0.3% at d=64 and 0.2% at d=128.
 
-FUSED_DQ on the H100 (2026-11-26, session 52; its float64 GPU tests, `pytest tests/test_attention.py -k fused`,
-passed first in the same start; `scripts/attention_backward_variants.py --points leaderboard --modes bwd fwd_bwd
---repeats 2 --variants default hopper hopper-fused sdpa_cudnn --kernels 5`, then `--points grid --modes bwd --repeats
-2 --variants hopper hopper-fused sdpa_cudnn`; causal bf16, medians of 30 calls, same run). At the leaderboard the
-backward took 3.167 and 3.629 ms (the second repeat noisy: std 1.85 ms) against 3.337/3.435 by default (the two
-kernels), 3.399/3.402 with them one after the other, and cuDNN's 3.012/3.055; forward and backward 4.532/4.558 ms
-against 4.709/4.740 by default and cuDNN's 4.302/4.270. Per call under the profiler: the dK/dV kernel with dQ 3.179 ms,
-the buffer's zeroing 0.020 and its cast 0.034, against 2.002 + 1.316 ms for the two kernels, and cuDNN's one kernel
-of 2.909 (with 0.046 and 0.039 for its delta and dQ cast). On the grid at d=64 (batch 1, one head; "hopper": the two
-kernels one after the other), from 8192 to 65536 tokens: 0.209, 0.406, 0.811-0.839 and 3.077-3.134 ms against 0.220,
-0.427, 0.847-1.008 and 3.283-3.545 (cuDNN 0.199, 0.385-0.387, 0.784-0.793 and 3.004-3.030; by default, measured in
-session 45, 0.124 (Triton), 0.264 (side by side), 0.826 and 3.305). So it is faster than the two kernels one after
-the other at every point (7% at the leaderboard in the quiet repeat, 6-12% at 65536 tokens: 3.9 dK/dV programs per
-multiprocessor), slower than them side by side at 16384 tokens, and still 2-5% behind cuDNN; its fp32 buffer raises the peak memory by 4 bytes per dQ element (161
+FUSED_DQ on the H100 (2026-11-26, session 52; its float64 GPU tests, `pytest tests/test_attention.py -k fused`, passed
+first in the same start; `scripts/attention_backward_variants.py --points leaderboard --modes bwd fwd_bwd --repeats 2
+--variants default hopper hopper-fused sdpa_cudnn --kernels 5`, then `--points grid --modes bwd --repeats 2 --variants
+hopper hopper-fused sdpa_cudnn`; causal bf16, medians of 30 calls, same run). At the leaderboard the backward took 3.167
+and 3.629 ms (the second repeat noisy: std 1.85 ms) against 3.337/3.435 by default (the two kernels), 3.399/3.402 with
+them one after the other, and cuDNN's 3.012/3.055; forward and backward 4.532/4.558 ms against 4.709/4.740 by default
+and cuDNN's 4.302/4.270. Per call under the profiler: the dK/dV kernel with dQ 3.179 ms, the buffer's zeroing 0.020 and
+its cast 0.034, against 2.002 + 1.316 ms for the two kernels, and cuDNN's one kernel of 2.909 (with 0.046 and 0.039 for
+its delta and dQ cast). On the grid at d=64 (batch 1, one head; "hopper": the two kernels one after the other), from
+8192 to 65536 tokens: 0.209, 0.406, 0.811-0.839 and 3.077-3.134 ms against 0.220, 0.427, 0.847-1.008 and 3.283-3.545
+(cuDNN 0.199, 0.385-0.387, 0.784-0.793 and 3.004-3.030; by default, measured in session 45, 0.124 (Triton), 0.264 (side
+by side), 0.826 and 3.305). So it is faster than the two kernels one after the other at every point (7% at the
+leaderboard in the quiet repeat, 6-12% at 65536 tokens: 3.9 dK/dV programs per multiprocessor), slower than them side by
+side at 16384 tokens, and still 2-5% behind cuDNN; its fp32 buffer raises the peak memory by 4 bytes per dQ element (161
 against 97 MiB at the leaderboard's backward, cuDNN's 162): not the default yet, which would change the committed
-attention baselines' memory.
+attention baselines' memory. Each consumer warpgroup reduce-adds its own dQ tile there, so a query tile's dQ goes
+through L2 twice per program (about 8 GiB of fp32 reductions at the leaderboard); FUSED_SPLIT, built next (off: compiled
+for sm_90 on the CPU, not yet run on a GPU), halves that.
 """
 
 import contextlib
@@ -235,6 +237,12 @@ GROUPED_ORDER = True
 # cast into dq at the end. 6-12% faster than the two kernels at the leaderboard and 65536 tokens, still behind cuDNN
 # (module docstring): off.
 FUSED_DQ = False
+# With FUSED_DQ, whether each consumer warpgroup forms half of a query tile's dQ columns over all the program's 128
+# keys instead of all its columns over its own 64: both warpgroups' dS^T in one shared buffer (two, in turns), an
+# mbarrier between them, and K loaded once more as two tiles of half its columns (the B operands). One fp32 reduction
+# per query tile and program instead of two (half that traffic), and a dQ tile of half the registers. Compiled for
+# sm_90 on the CPU only, not yet run on a GPU: off.
+FUSED_SPLIT = False
 # Not d=128: dK, dV and a dQ tile take 64 fp32 registers each there. Formed in two halves of 64 columns into one dQ
 # buffer (two do not fit shared memory), it compiled in 213 KB of shared memory but spilled 72-84 bytes (2026-11-26).
 FUSED_HEAD_DIMS = (64,)
@@ -297,11 +305,18 @@ def _a_layout(cols):
 
 
 @gluon.jit
-def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
-                   k_row, k_col, v_row, v_col, q_row, q_col, do_row, do_col, n_tiles,
-                   BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, kc_desc, k_smem, v_smem, q_smem, do_smem, kc_smem, kv_bar, ready,
+                   empty, k_row, k_col, v_row, v_col, q_row, q_col, do_row, do_col, n_tiles,
+                   BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr):
     half: gl.constexpr = k_desc.block_type.shape[0]
-    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    if SPLIT:  # and K's columns in two halves, each over the program's keys
+        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes
+                        + 2 * kc_desc.block_type.nbytes)
+        for c in gl.static_range(2):
+            tma.async_copy_global_to_shared(kc_desc, [k_row, k_col + c * kc_desc.block_type.shape[1]], kv_bar,
+                                            kc_smem.index(c))
+    else:
+        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for w in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [k_row + w * half, k_col], kv_bar, k_smem.index(w))
         tma.async_copy_global_to_shared(v_desc, [v_row + w * half, v_col], kv_bar, v_smem.index(w))
@@ -337,19 +352,21 @@ def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, de
 
 @gluon.jit
 def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys, lo, hi,
-               qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-               MASK: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr, PREFETCH: gl.constexpr,
-               FUSED: gl.constexpr):
+               qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, BLOCK_M: gl.constexpr,
+               NUM_STAGES: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr,
+               PREFETCH: gl.constexpr, FUSED: gl.constexpr, SPLIT: gl.constexpr, WG: gl.constexpr):
     """Query tiles [lo, hi) (counted from the first one the program visits, m_first) into dK, dV. Each tile's
     log-sum-exp and delta are loaded from global memory in its step, or with PREFETCH one step ahead
     (PREFETCH_STATS). With FUSED (FUSED_DQ) each tile's dQ = dS K over these keys too, through ds_smem (dS^T) and
-    one of the two buffers of dq_smem, added into dq_desc's rows by TMA."""
+    one of the two buffers of dq_smem, added into dq_desc's rows by TMA; with SPLIT (FUSED_SPLIT) the columns of dQ
+    in kc_w's (this warpgroup's, WG, half of them) over both warpgroups' keys, their dS^T in one of ds_smem's two
+    buffers, each filled once both have arrived on its ds_bar."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     half: gl.constexpr = k_w.shape[0]
     s_zero = gl.zeros([half, BLOCK_M], gl.float32, s_layout)
     if FUSED:
-        head_dim: gl.constexpr = k_w.shape[1]
-        dq_zero = gl.zeros([BLOCK_M, head_dim], gl.float32, _mma_layout(head_dim))
+        dq_cols: gl.constexpr = dq_desc.block_type.shape[1]
+        dq_zero = gl.zeros([BLOCK_M, dq_cols], gl.float32, _mma_layout(dq_cols))
     if PREFETCH:
         end = (m_first + hi) * BLOCK_M
         ahead = (m_first + lo) * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_layout)
@@ -380,18 +397,28 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
         dv_token, dk_token, p_op, ds_op, ds = _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row,
                                                            cols, delta, a_layout, PREFETCH)
         if FUSED:
-            # dQ = dS K, its A operand dS^T from shared memory, transposed; the buffer is free (last step's product
-            # was waited for).
-            ds_smem.store(ds)
-            fence_async_shared()
-            dq_token = warpgroup_mma(ds_smem.permute((1, 0)), k_w, dq_zero, use_acc=False, is_async=True)
+            # dQ = dS K, its A operand dS^T from shared memory, transposed.
+            if SPLIT:
+                # This warpgroup's rows of the step's buffer: the other warpgroup last read it two steps ago, and
+                # has since arrived on the other buffer's barrier, after waiting for that product.
+                ds_all = ds_smem.index(j % 2)
+                ds_all.slice(WG * half, half).store(ds)
+                fence_async_shared()
+                gl.thread_barrier()  # every thread's rows stored before the warpgroup's one arrival
+                mbarrier.arrive(ds_bar.index(j % 2))
+                mbarrier.wait(ds_bar.index(j % 2), (j // 2) & 1)
+                dq_token = warpgroup_mma(ds_all.permute((1, 0)), kc_w, dq_zero, use_acc=False, is_async=True)
+            else:  # the buffer is free: last step's product was waited for
+                ds_smem.store(ds)
+                fence_async_shared()
+                dq_token = warpgroup_mma(ds_smem.permute((1, 0)), k_w, dq_zero, use_acc=False, is_async=True)
             dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op, dq_token])
             mbarrier.arrive(empty.index(slot))
             dq_buffer = dq_smem.index(j % 2)
             tma.store_wait(1)  # the reduction issued from this buffer two steps ago has read it
             dq_buffer.store(dq * sm_scale)
             fence_async_shared()
-            _tma_reduce_add(dq_desc, [stat_row + (m_first + j) * BLOCK_M, 0], dq_buffer)
+            _tma_reduce_add(dq_desc, [stat_row + (m_first + j) * BLOCK_M, WG * dq_cols if SPLIT else 0], dq_buffer)
         else:
             dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op])
             mbarrier.arrive(empty.index(slot))
@@ -399,10 +426,10 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
 
 
 @gluon.jit
-def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, ds_smem, dq_smem, kv_bar,
-                   ready, empty, out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
+def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, ds_smem, dq_smem, kc_w, ds_bar,
+                   kv_bar, ready, empty, out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
                    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   PREFETCH: gl.constexpr, FUSED: gl.constexpr):
+                   PREFETCH: gl.constexpr, FUSED: gl.constexpr, SPLIT: gl.constexpr, WG: gl.constexpr):
     half: gl.constexpr = k_w.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
@@ -414,15 +441,15 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, k_w, v_w, q_smem, do_s
     if CAUSAL:
         # The query tiles that overlap the program's keys need the mask; those after them do not.
         dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
-                            0, n_masked, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, BLOCK_M, NUM_STAGES, True,
-                            s_layout, a_layout, PREFETCH, FUSED)
+                            0, n_masked, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, BLOCK_M,
+                            NUM_STAGES, True, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG)
         dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
-                            n_masked, n_tiles, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, BLOCK_M, NUM_STAGES,
-                            False, s_layout, a_layout, PREFETCH, FUSED)
+                            n_masked, n_tiles, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, BLOCK_M,
+                            NUM_STAGES, False, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG)
     else:
         dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
-                            0, n_tiles, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, BLOCK_M, NUM_STAGES, False,
-                            s_layout, a_layout, PREFETCH, FUSED)
+                            0, n_tiles, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, BLOCK_M,
+                            NUM_STAGES, False, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG)
     # Epilogue: through this warpgroup's K and V buffers (no longer read) and TMA stores; the wait covers the dQ
     # reductions too.
     k_w.store((dk * sm_scale).to(dk_desc.dtype))
@@ -434,13 +461,13 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, k_w, v_w, q_smem, do_s
 
 
 @gluon.jit
-def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, N_Q, N_K, H, BH,
+def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, kc_desc, LSE, DELTA, N_Q, N_K, H, BH,
                  GROUP_HEADS, qk_scale, sm_scale,
                  Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH,
                  DO_RB, DO_RH, DO_CB, DO_CH,
                  HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PREFETCH: gl.constexpr,
-                 GROUPED: gl.constexpr, FUSED: gl.constexpr):
+                 GROUPED: gl.constexpr, FUSED: gl.constexpr, SPLIT: gl.constexpr):
     HALF: gl.constexpr = k_desc.block_type.shape[0]  # keys per consumer warpgroup
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
@@ -468,28 +495,40 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
     # Q and dO tiles share a ring's barriers: a tile's pair arrives, and is released, together.
     q_smem, ready, empty = ring(q_desc, NUM_STAGES, HEAD_DIM)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-    if FUSED:  # per consumer warpgroup: dS^T, and two fp32 dQ tiles (one may still be read by its reduction)
-        ds_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_M], q_desc.layout)
-        dq_0 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_desc.layout)
-        dq_1 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_desc.layout)
-        ds_0, ds_1 = ds_smem.index(0), ds_smem.index(1)
-    else:  # not read
-        ds_0, ds_1, dq_0, dq_1 = k_smem, k_smem, k_smem, k_smem
+    # Not read unless FUSED (and SPLIT):
+    ds_0, ds_1, dq_0, dq_1, kc_0, kc_1, kc_smem, ds_bar = k_smem, k_smem, k_smem, k_smem, k_smem, k_smem, k_smem, kv_bar
+    if FUSED:  # per consumer warpgroup two fp32 dQ tiles (one may still be read by its reduction)
+        dq_cols: gl.constexpr = dq_desc.block_type.shape[1]
+        dq_0 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, dq_cols], dq_desc.layout)
+        dq_1 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, dq_cols], dq_desc.layout)
+        if SPLIT:  # two buffers of both warpgroups' dS^T, their barriers (an arrival each), K's two column halves
+            ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * HALF, BLOCK_M], q_desc.layout)
+            ds_0, ds_1 = ds_smem, ds_smem
+            ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(2):
+                mbarrier.init(ds_bar.index(i), count=2)
+            kc_smem = gl.allocate_shared_memory(dtype, [2, 2 * HALF, dq_cols], kc_desc.layout)
+            kc_0, kc_1 = kc_smem.index(0), kc_smem.index(1)
+        else:  # per consumer warpgroup, dS^T
+            ds_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_M], q_desc.layout)
+            ds_0, ds_1 = ds_smem.index(0), ds_smem.index(1)
 
     stat_row = off_bh * N_Q  # lse and delta (and the fp32 dQ): contiguous, one row per head
     out_row = off_bh * N_K + key0  # dK and dV are contiguous: (B*H*N_K, D) views
     gl.warp_specialize([
         (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, k_smem.index(0), v_smem.index(0), q_smem, do_smem,
-                          ds_0, dq_0, kv_bar, ready, empty, out_row, stat_row, key0, m_first, n_masked, n_tiles,
-                          qk_scale, sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, PREFETCH, FUSED)),
+                          ds_0, dq_0, kc_0, ds_bar, kv_bar, ready, empty, out_row, stat_row, key0, m_first, n_masked,
+                          n_tiles, qk_scale, sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, PREFETCH, FUSED, SPLIT,
+                          0)),
         (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, k_smem.index(1), v_smem.index(1), q_smem, do_smem,
-                          ds_1, dq_1, kv_bar, ready, empty, out_row + HALF, stat_row, key0 + HALF, m_first, n_masked,
-                          n_tiles, qk_scale, sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, PREFETCH, FUSED)),
-        (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
-                          b * K_RB + h * K_RH + key0, b * K_CB + h * K_CH, b * V_RB + h * V_RH + key0,
+                          ds_1, dq_1, kc_1, ds_bar, kv_bar, ready, empty, out_row + HALF, stat_row, key0 + HALF,
+                          m_first, n_masked, n_tiles, qk_scale, sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES,
+                          PREFETCH, FUSED, SPLIT, 1)),
+        (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, kc_desc, k_smem, v_smem, q_smem, do_smem, kc_smem, kv_bar,
+                          ready, empty, b * K_RB + h * K_RH + key0, b * K_CB + h * K_CH, b * V_RB + h * V_RH + key0,
                           b * V_CB + h * V_CH, b * Q_RB + h * Q_RH + m_first * BLOCK_M, b * Q_CB + h * Q_CH,
                           b * DO_RB + h * DO_RH + m_first * BLOCK_M, b * DO_CB + h * DO_CH, n_tiles, BLOCK_M,
-                          NUM_STAGES)),
+                          NUM_STAGES, SPLIT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -641,19 +680,25 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
     # dq, dk, dv are new; lse and delta contiguous. The tiles are the descriptors' block shapes, not constexprs.
     key = (q.device, q.dtype, q.shape, k.shape, block_m, block_n, qv, kv, vv, dov)
     fused = FUSED_DQ and d in FUSED_HEAD_DIMS
+    split = fused and FUSED_SPLIT
+    dq_desc = kc_desc = None
     if fused:
         dq_acc = torch.zeros((bh * n_q, d), device=q.device, dtype=torch.float32)
-        dq_desc = TensorDescriptor(dq_acc, [bh * n_q, d], [d, 1], [block_m, d], DQ_ACC_LAYOUT)
+        dq_desc = TensorDescriptor(dq_acc, [bh * n_q, d], [d, 1], [block_m, d // 2 if split else d], DQ_ACC_LAYOUT)
         concurrent = False  # no dQ kernel
+    if split:  # K's tiles of the program's keys and half of d, in the layout their MMA reads
+        (n_rows, n_cols), stride = kv[:2]
+        layout = flash_hopper._smem_layout(BLOCK_KEYS, d // 2, flash_hopper._gl_dtype(k.dtype))
+        kc_desc = TensorDescriptor(k, [n_rows, n_cols], [stride, 1], [BLOCK_KEYS, d // 2], layout)
     if concurrent:
         current, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
         side.wait_stream(current)  # the inputs, delta included, are ready on it
     launcher.launch(
         _dkdv_kernel, (n_k // BLOCK_KEYS * bh,) if GROUPED_ORDER else (n_k // BLOCK_KEYS, bh),
         (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m),
-         desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), dq_desc if fused else None,
-         lse, delta, n_q, n_k, heads, bh, groups[0], qk_scale, sm_scale, *strides),
-        ("dkdv", *key), PREFETCH=(is_causal, d) in PREFETCH_STATS, FUSED=fused, **common,
+         desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), dq_desc, kc_desc, lse, delta,
+         n_q, n_k, heads, bh, groups[0], qk_scale, sm_scale, *strides),
+        ("dkdv", *key), PREFETCH=(is_causal, d) in PREFETCH_STATS, FUSED=fused, SPLIT=split, **common,
     )
     if fused:
         dq.view(-1, d).copy_(dq_acc)
