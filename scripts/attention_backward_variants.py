@@ -79,6 +79,10 @@ VARIANTS = {
     "hopper-no-prefetch": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "PREFETCH_STATS": set()}),
     "hopper-fused": ("flash_triton", {**GLUON, "FUSED_DQ": True}),  # dQ accumulated in the dK/dV kernel (d=64)
     "hopper-fused-split": ("flash_triton", {**GLUON, "FUSED_DQ": True, "FUSED_SPLIT": True}),  # half dQ's columns each
+    # FUSED_DQ with the dK/dV kernel's heads in groups of 1 or 3 (by default 6 at the leaderboard)
+    **{f"hopper-fused{split}-g{n}": ("flash_triton", {**GLUON, "FUSED_DQ": True, "FUSED_SPLIT": bool(split),
+                                                         "FUSED_GROUP_HEADS": n})
+       for split in ("", "-split") for n in (1, 3)},
     "grouped": ("flash_triton", {"GROUPED_ORDER": True}),  # the default: the forwards' launch order
     "ungrouped": ("flash_triton", {"GROUPED_ORDER": False}),  # the default before 2026-11-25: a grid of (blocks, heads)
     "sdpa_cudnn": ("sdpa_cudnn", {}),
@@ -95,6 +99,7 @@ DEFAULTS = {
     "GROUPED_ORDER": (flash_hopper_bwd, flash_hopper_bwd.GROUPED_ORDER),
     "FUSED_DQ": (flash_hopper_bwd, flash_hopper_bwd.FUSED_DQ),
     "FUSED_SPLIT": (flash_hopper_bwd, flash_hopper_bwd.FUSED_SPLIT),
+    "FUSED_GROUP_HEADS": (flash_hopper_bwd, flash_hopper_bwd.FUSED_GROUP_HEADS),
     "FORWARD_64_MIN_KEYS": (flash_hopper, flash_hopper.FORWARD_64_MIN_KEYS),  # where the Gluon forward runs d=64
     "FORWARD_64_BELOW_PROGRAMS_PER_SM": (flash_hopper, flash_hopper.FORWARD_64_BELOW_PROGRAMS_PER_SM),
 }

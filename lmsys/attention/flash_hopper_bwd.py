@@ -243,6 +243,10 @@ FUSED_DQ = False
 # per query tile and program instead of two (half that traffic), and a dQ tile of half the registers. Compiled for
 # sm_90 on the CPU only, not yet run on a GPU: off.
 FUSED_SPLIT = False
+# With FUSED_DQ and GROUPED_ORDER, heads per group of the dK/dV kernel's launch order (None: as without FUSED_DQ, by
+# the bytes of q and dO alone, 6 heads at the leaderboard, whose fp32 dQ then makes the group's streamed and reduced
+# tiles about 48 MB, L2's size). Untimed: scripts/attention_backward_variants.py's "-g1"/"-g3" variants time 1 and 3.
+FUSED_GROUP_HEADS: int | None = None
 # Not d=128: dK, dV and a dQ tile take 64 fp32 registers each there. Formed in two halves of 64 columns into one dQ
 # buffer (two do not fit shared memory), it compiled in 213 KB of shared memory but spilled 72-84 bytes (2026-11-26).
 FUSED_HEAD_DIMS = (64,)
@@ -681,6 +685,9 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
     key = (q.device, q.dtype, q.shape, k.shape, block_m, block_n, qv, kv, vv, dov)
     fused = FUSED_DQ and d in FUSED_HEAD_DIMS
     split = fused and FUSED_SPLIT
+    if fused and GROUPED_ORDER and FUSED_GROUP_HEADS is not None:  # in the launch's key: not set by the shapes
+        groups = (max(1, min(bh, FUSED_GROUP_HEADS)), groups[1])
+        key += (groups,)
     dq_desc = kc_desc = None
     if fused:
         dq_acc = torch.zeros((bh * n_q, d), device=q.device, dtype=torch.float32)
