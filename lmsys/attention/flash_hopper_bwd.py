@@ -167,8 +167,22 @@ leaderboard in the quiet repeat, 6-12% at 65536 tokens: 3.9 dK/dV programs per m
 side at 16384 tokens, and still 2-5% behind cuDNN; its fp32 buffer raises the peak memory by 4 bytes per dQ element (161
 against 97 MiB at the leaderboard's backward, cuDNN's 162): not the default yet, which would change the committed
 attention baselines' memory. Each consumer warpgroup reduce-adds its own dQ tile there, so a query tile's dQ goes
-through L2 twice per program (about 8 GiB of fp32 reductions at the leaderboard); FUSED_SPLIT, built next (off: compiled
-for sm_90 on the CPU, not yet run on a GPU), halves that.
+through L2 twice per program (about 8 GiB of fp32 reductions at the leaderboard); FUSED_SPLIT, built next, halves that.
+
+FUSED_SPLIT on the H100 (2026-11-26, session 53, at b66b722 and ce2f288, one machine start; its float64 GPU tests,
+`pytest tests/test_attention.py -k fused`, passed first: 26 passed, 20 skipped for d=128). At the leaderboard
+(`--points leaderboard --modes bwd fwd_bwd --repeats 2 --variants hopper-fused hopper-fused-split sdpa_cudnn --kernels
+5`) the backward took 3.181/3.178 ms against FUSED_DQ's 3.173/3.226 and cuDNN's 3.048/3.014, forward and backward
+4.491/4.443 against 4.594/4.518 and cuDNN's 4.287/4.304; under the profiler its dK/dV kernel 3.146 ms against FUSED_DQ's
+3.106 (cuDNN's kernel 2.932). No faster there. On the grid at d=64 (`--points grid leaderboard --head-dims 64 --seqs
+16384 32768 65536 --modes bwd --repeats 3 --variants default hopper-fused hopper-fused-split sdpa_cudnn`, medians of 3,
+the same start) it is: from 16384 to 65536 tokens 0.385, 0.765 and 2.910 ms against FUSED_DQ's 0.407, 0.811 and 3.101,
+the default's 0.266, 0.828 and 3.269, and cuDNN's 0.385, 0.770 and 3.013, so faster than cuDNN at 65536 tokens (by
+3.4%) and level at 32768; at the leaderboard in that run 3.342 ms (FUSED_DQ 3.251, the default 3.489, cuDNN 3.007).
+The leaderboard (16 heads of 16384) and 65536 tokens (one head) take the same products; at the leaderboard FUSED_DQ took
+5% more time (3.251 against 3.101 ms) and FUSED_SPLIT 15% more (3.342 against 2.910), cuDNN the same. The dK/dV kernel's launch order puts 6 heads in a group (by q's and dO's bytes, `launch_order.group_heads`), whose
+fp32 dQ brings the group's streamed and reduced tiles to about 48 MB, L2's size, against 16 MB for the one head of
+65536 tokens: FUSED_GROUP_HEADS (1 or 3 heads a group, the variants "-g1" and "-g3") is built to test that, not yet run.
 """
 
 import contextlib
@@ -240,8 +254,8 @@ FUSED_DQ = False
 # With FUSED_DQ, whether each consumer warpgroup forms half of a query tile's dQ columns over all the program's 128
 # keys instead of all its columns over its own 64: both warpgroups' dS^T in one shared buffer (two, in turns), an
 # mbarrier between them, and K loaded once more as two tiles of half its columns (the B operands). One fp32 reduction
-# per query tile and program instead of two (half that traffic), and a dQ tile of half the registers. Compiled for
-# sm_90 on the CPU only, not yet run on a GPU: off.
+# per query tile and program instead of two (half that traffic), and a dQ tile of half the registers. On the H100
+# as fast as FUSED_DQ at the leaderboard and 6% faster on one head from 32768 tokens (module docstring): off.
 FUSED_SPLIT = False
 # With FUSED_DQ and GROUPED_ORDER, heads per group of the dK/dV kernel's launch order (None: as without FUSED_DQ, by
 # the bytes of q and dO alone, 6 heads at the leaderboard, whose fp32 dQ then makes the group's streamed and reduced
