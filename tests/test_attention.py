@@ -706,9 +706,9 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, dq
     {"CONCURRENT_DQ": True}, {"CONCURRENT_DQ": False}, {"TILES": {64: (64, 128), 128: (64, 128)}}, {"NUM_STAGES": 3},
     {"PREFETCH_STATS": set()}, {"GROUPED_ORDER": not flash_hopper_bwd.GROUPED_ORDER}, {"FUSED_DQ": True},
     {"FUSED_DQ": True, "FUSED_SPLIT": True}, {"FUSED_DQ": True, "FUSED_SPLIT": True, "FUSED_GROUP_HEADS": 1},
-    {"FUSED_DQ": True, "FUSED_GROUP_HEADS": 3},
+    {"FUSED_DQ": True, "FUSED_GROUP_HEADS": 5},
 ], ids=["concurrent-dq", "serial-dq", "dq-tiles-128", "3-stages", "no-prefetch", "other-order", "fused-dq",
-        "fused-split", "fused-split-g1", "fused-dq-g3"])
+        "fused-split", "fused-split-g1", "fused-dq-g5"])
 @pytest.mark.parametrize("q_shape, is_causal", [((2, 3, 1024, 64), True), ((1, 2, 512, 128), False),
                                                 ((2, 3, 640, 64), False)])
 def test_hopper_backward_variants_gpu(gpu, settings, q_shape, is_causal, monkeypatch, seed):

@@ -182,7 +182,7 @@ the default's 0.266, 0.828 and 3.269, and cuDNN's 0.385, 0.770 and 3.013, so fas
 The leaderboard (16 heads of 16384) and 65536 tokens (one head) take the same products; at the leaderboard FUSED_DQ took
 5% more time (3.251 against 3.101 ms) and FUSED_SPLIT 15% more (3.342 against 2.910), cuDNN the same. The dK/dV kernel's launch order puts 6 heads in a group (by q's and dO's bytes, `launch_order.group_heads`), whose
 fp32 dQ brings the group's streamed and reduced tiles to about 48 MB, L2's size, against 16 MB for the one head of
-65536 tokens: FUSED_GROUP_HEADS (1 or 3 heads a group, the variants "-g1" and "-g3") is built to test that, not yet run.
+65536 tokens: FUSED_GROUP_HEADS (the variants "-g1", "-g2" and "-g4": 1, 2 and 4 heads a group) is built to test that, not yet run.
 """
 
 import contextlib
@@ -259,7 +259,7 @@ FUSED_DQ = False
 FUSED_SPLIT = False
 # With FUSED_DQ and GROUPED_ORDER, heads per group of the dK/dV kernel's launch order (None: as without FUSED_DQ, by
 # the bytes of q and dO alone, 6 heads at the leaderboard, whose fp32 dQ then makes the group's streamed and reduced
-# tiles about 48 MB, L2's size). Untimed: scripts/attention_backward_variants.py's "-g1"/"-g3" variants time 1 and 3.
+# tiles about 48 MB, L2's size). Untimed: scripts/attention_backward_variants.py's "-g1", "-g2" and "-g4" variants.
 FUSED_GROUP_HEADS: int | None = None
 # Not d=128: dK, dV and a dQ tile take 64 fp32 registers each there. Formed in two halves of 64 columns into one dQ
 # buffer (two do not fit shared memory), it compiled in 213 KB of shared memory but spilled 72-84 bytes (2026-11-26).
