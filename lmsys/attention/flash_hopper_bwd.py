@@ -169,7 +169,7 @@ against 97 MiB at the leaderboard's backward, cuDNN's 162): not the default yet,
 attention baselines' memory. Each consumer warpgroup reduce-adds its own dQ tile there, so a query tile's dQ goes
 through L2 twice per program (about 8 GiB of fp32 reductions at the leaderboard); FUSED_SPLIT, built next, halves that.
 
-FUSED_SPLIT on the H100 (2026-11-26, session 53, at b66b722 and ce2f288, one machine start; its float64 GPU tests,
+FUSED_SPLIT on the H100 (2026-11-26, session 53, the kernels as at b66b722, one machine start; its float64 GPU tests,
 `pytest tests/test_attention.py -k fused`, passed first: 26 passed, 20 skipped for d=128). At the leaderboard
 (`--points leaderboard --modes bwd fwd_bwd --repeats 2 --variants hopper-fused hopper-fused-split sdpa_cudnn --kernels
 5`) the backward took 3.181/3.178 ms against FUSED_DQ's 3.173/3.226 and cuDNN's 3.048/3.014, forward and backward
@@ -180,9 +180,11 @@ the same start) it is: from 16384 to 65536 tokens 0.385, 0.765 and 2.910 ms agai
 the default's 0.266, 0.828 and 3.269, and cuDNN's 0.385, 0.770 and 3.013, so faster than cuDNN at 65536 tokens (by
 3.4%) and level at 32768; at the leaderboard in that run 3.342 ms (FUSED_DQ 3.251, the default 3.489, cuDNN 3.007).
 The leaderboard (16 heads of 16384) and 65536 tokens (one head) take the same products; at the leaderboard FUSED_DQ took
-5% more time (3.251 against 3.101 ms) and FUSED_SPLIT 15% more (3.342 against 2.910), cuDNN the same. The dK/dV kernel's launch order puts 6 heads in a group (by q's and dO's bytes, `launch_order.group_heads`), whose
-fp32 dQ brings the group's streamed and reduced tiles to about 48 MB, L2's size, against 16 MB for the one head of
-65536 tokens: FUSED_GROUP_HEADS (the variants "-g1", "-g2" and "-g4": 1, 2 and 4 heads a group) is built to test that, not yet run.
+5% more time (3.251 against 3.101 ms) and FUSED_SPLIT 15% more (3.342 against 2.910), cuDNN the same. The dK/dV kernel's
+launch order puts 6 heads in a group (by q's and dO's bytes, `launch_order.group_heads`), whose fp32 dQ brings the
+group's streamed and reduced tiles to about 48 MB, L2's size, against 32 MB for the one head of 65536 tokens, whose 3.9
+programs per multiprocessor (15.5 at the leaderboard) come back to a query tile in fewer waves: FUSED_GROUP_HEADS (the
+variants "-g1", "-g2" and "-g4": 1, 2 and 4 heads a group) is built to test that, not yet run.
 """
 
 import contextlib
