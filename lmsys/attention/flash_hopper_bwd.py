@@ -184,7 +184,15 @@ The leaderboard (16 heads of 16384) and 65536 tokens (one head) take the same pr
 launch order puts 6 heads in a group (by q's and dO's bytes, `launch_order.group_heads`), whose fp32 dQ brings the
 group's streamed and reduced tiles to about 48 MB, L2's size, against 32 MB for the one head of 65536 tokens, whose 3.9
 programs per multiprocessor (15.5 at the leaderboard) come back to a query tile in fewer waves: FUSED_GROUP_HEADS (the
-variants "-g1", "-g2" and "-g4": 1, 2 and 4 heads a group) is built to test that, not yet run.
+variants "-g1", "-g2" and "-g4": 1, 2 and 4 heads a group) is built to test that.
+
+FUSED_GROUP_HEADS on the H100 (2026-11-26, session 54, the kernels as at fdb3e28, one machine start; `pytest
+tests/test_attention.py -k "variants_gpu and fused"` first: 12 passed). At the leaderboard's backward (`--points
+leaderboard --modes bwd --repeats 3`, medians of each repeat's 30 calls), FUSED_SPLIT with groups of 1, 2, 4 and the
+default 6 heads: 3.117/3.195/3.127, 3.182/3.304/3.202, 3.381/3.317/3.257 and 3.243/3.342/3.314 ms; FUSED_DQ with 1, 2
+and 6: 3.523/3.290/3.274, 3.216/3.244/3.206 and 3.246/3.228/3.166; cuDNN 3.011/3.004/3.011. Groups of one head take
+FUSED_SPLIT's penalty down by about 0.15 ms (half of it: 2.910 ms at one head of 65536 tokens) and do nothing for
+FUSED_DQ, so the L2 working set explains part of it; still 4% behind cuDNN at the leaderboard, so both stay off.
 """
 
 import contextlib
