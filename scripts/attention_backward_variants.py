@@ -2,7 +2,8 @@
 (lmsys.attention.flash_hopper_bwd, whatever the problem's size: its kernels one after the other, with its dQ kernel
 beside the dK/dV one on a side stream, and, one after the other, with dQ tiles of 128 keys, with 3 stages, or without
 the dK/dV kernel's statistics loaded a step ahead; dQ accumulated by the dK/dV kernel, FUSED_DQ, with or without
-FUSED_SPLIT; by default, or either, in the forwards' launch order: GROUPED_ORDER), the Gluon forward at d=64 at any size
+FUSED_SPLIT, or by the problem's size; by default, or either, in the forwards' launch order: GROUPED_ORDER), the Gluon
+forward at d=64 at any size
 or never (by default it runs long problems of few blocks: flash_hopper.plan), SDPA's cuDNN and flash backends, and the
 default (what flash_attention runs: the Gluon backward as flash_hopper_bwd.plan decides by the problem's programs per
 multiprocessor, else the Triton one), at the CS336 leaderboard's shape and the causal grid's points from 8192 tokens
@@ -84,6 +85,10 @@ VARIANTS = {
     **{f"hopper-fused{split}-g{n}": ("flash_triton", {**GLUON, "FUSED_DQ": True, "FUSED_SPLIT": bool(split),
                                                          "FUSED_GROUP_HEADS": n})
        for split in ("", "-split") for n in (1, 2, 4)},
+    # The default with dQ accumulated in the dK/dV kernel by the problem's size (`flash_hopper_bwd.fused`), FUSED_SPLIT
+    # and groups of one head (the fastest fused settings at the leaderboard); and that with the Gluon forward at d=64
+    "fused-plan": ("flash_triton", {"FUSED_DQ": None, "FUSED_SPLIT": True, "FUSED_GROUP_HEADS": 1}),
+    "fused-plan-fwd64": ("flash_triton", {"FUSED_DQ": None, "FUSED_SPLIT": True, "FUSED_GROUP_HEADS": 1, **FORWARD_64}),
     "grouped": ("flash_triton", {"GROUPED_ORDER": True}),  # the default: the forwards' launch order
     "ungrouped": ("flash_triton", {"GROUPED_ORDER": False}),  # the default before 2026-11-25: a grid of (blocks, heads)
     "sdpa_cudnn": ("sdpa_cudnn", {}),

@@ -259,8 +259,14 @@ GROUPED_ORDER = True
 # is added into an fp32 buffer by TMA's bulk reduction, so the scores are computed once (5 products per step instead
 # of the two kernels' 7), at the cost of that traffic (per query tile, an fp32 tile per 64 keys) and of the buffer,
 # cast into dq at the end. 6-12% faster than the two kernels at the leaderboard and 65536 tokens, still behind cuDNN
-# (module docstring): off.
-FUSED_DQ = False
+# (module docstring): off. True or False: always or never (at FUSED_HEAD_DIMS); None: by the problem's size (`fused`),
+# from FUSED_MIN_KEYS keys and FUSED_MIN_PROGRAMS_PER_SM programs per multiprocessor. On the H100 at d=64, with
+# FUSED_SPLIT and groups of one head, it was faster than the default backward at one head of 32768 and 65536 tokens
+# (1.9 and 3.9 programs per multiprocessor) and at the leaderboard (16 heads of 16384: 15.5), slower at one head of
+# 16384 (0.97), where the two kernels run side by side (module docstring); the sizes between were not timed.
+FUSED_DQ: bool | None = False
+FUSED_MIN_KEYS = 16384
+FUSED_MIN_PROGRAMS_PER_SM = 1.9
 # With FUSED_DQ, whether each consumer warpgroup forms half of a query tile's dQ columns over all the program's 128
 # keys instead of all its columns over its own 64: both warpgroups' dS^T in one shared buffer (two, in turns), an
 # mbarrier between them, and K loaded once more as two tiles of half its columns (the B operands). One fp32 reduction
@@ -302,6 +308,16 @@ def plan(programs_per_sm: float, keys: int, capturing: bool) -> bool | None:
         concurrent = CONCURRENT_DQ
     floor = min(MIN_PROGRAMS_PER_SM, MIN_PROGRAMS_PER_SM_CONCURRENT) if concurrent else MIN_PROGRAMS_PER_SM
     return concurrent if programs_per_sm >= floor else None
+
+
+def fused(head_dim: int, programs_per_sm: float, keys: int) -> bool:
+    """Whether the dK/dV kernel accumulates dQ (FUSED_DQ) for a problem of this head dim, `programs_per_sm` programs
+    per multiprocessor and `keys` keys."""
+    if head_dim not in FUSED_HEAD_DIMS:
+        return False
+    if FUSED_DQ is not None:
+        return FUSED_DQ
+    return keys >= FUSED_MIN_KEYS and programs_per_sm >= FUSED_MIN_PROGRAMS_PER_SM
 
 
 def views(q, k, v, do):
@@ -707,13 +723,13 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
     groups = (launch_order.group_heads(q, bh), launch_order.group_heads(k, bh)) if GROUPED_ORDER else (1, 1)
     # dq, dk, dv are new; lse and delta contiguous. The tiles are the descriptors' block shapes, not constexprs.
     key = (q.device, q.dtype, q.shape, k.shape, block_m, block_n, qv, kv, vv, dov)
-    fused = FUSED_DQ and d in FUSED_HEAD_DIMS
-    split = fused and FUSED_SPLIT
-    if fused and GROUPED_ORDER and FUSED_GROUP_HEADS is not None:  # in the launch's key: not set by the shapes
+    fused_dq = fused(d, flash_hopper.blocks_per_sm(q, BLOCK_ROWS), n_k)
+    split = fused_dq and FUSED_SPLIT
+    if fused_dq and GROUPED_ORDER and FUSED_GROUP_HEADS is not None:  # in the launch's key: not set by the shapes
         groups = (max(1, min(bh, FUSED_GROUP_HEADS)), groups[1])
         key += (groups,)
     dq_desc = kc_desc = None
-    if fused:
+    if fused_dq:
         dq_acc = torch.zeros((bh * n_q, d), device=q.device, dtype=torch.float32)
         dq_desc = TensorDescriptor(dq_acc, [bh * n_q, d], [d, 1], [block_m, d // 2 if split else d], DQ_ACC_LAYOUT)
         concurrent = False  # no dQ kernel
@@ -729,9 +745,9 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
         (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m),
          desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), dq_desc, kc_desc, lse, delta,
          n_q, n_k, heads, bh, groups[0], qk_scale, sm_scale, *strides),
-        ("dkdv", *key), PREFETCH=(is_causal, d) in PREFETCH_STATS, FUSED=fused, SPLIT=split, **common,
+        ("dkdv", *key), PREFETCH=(is_causal, d) in PREFETCH_STATS, FUSED=fused_dq, SPLIT=split, **common,
     )
-    if fused:
+    if fused_dq:
         dq.view(-1, d).copy_(dq_acc)
         return
     half = BLOCK_ROWS // 2
