@@ -3,11 +3,10 @@
 beside the dK/dV one on a side stream, and, one after the other, with dQ tiles of 128 keys, with 3 stages, or without
 the dK/dV kernel's statistics loaded a step ahead; dQ accumulated by the dK/dV kernel, FUSED_DQ, with or without
 FUSED_SPLIT, or by the problem's size; by default, or either, in the forwards' launch order: GROUPED_ORDER), the Gluon
-forward at d=64 at any size
-or never (by default it runs long problems of few blocks: flash_hopper.plan), SDPA's cuDNN and flash backends, and the
-default (what flash_attention runs: the Gluon backward as flash_hopper_bwd.plan decides by the problem's programs per
-multiprocessor, else the Triton one), at the CS336 leaderboard's shape and the causal grid's points from 8192 tokens
-(issue 15).
+forward at d=64 at any size or never (by default it runs long problems of few blocks: flash_hopper.plan), SDPA's cuDNN
+and flash backends, and the default (what flash_attention runs: the Gluon backward as flash_hopper_bwd.plan decides by
+the problem's programs per multiprocessor, else the Triton one), at the CS336 leaderboard's shape and the causal grid's
+points from 8192 tokens (issue 15).
 
 For each point (bf16, causal unless --not-causal): first each variant's output and gradients against the Triton
 kernels' on the same inputs (the largest difference of each of o, dq, dk, dv relative to the Triton tensor's largest
