@@ -760,26 +760,28 @@ def test_hopper_backward_plan_forced(forced, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "head_dim, per_sm, keys, expected",
+    "head_dim, per_sm, keys, is_causal, expected",
     [
-        (64, 15.5, 16384, True),  # the leaderboard
-        (64, 1.94, 32768, True),  # one head of 32768 and 65536 tokens
-        (64, 3.9, 65536, True),
-        (64, 0.97, 16384, False),  # one head of 16384: the two kernels side by side
-        (64, 15.5, 8192, False),  # shorter, not timed
-        (64, 1.94, 512, False),  # the model's heads (large, batch 4, context 512)
-        (128, 15.5, 16384, False),  # a head dim it does not take (FUSED_HEAD_DIMS)
+        (64, 15.5, 16384, True, True),  # the leaderboard
+        (64, 1.94, 32768, True, True),  # one head of 32768 and 65536 tokens
+        (64, 3.9, 65536, True, True),
+        (64, 0.97, 16384, True, False),  # one head of 16384: the two kernels side by side
+        (64, 15.5, 8192, True, False),  # shorter, not timed
+        (64, 1.94, 512, True, False),  # the model's heads (large, batch 4, context 512)
+        (64, 7.75, 16384, False, False),  # without the mask (the seeds' grid, batch 8), not timed
+        (128, 15.5, 16384, True, False),  # a head dim it does not take (FUSED_HEAD_DIMS)
     ],
 )
-def test_hopper_backward_fused_by_size(head_dim, per_sm, keys, expected, monkeypatch):
-    """With FUSED_DQ None, the dK/dV kernel accumulates dQ from FUSED_MIN_KEYS keys and FUSED_MIN_PROGRAMS_PER_SM
-    programs per multiprocessor, at the head dims that take it; forced either way it holds at any size there."""
+def test_hopper_backward_fused_by_size(head_dim, per_sm, keys, is_causal, expected, monkeypatch):
+    """With FUSED_DQ None, the dK/dV kernel accumulates dQ for causal problems from FUSED_MIN_KEYS keys and
+    FUSED_MIN_PROGRAMS_PER_SM programs per multiprocessor, at the head dims that take it; forced either way it holds
+    at any size there."""
     monkeypatch.setattr(flash_hopper_bwd, "FUSED_DQ", None)
-    assert flash_hopper_bwd.fused(head_dim, per_sm, keys) is expected
+    assert flash_hopper_bwd.fused(head_dim, per_sm, keys, is_causal) is expected
     for forced in (True, False):
         monkeypatch.setattr(flash_hopper_bwd, "FUSED_DQ", forced)
         takes = head_dim in flash_hopper_bwd.FUSED_HEAD_DIMS
-        assert flash_hopper_bwd.fused(head_dim, per_sm, keys) is (forced and takes)
+        assert flash_hopper_bwd.fused(head_dim, per_sm, keys, is_causal) is (forced and takes)
 
 
 @pytest.mark.parametrize(
@@ -857,8 +859,9 @@ def test_the_gluon_backward_is_the_default_from_its_measured_sizes_gpu(gpu, monk
 @pytest.mark.gpu
 def test_the_gluon_backward_accumulates_dq_by_size_gpu(gpu, monkeypatch, seed):
     """With FUSED_DQ None (and FUSED_SPLIT, groups of one head: the variant "fused-plan" of
-    scripts/attention_backward_variants.py), the dK/dV kernel accumulates dQ for one head of about 32768 tokens (two
-    programs per multiprocessor) and not for one of about 16384; the gradients against float32 SDPA."""
+    scripts/attention_backward_variants.py), the dK/dV kernel accumulates dQ for one causal head of about 32768 tokens
+    (two programs per multiprocessor), not for one of about 16384 nor without the mask; the gradients against float32
+    SDPA."""
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
     for setting, value in {"FUSED_DQ": None, "FUSED_SPLIT": True, "FUSED_GROUP_HEADS": 1}.items():
@@ -868,17 +871,19 @@ def test_the_gluon_backward_accumulates_dq_by_size_gpu(gpu, monkeypatch, seed):
     monkeypatch.setattr(launcher, "launch",
                         lambda kernel, *a, **c: launches.append((kernel, c)) or launch(kernel, *a, **c))
     sms = torch.cuda.get_device_properties(gpu).multi_processor_count
-    for rows, expected in ((sms * 128, False), (2 * sms * 128, True)):
+    for rows, is_causal, expected in ((sms * 128, True, False), (2 * sms * 128, True, True),
+                                      (2 * sms * 128, False, False)):
         launches.clear()
         q, k, v = make_inputs((1, 1, rows, 64), (1, 1, rows, 64), torch.bfloat16, gpu)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         do = torch.randn_like(q)
-        grads = torch.autograd.grad(flash_attention(q, k, v, is_causal=True, impl="triton"), (q, k, v), do)
+        grads = torch.autograd.grad(flash_attention(q, k, v, is_causal=is_causal, impl="triton"), (q, k, v), do)
         dkdv = [c for kernel, c in launches if kernel is flash_hopper_bwd._dkdv_kernel]
-        assert [c["FUSED"] for c in dkdv] == [expected], rows
+        assert [c["FUSED"] for c in dkdv] == [expected], (rows, is_causal)
         assert any(kernel is flash_hopper_bwd._dq_kernel for kernel, _ in launches) is not expected
         ref = torch.autograd.grad(
-            F.scaled_dot_product_attention(*(t.float() for t in (q, k, v)), is_causal=True), (q, k, v), do.float())
+            F.scaled_dot_product_attention(*(t.float() for t in (q, k, v)), is_causal=is_causal), (q, k, v),
+            do.float())
         for got, want in zip(grads, ref, strict=True):  # bf16 rounding: within 2% of the gradient's largest entry
             assert (got.float() - want).abs().max() <= 2e-2 * want.abs().max()
 

@@ -254,16 +254,17 @@ PREFETCH_STATS = {(True, 64), (False, 64)}
 # which runs the heads one after the other, each from its heaviest block down to its lightest. About 1% faster at the
 # leaderboard on the H100 (module docstring); on one head the two orders launch the same programs.
 GROUPED_ORDER = True
-# Whether the dK/dV kernel also accumulates dQ, as FA3 does (for head dims in FUSED_HEAD_DIMS; the others keep the
-# dQ kernel): each step's dQ tile = dS K over the warpgroup's 64 keys, computed from dS^T written to shared memory,
-# is added into an fp32 buffer by TMA's bulk reduction, so the scores are computed once (5 products per step instead
-# of the two kernels' 7), at the cost of that traffic (per query tile, an fp32 tile per 64 keys) and of the buffer,
-# cast into dq at the end. 6-12% faster than the two kernels at the leaderboard and 65536 tokens, still behind cuDNN
-# (module docstring): off. True or False: always or never (at FUSED_HEAD_DIMS); None: by the problem's size (`fused`),
-# from FUSED_MIN_KEYS keys and FUSED_MIN_PROGRAMS_PER_SM programs per multiprocessor. On the H100 at d=64, with
-# FUSED_SPLIT and groups of one head, it was faster than the default backward at one head of 32768 and 65536 tokens
-# (1.9 and 3.9 programs per multiprocessor) and at the leaderboard (16 heads of 16384: 15.5), slower at one head of
-# 16384 (0.97), where the two kernels run side by side (module docstring); the sizes between were not timed.
+# Whether the dK/dV kernel also accumulates dQ, as FA3 does (for head dims in FUSED_HEAD_DIMS; the others keep the dQ
+# kernel): each step's dQ tile = dS K over the warpgroup's 64 keys, computed from dS^T written to shared memory, is
+# added into an fp32 buffer by TMA's bulk reduction, so the scores are computed once (5 products per step instead of the
+# two kernels' 7), at the cost of that traffic (per query tile, an fp32 tile per 64 keys) and of the buffer, cast into
+# dq at the end. 6-12% faster than the two kernels at the leaderboard and 65536 tokens, still behind cuDNN (module
+# docstring): off. True or False: always or never (at FUSED_HEAD_DIMS); None: by the problem's size (`fused`), causal
+# problems from FUSED_MIN_KEYS keys and FUSED_MIN_PROGRAMS_PER_SM programs per multiprocessor. On the H100 (causal,
+# d=64), with FUSED_SPLIT and groups of one head, it was faster than the default backward at one head of 32768 and 65536
+# tokens (1.9 and 3.9 programs per multiprocessor) and at the leaderboard (16 heads of 16384: 15.5; against the
+# default's times in other machine starts), slower at one head of 16384 (0.97), where the two kernels run side by side
+# (module docstring); the sizes between, and problems without the mask, were not timed.
 FUSED_DQ: bool | None = False
 FUSED_MIN_KEYS = 16384
 FUSED_MIN_PROGRAMS_PER_SM = 1.9
@@ -310,14 +311,14 @@ def plan(programs_per_sm: float, keys: int, capturing: bool) -> bool | None:
     return concurrent if programs_per_sm >= floor else None
 
 
-def fused(head_dim: int, programs_per_sm: float, keys: int) -> bool:
+def fused(head_dim: int, programs_per_sm: float, keys: int, is_causal: bool) -> bool:
     """Whether the dK/dV kernel accumulates dQ (FUSED_DQ) for a problem of this head dim, `programs_per_sm` programs
-    per multiprocessor and `keys` keys."""
+    per multiprocessor and `keys` keys, causal or not."""
     if head_dim not in FUSED_HEAD_DIMS:
         return False
     if FUSED_DQ is not None:
         return FUSED_DQ
-    return keys >= FUSED_MIN_KEYS and programs_per_sm >= FUSED_MIN_PROGRAMS_PER_SM
+    return is_causal and keys >= FUSED_MIN_KEYS and programs_per_sm >= FUSED_MIN_PROGRAMS_PER_SM
 
 
 def views(q, k, v, do):
@@ -723,7 +724,7 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
     groups = (launch_order.group_heads(q, bh), launch_order.group_heads(k, bh)) if GROUPED_ORDER else (1, 1)
     # dq, dk, dv are new; lse and delta contiguous. The tiles are the descriptors' block shapes, not constexprs.
     key = (q.device, q.dtype, q.shape, k.shape, block_m, block_n, qv, kv, vv, dov)
-    fused_dq = fused(d, flash_hopper.blocks_per_sm(q, BLOCK_ROWS), n_k)
+    fused_dq = fused(d, flash_hopper.blocks_per_sm(q, BLOCK_ROWS), n_k, is_causal)
     split = fused_dq and FUSED_SPLIT
     if fused_dq and GROUPED_ORDER and FUSED_GROUP_HEADS is not None:  # in the launch's key: not set by the shapes
         groups = (max(1, min(bh, FUSED_GROUP_HEADS)), groups[1])
