@@ -897,7 +897,7 @@ def test_the_gluon_backward_under_graph_capture_gpu(gpu, seed):
     sms = torch.cuda.get_device_properties(gpu).multi_processor_count
     q, k, v, do = (torch.randn(1, 2, sms * 128, 64, device=gpu, dtype=torch.bfloat16) for _ in range(4))
     o, lse = flash_triton.forward(q, k, v, True)
-    assert flash_hopper_bwd.views(q, k, v, do)[-1] is True  # eager: side by side at 2 programs per multiprocessor
+    assert flash_hopper_bwd.views(q, k, v, do, True)[-1] is True  # eager: side by side at 2 programs per multiprocessor
     eager = flash_triton.backward(q, k, v, o, lse, do, True)
     side = torch.cuda.Stream(gpu)
     side.wait_stream(torch.cuda.current_stream(gpu))
@@ -906,7 +906,7 @@ def test_the_gluon_backward_under_graph_capture_gpu(gpu, seed):
     torch.cuda.current_stream(gpu).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        assert flash_hopper_bwd.views(q, k, v, do)[-1] is False
+        assert flash_hopper_bwd.views(q, k, v, do, True)[-1] is False
         captured = flash_triton.backward(q, k, v, o, lse, do, True)
     graph.replay()
     torch.cuda.synchronize(gpu)

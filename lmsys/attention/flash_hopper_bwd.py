@@ -321,9 +321,10 @@ def fused(head_dim: int, programs_per_sm: float, keys: int, is_causal: bool) -> 
     return is_causal and keys >= FUSED_MIN_KEYS and programs_per_sm >= FUSED_MIN_PROGRAMS_PER_SM
 
 
-def views(q, k, v, do):
-    """When these kernels run this backward: the 2-D views (`flash_hopper._view`) of q, k, v and do, and whether the
-    dQ kernel runs beside the dK/dV one (`plan`); else None."""
+def views(q, k, v, do, is_causal):
+    """When these kernels run this backward: the 2-D views (`flash_hopper._view`) of q, k, v and do, whether the dK/dV
+    kernel accumulates dQ (`fused`), and whether the dQ kernel runs beside the dK/dV one (`plan`; never beside none);
+    else None."""
     if q.shape[-1] not in HEAD_DIMS or do.shape != q.shape or not q.is_cuda:
         return None
     # The plan before the views: a problem that runs on the Triton backward (the launch-bound ones) leaves without them.
@@ -331,7 +332,10 @@ def views(q, k, v, do):
     concurrent = plan(per_sm, k.shape[-2], torch.cuda.is_current_stream_capturing())
     found = None if concurrent is None else flash_hopper.views(q, k, v, head_dims=HEAD_DIMS)
     dov = flash_hopper._view(do) if found is not None else None
-    return None if dov is None else (*found, dov, concurrent)
+    if dov is None:
+        return None
+    fused_dq = fused(q.shape[-1], per_sm, k.shape[-2], is_causal)
+    return (*found, dov, fused_dq, concurrent and not fused_dq)
 
 
 @gluon.constexpr_function
@@ -711,7 +715,7 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
     d, n_q, n_k = q.shape[-1], q.shape[-2], k.shape[-2]
     bh = q.numel() // (n_q * d)
     heads = q.shape[1] if q.dim() == 4 else 1
-    qv, kv, vv, dov, concurrent = found
+    qv, kv, vv, dov, fused_dq, concurrent = found
     strides = (*qv[2:], *kv[2:], *vv[2:], *dov[2:])
     sm_scale = 1.0 / math.sqrt(d)
     qk_scale = sm_scale * LOG2E.value
@@ -724,7 +728,6 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
     groups = (launch_order.group_heads(q, bh), launch_order.group_heads(k, bh)) if GROUPED_ORDER else (1, 1)
     # dq, dk, dv are new; lse and delta contiguous. The tiles are the descriptors' block shapes, not constexprs.
     key = (q.device, q.dtype, q.shape, k.shape, block_m, block_n, qv, kv, vv, dov)
-    fused_dq = fused(d, flash_hopper.blocks_per_sm(q, BLOCK_ROWS), n_k, is_causal)
     split = fused_dq and FUSED_SPLIT
     if fused_dq and GROUPED_ORDER and FUSED_GROUP_HEADS is not None:  # in the launch's key: not set by the shapes
         groups = (max(1, min(bh, FUSED_GROUP_HEADS)), groups[1])
@@ -733,7 +736,6 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
     if fused_dq:
         dq_acc = torch.zeros((bh * n_q, d), device=q.device, dtype=torch.float32)
         dq_desc = TensorDescriptor(dq_acc, [bh * n_q, d], [d, 1], [block_m, d // 2 if split else d], DQ_ACC_LAYOUT)
-        concurrent = False  # no dQ kernel
     if split:  # K's tiles of the program's keys and half of d, in the layout their MMA reads
         (n_rows, n_cols), stride = kv[:2]
         layout = flash_hopper._smem_layout(BLOCK_KEYS, d // 2, flash_hopper._gl_dtype(k.dtype))

@@ -609,7 +609,7 @@ def _bwd_impl(q, k, v, o, lse, do, is_causal):
         (q.device, q.dtype, o.shape, o_strides, do_strides, aligned),  # delta is new
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=pre_block,
     )
-    hopper = flash_hopper_bwd.views(q, k, v, do) if HOPPER_BACKWARD else None
+    hopper = flash_hopper_bwd.views(q, k, v, do, is_causal) if HOPPER_BACKWARD else None
     if hopper is not None:
         flash_hopper_bwd.backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, hopper)
         return dq, dk, dv
