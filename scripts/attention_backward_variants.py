@@ -1,11 +1,12 @@
 """The attention kernels' variants side by side in one process: the Triton backward, the Gluon backward for Hopper
-(lmsys.attention.flash_hopper_bwd, whatever the problem's size: its kernels one after the other, with its dQ kernel
-beside the dK/dV one on a side stream, and, one after the other, with dQ tiles of 128 keys, with 3 stages, or without
-the dK/dV kernel's statistics loaded a step ahead; dQ accumulated by the dK/dV kernel, FUSED_DQ, with or without
-FUSED_SPLIT, or by the problem's size; by default, or either, in the forwards' launch order: GROUPED_ORDER), the Gluon
-forward at d=64 at any size or never (by default it runs long problems of few blocks: flash_hopper.plan), SDPA's cuDNN
-and flash backends, and the default (what flash_attention runs: the Gluon backward as flash_hopper_bwd.plan decides by
-the problem's programs per multiprocessor, else the Triton one), at the CS336 leaderboard's shape and the causal grid's
+(lmsys.attention.flash_hopper_bwd, whatever the problem's size: its two kernels one after the other, with its dQ
+kernel beside the dK/dV one on a side stream, and, one after the other, with dQ tiles of 128 keys, with 3 stages, or
+without the dK/dV kernel's statistics loaded a step ahead; or dQ accumulated by the dK/dV kernel, FUSED_DQ, with or
+without FUSED_SPLIT, the heads in groups of 1, 2 or 4), the Gluon forward at d=64 at any size or never (by default it
+runs long problems of few blocks: flash_hopper.plan), SDPA's cuDNN and flash backends, the default (what
+flash_attention runs: the Gluon backward as flash_hopper_bwd.plan decides by the problem's programs per
+multiprocessor, else the Triton one; dQ accumulated by the dK/dV kernel as flash_hopper_bwd.fused decides) and the
+default with the two kernels always (as before 2026-11-26), at the CS336 leaderboard's shape and the causal grid's
 points from 8192 tokens (issue 15).
 
 For each point (bf16, causal unless --not-causal): first each variant's output and gradients against the Triton
@@ -63,12 +64,25 @@ POINTS = {
     "grid": [(1, 1, seq, d) for d in (64, 128) for seq in (8192, 16384, 32768, 65536)],
 }
 # name -> (provider, settings of lmsys.attention's modules for it: the Gluon backward, its defaults changed, the
-# Gluon forward at d=64 at any size from one block per multiprocessor, or never)
-GLUON = {"HOPPER_BACKWARD": True, "MIN_PROGRAMS_PER_SM": 0, "MIN_PROGRAMS_PER_SM_CONCURRENT": 0}  # any size
+# Gluon forward at d=64 at any size from one block per multiprocessor, or never). The Gluon variants run its two
+# kernels (FUSED_DQ off) unless they name a way of accumulating dQ in the dK/dV kernel.
+GLUON = {"HOPPER_BACKWARD": True, "MIN_PROGRAMS_PER_SM": 0, "MIN_PROGRAMS_PER_SM_CONCURRENT": 0,  # any size
+         "FUSED_DQ": False}
 FORWARD_64 = {"FORWARD_64_MIN_KEYS": 0, "FORWARD_64_BELOW_PROGRAMS_PER_SM": math.inf}  # from 1 block per SM
+
+
+def _fused(split: bool, group_heads: int | None) -> dict:
+    """The Gluon backward at any size with dQ accumulated in the dK/dV kernel, over half its columns (FUSED_SPLIT) or
+    not, its heads in groups of `group_heads` (None: by the bytes of q and dO, as without FUSED_DQ)."""
+    return {**GLUON, "FUSED_DQ": True, "FUSED_SPLIT": split, "FUSED_GROUP_HEADS": group_heads}
+
+
 VARIANTS = {
     "triton": ("flash_triton", {"HOPPER_BACKWARD": False}),
-    "default": ("flash_triton", {}),  # what flash_attention runs: Gluon or Triton backward by the problem's size
+    # What flash_attention runs: the Gluon or the Triton backward by the problem's size, dQ accumulated in the dK/dV
+    # kernel by the problem's size (`flash_hopper_bwd.fused`; FUSED_SPLIT, groups of one head)
+    "default": ("flash_triton", {}),
+    "two-kernels": ("flash_triton", {"FUSED_DQ": False}),  # the default before 2026-11-26: never FUSED_DQ
     "hopper": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False}),
     "fwd64": ("flash_triton", FORWARD_64),
     "no-fwd64": ("flash_triton", {"FORWARD_64_MIN_KEYS": math.inf}),  # the Triton forward at d=64
@@ -77,17 +91,12 @@ VARIANTS = {
     "hopper-dq128": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "TILES": {64: (64, 128), 128: (64, 128)}}),
     "hopper-3stages": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "NUM_STAGES": 3}),
     "hopper-no-prefetch": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "PREFETCH_STATS": set()}),
-    "hopper-fused": ("flash_triton", {**GLUON, "FUSED_DQ": True}),  # dQ accumulated in the dK/dV kernel (d=64)
-    "hopper-fused-split": ("flash_triton", {**GLUON, "FUSED_DQ": True, "FUSED_SPLIT": True}),  # half dQ's columns each
-    # FUSED_DQ with the dK/dV kernel's heads in groups of 1, 2 or 4 (by default 6 at the leaderboard; 3 would end the
+    "hopper-fused": ("flash_triton", _fused(False, None)),  # each warpgroup's dQ over its keys (d=64)
+    "hopper-fused-split": ("flash_triton", _fused(True, None)),  # half of dQ's columns over the program's keys
+    # FUSED_DQ with the dK/dV kernel's heads in groups of 1, 2 or 4 (6 by the bytes at the leaderboard; 3 would end the
     # leaderboard's 16 heads on a group of one, whose heaviest programs come last: 4% longer in a list-scheduling model)
-    **{f"hopper-fused{split}-g{n}": ("flash_triton", {**GLUON, "FUSED_DQ": True, "FUSED_SPLIT": bool(split),
-                                                         "FUSED_GROUP_HEADS": n})
+    **{f"hopper-fused{split}-g{n}": ("flash_triton", _fused(bool(split), n))
        for split in ("", "-split") for n in (1, 2, 4)},
-    # The default with dQ accumulated in the dK/dV kernel by the problem's size (`flash_hopper_bwd.fused`), FUSED_SPLIT
-    # and groups of one head (the fastest fused settings at the leaderboard); and that with the Gluon forward at d=64
-    "fused-plan": ("flash_triton", {"FUSED_DQ": None, "FUSED_SPLIT": True, "FUSED_GROUP_HEADS": 1}),
-    "fused-plan-fwd64": ("flash_triton", {"FUSED_DQ": None, "FUSED_SPLIT": True, "FUSED_GROUP_HEADS": 1, **FORWARD_64}),
     "grouped": ("flash_triton", {"GROUPED_ORDER": True}),  # the default: the forwards' launch order
     "ungrouped": ("flash_triton", {"GROUPED_ORDER": False}),  # the default before 2026-11-25: a grid of (blocks, heads)
     "sdpa_cudnn": ("sdpa_cudnn", {}),

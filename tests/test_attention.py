@@ -773,10 +773,10 @@ def test_hopper_backward_plan_forced(forced, monkeypatch):
     ],
 )
 def test_hopper_backward_fused_by_size(head_dim, per_sm, keys, is_causal, expected, monkeypatch):
-    """With FUSED_DQ None, the dK/dV kernel accumulates dQ for causal problems from FUSED_MIN_KEYS keys and
+    """By default (FUSED_DQ None) the dK/dV kernel accumulates dQ for causal problems from FUSED_MIN_KEYS keys and
     FUSED_MIN_PROGRAMS_PER_SM programs per multiprocessor, at the head dims that take it; forced either way it holds
     at any size there."""
-    monkeypatch.setattr(flash_hopper_bwd, "FUSED_DQ", None)
+    assert flash_hopper_bwd.FUSED_DQ is None
     assert flash_hopper_bwd.fused(head_dim, per_sm, keys, is_causal) is expected
     for forced in (True, False):
         monkeypatch.setattr(flash_hopper_bwd, "FUSED_DQ", forced)
@@ -858,14 +858,12 @@ def test_the_gluon_backward_is_the_default_from_its_measured_sizes_gpu(gpu, monk
 
 @pytest.mark.gpu
 def test_the_gluon_backward_accumulates_dq_by_size_gpu(gpu, monkeypatch, seed):
-    """With FUSED_DQ None (and FUSED_SPLIT, groups of one head: the variant "fused-plan" of
-    scripts/attention_backward_variants.py), the dK/dV kernel accumulates dQ for one causal head of about 32768 tokens
-    (two programs per multiprocessor), not for one of about 16384 nor without the mask; the gradients against float32
-    SDPA."""
+    """By default (FUSED_DQ None, FUSED_SPLIT, groups of one head) the dK/dV kernel accumulates dQ for one causal head
+    of about 32768 tokens (two programs per multiprocessor), not for one of about 16384 nor without the mask; the
+    gradients against float32 SDPA."""
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
-    for setting, value in {"FUSED_DQ": None, "FUSED_SPLIT": True, "FUSED_GROUP_HEADS": 1}.items():
-        monkeypatch.setattr(flash_hopper_bwd, setting, value)
+    assert (flash_hopper_bwd.FUSED_DQ, flash_hopper_bwd.FUSED_SPLIT, flash_hopper_bwd.FUSED_GROUP_HEADS) == (None, True, 1)
     launches = []
     launch = launcher.launch
     monkeypatch.setattr(launcher, "launch",

@@ -14,9 +14,9 @@ next step needs:
   S = Q K^T and dP = dO V^T, then dQ += dS K.
 
 Like the Triton backward (and unlike FA3, which accumulates dQ with atomics) the scores are computed twice, once per
-kernel: no atomics and no fp32 dQ buffer. FUSED_DQ (off, measured below) takes FA3's way at d=64: the dK/dV kernel
-also forms each query tile's dQ = dS K over its keys and adds it into an fp32 buffer with TMA's bulk reduction, and
-the dQ kernel does not run. delta = rowsum(dO * O) comes from the Triton
+kernel: no atomics and no fp32 dQ buffer. FUSED_DQ (by default on long causal problems, measured below) takes FA3's
+way at d=64: the dK/dV kernel also forms each query tile's dQ = dS K over its keys and adds it into an fp32 buffer
+with TMA's bulk reduction, and the dQ kernel does not run. delta = rowsum(dO * O) comes from the Triton
 preprocessing kernel. The two kernels share only their inputs: on problems of few programs (CONCURRENT_DQ, `plan`)
 the dQ kernel runs on a side stream beside the other, except under CUDA-graph capture.
 
@@ -192,7 +192,19 @@ leaderboard --modes bwd --repeats 3`, medians of each repeat's 30 calls), FUSED_
 default 6 heads: 3.117/3.195/3.127, 3.182/3.304/3.202, 3.381/3.317/3.257 and 3.243/3.342/3.314 ms; FUSED_DQ with 1, 2
 and 6: 3.523/3.290/3.274, 3.216/3.244/3.206 and 3.246/3.228/3.166; cuDNN 3.011/3.004/3.011. Groups of one head take
 FUSED_SPLIT's penalty down by about 0.15 ms (half of it: 2.910 ms at one head of 65536 tokens) and do nothing for
-FUSED_DQ, so the L2 working set explains part of it; still 4% behind cuDNN at the leaderboard, so both stay off.
+FUSED_DQ, so the L2 working set explains part of it; still 4% behind cuDNN at the leaderboard, so both stayed off.
+
+The default since session 55 (2026-11-26, the H100, the kernels as at df10891, one machine start; `pytest
+tests/test_attention.py -k "fused or accumulates_dq"` first: 41 passed, 20 skipped for d=128): FUSED_DQ by size with
+FUSED_SPLIT and groups of one head (`--points leaderboard grid --head-dims 64 --seqs 16384 32768 65536 --modes bwd
+fwd_bwd --repeats 2 --variants default fused-plan fused-plan-fwd64 sdpa_cudnn`, medians of 2 repeats of 30 calls;
+"default" the two kernels as before). At the leaderboard the backward 3.146 ms against 3.551 (cuDNN 3.040), forward
+and backward 4.386 against 4.774 (cuDNN 4.306); at one head of 32768 and 65536 tokens forward and backward 1.097 and
+4.072 ms against 1.110 and 4.520 (cuDNN 1.182, 4.499); at 16384 tokens (not fused: the two kernels side by side)
+0.424 against 0.458 (cuDNN 0.532). Under Nsight Compute at the leaderboard (one backward, clocks left alone) its dK/dV
+kernel took 3.007 ms against cuDNN's one kernel's 2.925, with the same L2 traffic (11.07 against 11.01 GB, both 135M
+sectors of fp32 reductions) and tensor pipes 46.9% against 48.2% busy; the buffer's zeroing, its cast and delta 0.077
+ms against cuDNN's 0.082.
 """
 
 import contextlib
@@ -258,26 +270,27 @@ GROUPED_ORDER = True
 # kernel): each step's dQ tile = dS K over the warpgroup's 64 keys, computed from dS^T written to shared memory, is
 # added into an fp32 buffer by TMA's bulk reduction, so the scores are computed once (5 products per step instead of the
 # two kernels' 7), at the cost of that traffic (per query tile, an fp32 tile per 64 keys) and of the buffer, cast into
-# dq at the end. 6-12% faster than the two kernels at the leaderboard and 65536 tokens, still behind cuDNN (module
-# docstring): off. True or False: always or never (at FUSED_HEAD_DIMS); None: by the problem's size (`fused`), causal
-# problems from FUSED_MIN_KEYS keys and FUSED_MIN_PROGRAMS_PER_SM programs per multiprocessor. On the H100 (causal,
-# d=64), with FUSED_SPLIT and groups of one head, it was faster than the default backward at one head of 32768 and 65536
-# tokens (1.9 and 3.9 programs per multiprocessor) and at the leaderboard (16 heads of 16384: 15.5; against the
-# default's times in other machine starts), slower at one head of 16384 (0.97), where the two kernels run side by side
-# (module docstring); the sizes between, and problems without the mask, were not timed.
-FUSED_DQ: bool | None = False
+# dq at the end. True or False: always or never (at FUSED_HEAD_DIMS); None, the default: by the problem's size
+# (`fused`), causal problems from FUSED_MIN_KEYS keys and FUSED_MIN_PROGRAMS_PER_SM programs per multiprocessor. On the
+# H100 (causal, d=64), with FUSED_SPLIT and groups of one head, it was faster than the two kernels at one head of 32768
+# and 65536 tokens (1.9 and 3.9 programs per multiprocessor) and at the leaderboard (16 heads of 16384: 15.5), 1-11%
+# for forward and backward in the same run, slower at one head of 16384 (0.97), where the two kernels run side by
+# side (module docstring); the sizes between, and problems without the mask, were not timed. Its fp32 buffer adds 4
+# bytes per dQ element to the backward's peak memory.
+FUSED_DQ: bool | None = None
 FUSED_MIN_KEYS = 16384
 FUSED_MIN_PROGRAMS_PER_SM = 1.9
 # With FUSED_DQ, whether each consumer warpgroup forms half of a query tile's dQ columns over all the program's 128
 # keys instead of all its columns over its own 64: both warpgroups' dS^T in one shared buffer (two, in turns), an
 # mbarrier between them, and K loaded once more as two tiles of half its columns (the B operands). One fp32 reduction
 # per query tile and program instead of two (half that traffic), and a dQ tile of half the registers. On the H100
-# as fast as FUSED_DQ at the leaderboard and 6% faster on one head from 32768 tokens (module docstring): off.
-FUSED_SPLIT = False
+# as fast as FUSED_DQ at the leaderboard and 6% faster on one head from 32768 tokens (module docstring): on.
+FUSED_SPLIT = True
 # With FUSED_DQ and GROUPED_ORDER, heads per group of the dK/dV kernel's launch order (None: as without FUSED_DQ, by
 # the bytes of q and dO alone, 6 heads at the leaderboard, whose fp32 dQ then makes the group's streamed and reduced
-# tiles about 48 MB, L2's size). Untimed: scripts/attention_backward_variants.py's "-g1", "-g2" and "-g4" variants.
-FUSED_GROUP_HEADS: int | None = None
+# tiles about 48 MB, L2's size). One head a group took FUSED_SPLIT's leaderboard backward from 3.24-3.34 ms to
+# 3.12-3.20 on the H100 (module docstring): the default.
+FUSED_GROUP_HEADS: int | None = 1
 # Not d=128: dK, dV and a dQ tile take 64 fp32 registers each there. Formed in two halves of 64 columns into one dQ
 # buffer (two do not fit shared memory), it compiled in 213 KB of shared memory but spilled 72-84 bytes (2026-11-26).
 FUSED_HEAD_DIMS = (64,)
