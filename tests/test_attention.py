@@ -568,7 +568,7 @@ def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, head_dim,
 
 # Compiles the two kernels of the Gluon backward for sm_90 (no GPU needed), causal and not, at each head dim they take
 # (and the dK/dV kernel at d=64 with the other PREFETCH setting: causal without it, not causal with it, and
-# accumulating dQ, FUSED_DQ, causal and not, with and without FUSED_SPLIT, and deferred, FUSED_DEFER_DQ; and each kernel, causal at d=64, in the other
+# accumulating dQ, FUSED_DQ, causal and not, with and without FUSED_SPLIT; and each kernel, causal at d=64, in the other
 # launch order, GROUPED_ORDER: variants scripts/attention_backward_variants.py times), and writes each one's PTX, cubin
 # and shared-memory size to argv[2]/<kernel>-<causal>-<d>/<default, other-prefetch, fused, fused-split or other-order>.
 _COMPILE_HOPPER_BACKWARD = """
@@ -582,8 +582,8 @@ from lmsys.attention import flash_hopper_bwd as hb
 which = sys.argv[1]
 kernel = hb._dkdv_kernel if which == "dkdv" else hb._dq_kernel
 builds = [(causal, d, "default") for causal in (False, True) for d in hb.HEAD_DIMS]
-builds += [(causal, 64, variant) for causal in (False, True)
-           for variant in ("other-prefetch", "fused", "fused-split", "fused-defer") if which == "dkdv"]
+builds += [(causal, 64, variant) for causal in (False, True) for variant in ("other-prefetch", "fused", "fused-split")
+           if which == "dkdv"]
 builds += [(True, 64, "other-order")]
 for causal, d, variant in builds:
     def descriptor(rows):
@@ -601,10 +601,8 @@ for causal, d, variant in builds:
                       PRODUCER_REGS=hb.PRODUCER_REGS, GROUPED=hb.GROUPED_ORDER != (variant == "other-order"))
     if which == "dkdv":
         constexprs["PREFETCH"] = ((causal, d) in hb.PREFETCH_STATS) != (variant == "other-prefetch")
-        constexprs["PREFETCH"] &= variant != "fused-defer"  # as flash_hopper_bwd.backward launches it
         constexprs["FUSED"] = variant.startswith("fused")
-        constexprs["SPLIT"] = variant in ("fused-split", "fused-defer")
-        constexprs["DEFER"] = variant == "fused-defer"
+        constexprs["SPLIT"] = variant == "fused-split"
         dq_cols = d // 2 if constexprs["SPLIT"] else d
         if constexprs["FUSED"]:
             descs["dq_desc"] = f"tensordesc<fp32[{hb.TILES[d][0]}, {dq_cols}],{hb.DQ_ACC_LAYOUT!r}>"
@@ -644,17 +642,15 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
     variants = [folder.name for folder in built]
     assert variants.count("default") == 4
     assert (variants.count("other-prefetch") == variants.count("fused") == variants.count("fused-split")
-            == variants.count("fused-defer") == (2 if kernel == "dkdv" else 0))
+            == (2 if kernel == "dkdv" else 0))
     assert variants.count("other-order") == 1
     for folder in built:
         assert int((folder / "shared").read_text()) <= 227 * 1024, folder.name
         ptx = (folder / "kernel.ptx").read_text()
         assert "wgmma.wait_group.sync.aligned 1;" in ptx, folder.name
         reductions = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add", ptx)
-        # Per consumer warpgroup, one in the loop without the mask and (causal) one in the loop with it; deferred,
-        # another after each loop.
+        # Per consumer warpgroup, one in the loop without the mask and (causal) one in the loop with it.
         expected = (4 if "True" in folder.parent.name else 2) if folder.name.startswith("fused") else 0
-        expected *= 2 if folder.name == "fused-defer" else 1
         assert len(reductions) == expected, folder
         _assert_compiled_well(folder)
 
@@ -713,10 +709,9 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, dq
     {"FUSED_DQ": True, "FUSED_SPLIT": True, "FUSED_GROUP_HEADS": None},
     {"FUSED_DQ": True, "FUSED_SPLIT": True, "FUSED_GROUP_HEADS": 1},
     {"FUSED_DQ": True, "FUSED_SPLIT": False, "FUSED_GROUP_HEADS": 5},
-    {"FUSED_DQ": True, "FUSED_SPLIT": True, "FUSED_DEFER_DQ": True},
     {"FUSED_DQ": True, "NUM_STAGES": 3},
 ], ids=["concurrent-dq", "serial-dq", "dq-tiles-128", "3-stages", "no-prefetch", "other-order", "fused-dq",
-        "fused-split", "fused-split-g1", "fused-dq-g5", "fused-defer", "fused-3-stages"])
+        "fused-split", "fused-split-g1", "fused-dq-g5", "fused-3-stages"])
 @pytest.mark.parametrize("q_shape, is_causal", [((2, 3, 1024, 64), True), ((1, 2, 512, 128), False),
                                                 ((2, 3, 640, 64), False)])
 def test_hopper_backward_variants_gpu(gpu, settings, q_shape, is_causal, monkeypatch, seed):

@@ -204,7 +204,15 @@ and backward 4.386 against 4.774 (cuDNN 4.306); at one head of 32768 and 65536 t
 0.424 against 0.458 (cuDNN 0.532). Under Nsight Compute at the leaderboard (one backward, clocks left alone) its dK/dV
 kernel took 3.007 ms against cuDNN's one kernel's 2.925, with the same L2 traffic (11.07 against 11.01 GB, both 135M
 sectors of fp32 reductions) and tensor pipes 46.9% against 48.2% busy; the buffer's zeroing, its cast and delta 0.077
-ms against cuDNN's 0.082.
+ms against cuDNN's 0.082. On the device's time alone (`--clock queued`, same start as below) the leaderboard's forward
+and backward is 4.278 ms against cuDNN's 4.190, the backward 3.070 against 2.999: the dK/dV kernel is the gap.
+
+Tried for it and slower (session 55, the same start; `--points leaderboard grid --head-dims 64 --seqs 16384 32768 65536
+--modes bwd fwd_bwd --repeats 3 --clock queued`, medians of 3): 3 stages of Q and dO tiles (NUM_STAGES, the variant
+"fused-3stages"), at the leaderboard's backward 3.057 ms against 3.070, at 32768 and 65536 tokens 0.794 and 3.014
+against 0.765 and 2.888; and each tile's dQ product issued in the next tile's step, behind its S^T and dP^T and under
+its softmax, from three dS^T buffers (without PREFETCH_STATS: with both it spilled 132 bytes), 3.371, 0.836 and 3.197
+ms: 10% slower, removed (its code: commit 4a2d9b0).
 """
 
 import contextlib
@@ -291,11 +299,6 @@ FUSED_SPLIT = True
 # tiles about 48 MB, L2's size). One head a group took FUSED_SPLIT's leaderboard backward from 3.24-3.34 ms to
 # 3.12-3.20 on the H100 (module docstring): the default.
 FUSED_GROUP_HEADS: int | None = 1
-# With FUSED_SPLIT, whether a query tile's dQ product is issued in the next tile's step, behind its S^T and dP^T and
-# under its softmax, instead of at the end of its own step with nothing else in flight (three dS^T buffers instead of
-# two), and without PREFETCH_STATS (with both, the causal kernel spills 132 bytes at d=64 for sm_90). Untimed:
-# scripts/attention_backward_variants.py's "fused-defer" variant.
-FUSED_DEFER_DQ = False
 # Not d=128: dK, dV and a dQ tile take 64 fp32 registers each there. Formed in two halves of 64 columns into one dQ
 # buffer (two do not fit shared memory), it compiled in 213 KB of shared memory but spilled 72-84 bytes (2026-11-26).
 FUSED_HEAD_DIMS = (64,)
@@ -421,16 +424,13 @@ def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, de
 def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys, lo, hi,
                qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, BLOCK_M: gl.constexpr,
                NUM_STAGES: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr,
-               PREFETCH: gl.constexpr, FUSED: gl.constexpr, SPLIT: gl.constexpr, WG: gl.constexpr,
-               DEFER: gl.constexpr):
+               PREFETCH: gl.constexpr, FUSED: gl.constexpr, SPLIT: gl.constexpr, WG: gl.constexpr):
     """Query tiles [lo, hi) (counted from the first one the program visits, m_first) into dK, dV. Each tile's
     log-sum-exp and delta are loaded from global memory in its step, or with PREFETCH one step ahead
     (PREFETCH_STATS). With FUSED (FUSED_DQ) each tile's dQ = dS K over these keys too, through ds_smem (dS^T) and
     one of the two buffers of dq_smem, added into dq_desc's rows by TMA; with SPLIT (FUSED_SPLIT) the columns of dQ
     in kc_w's (this warpgroup's, WG, half of them) over both warpgroups' keys, their dS^T in one of ds_smem's two
-    buffers, each filled once both have arrived on its ds_bar. With DEFER (FUSED_DEFER_DQ, with SPLIT) a tile's dQ
-    is issued in the next step, behind its S^T and dP^T and under its softmax, from three dS^T buffers, and the last
-    tile's after the loop."""
+    buffers, each filled once both have arrived on its ds_bar."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     half: gl.constexpr = k_w.shape[0]
     s_zero = gl.zeros([half, BLOCK_M], gl.float32, s_layout)
@@ -459,44 +459,14 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
         do_tile = do_smem.index(slot)
         s_token = warpgroup_mma(k_w, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp_token = warpgroup_mma(v_w, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if DEFER:
-            # Last step's dQ, from both warpgroups' dS^T in its buffer. At the loop's first step (the tile before
-            # was done after the previous loop) a product of whatever the buffer holds, never reduced, so that every
-            # step issues the same products.
-            if j > lo:
-                mbarrier.wait(ds_bar.index((j + 2) % 3), ((j - 1) // 3) & 1)
-            dq_token = warpgroup_mma(ds_smem.index((j + 2) % 3).permute((1, 0)), kc_w, dq_zero, use_acc=False,
-                                     is_async=True)
-            s = warpgroup_mma_wait(2, deps=[s_token])
-        else:
-            # MMA groups complete in order: waiting for all but the newest waits for S^T alone.
-            s = warpgroup_mma_wait(1, deps=[s_token])
+        # MMA groups complete in order: waiting for all but the newest waits for S^T alone.
+        s = warpgroup_mma_wait(1, deps=[s_token])
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
         if MASK:
             p = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1), p, 0.0)
-        if DEFER:
-            p_op = gl.convert_layout(p.to(q_tile.dtype), a_layout)
-            dv_token = warpgroup_mma(p_op, do_tile, dv, is_async=True)
-            if not PREFETCH:
-                delta = gl.load(DELTA + stat_row + cols)
-            dp, dq = warpgroup_mma_wait(1, deps=[dp_token, dq_token])
-            ds = (p * (dp - gl.expand_dims(delta, 0))).to(q_tile.dtype)
-            ds_op = gl.convert_layout(ds, a_layout)
-            dk_token = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
-            # This warpgroup's rows of the step's buffer: every reader of its last tile (three steps ago) has since
-            # waited for that product and arrived on a later tile's barrier, which this warpgroup waited for.
-            ds_smem.index(j % 3).slice(WG * half, half).store(ds)
-            fence_async_shared()
-            gl.thread_barrier()  # every thread's rows stored before the warpgroup's one arrival
-            mbarrier.arrive(ds_bar.index(j % 3))
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op])
-            mbarrier.arrive(empty.index(slot))
-            if j > lo:
-                _reduce_dq(dq * sm_scale, dq_smem, dq_desc, stat_row, m_first + j - 1, j - 1, BLOCK_M, WG)
-        else:
-            dv_token, dk_token, p_op, ds_op, ds = _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row,
-                                                               cols, delta, a_layout, PREFETCH)
-        if FUSED and not DEFER:
+        dv_token, dk_token, p_op, ds_op, ds = _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row,
+                                                           cols, delta, a_layout, PREFETCH)
+        if FUSED:
             # dQ = dS K, its A operand dS^T from shared memory, transposed.
             if SPLIT:
                 # This warpgroup's rows of the step's buffer: the other warpgroup last read it two steps ago, and
@@ -514,37 +484,22 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
                 dq_token = warpgroup_mma(ds_smem.permute((1, 0)), k_w, dq_zero, use_acc=False, is_async=True)
             dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op, dq_token])
             mbarrier.arrive(empty.index(slot))
-            _reduce_dq(dq * sm_scale, dq_smem, dq_desc, stat_row, m_first + j, j, BLOCK_M, WG if SPLIT else 0)
-        elif not FUSED:
+            dq_buffer = dq_smem.index(j % 2)
+            tma.store_wait(1)  # the reduction issued from this buffer two steps ago has read it
+            dq_buffer.store(dq * sm_scale)
+            fence_async_shared()
+            _tma_reduce_add(dq_desc, [stat_row + (m_first + j) * BLOCK_M, WG * dq_cols if SPLIT else 0], dq_buffer)
+        else:
             dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op])
             mbarrier.arrive(empty.index(slot))
-    if DEFER:
-        if hi > lo:  # the last tile's dQ
-            mbarrier.wait(ds_bar.index((hi - 1) % 3), ((hi - 1) // 3) & 1)
-            dq_token = warpgroup_mma(ds_smem.index((hi - 1) % 3).permute((1, 0)), kc_w, dq_zero, use_acc=False,
-                                     is_async=True)
-            dq = warpgroup_mma_wait(0, deps=[dq_token])
-            _reduce_dq(dq * sm_scale, dq_smem, dq_desc, stat_row, m_first + hi - 1, hi - 1, BLOCK_M, WG)
     return dk, dv
-
-
-@gluon.jit
-def _reduce_dq(dq, dq_smem, dq_desc, stat_row, tile, step, BLOCK_M: gl.constexpr, WG: gl.constexpr):
-    """Adds the query tile `tile`'s dQ (this warpgroup's columns, WG of them, or all) into dq_desc's fp32 rows by TMA,
-    through the buffer of dq_smem that the `step`-th reduction in this loop's order takes (one of two, in turns)."""
-    dq_buffer = dq_smem.index(step % 2)
-    tma.store_wait(1)  # the reduction issued from this buffer two steps ago has read it
-    dq_buffer.store(dq)
-    fence_async_shared()
-    _tma_reduce_add(dq_desc, [stat_row + tile * BLOCK_M, WG * dq_desc.block_type.shape[1]], dq_buffer)
 
 
 @gluon.jit
 def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, ds_smem, dq_smem, kc_w, ds_bar,
                    kv_bar, ready, empty, out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
                    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   PREFETCH: gl.constexpr, FUSED: gl.constexpr, SPLIT: gl.constexpr, WG: gl.constexpr,
-                   DEFER: gl.constexpr):
+                   PREFETCH: gl.constexpr, FUSED: gl.constexpr, SPLIT: gl.constexpr, WG: gl.constexpr):
     half: gl.constexpr = k_w.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
@@ -557,17 +512,14 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, k_w, v_w, q_smem, do_s
         # The query tiles that overlap the program's keys need the mask; those after them do not.
         dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
                             0, n_masked, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, BLOCK_M,
-                            NUM_STAGES, True, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG,
-                            DEFER)
+                            NUM_STAGES, True, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG)
         dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
                             n_masked, n_tiles, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, BLOCK_M,
-                            NUM_STAGES, False, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG,
-                            DEFER)
+                            NUM_STAGES, False, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG)
     else:
         dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
                             0, n_tiles, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, BLOCK_M,
-                            NUM_STAGES, False, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG,
-                            DEFER)
+                            NUM_STAGES, False, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG)
     # Epilogue: through this warpgroup's K and V buffers (no longer read) and TMA stores; the wait covers the dQ
     # reductions too.
     k_w.store((dk * sm_scale).to(dk_desc.dtype))
@@ -585,7 +537,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, kc_
                  DO_RB, DO_RH, DO_CB, DO_CH,
                  HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PREFETCH: gl.constexpr,
-                 GROUPED: gl.constexpr, FUSED: gl.constexpr, SPLIT: gl.constexpr, DEFER: gl.constexpr):
+                 GROUPED: gl.constexpr, FUSED: gl.constexpr, SPLIT: gl.constexpr):
     HALF: gl.constexpr = k_desc.block_type.shape[0]  # keys per consumer warpgroup
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
@@ -619,13 +571,11 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, kc_
         dq_cols: gl.constexpr = dq_desc.block_type.shape[1]
         dq_0 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, dq_cols], dq_desc.layout)
         dq_1 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, dq_cols], dq_desc.layout)
-        if SPLIT:  # two (DEFER: three) buffers of both warpgroups' dS^T, their barriers (an arrival each), K's two
-            # column halves
-            N_DS: gl.constexpr = 3 if DEFER else 2
-            ds_smem = gl.allocate_shared_memory(dtype, [N_DS, 2 * HALF, BLOCK_M], q_desc.layout)
+        if SPLIT:  # two buffers of both warpgroups' dS^T, their barriers (an arrival each), K's two column halves
+            ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * HALF, BLOCK_M], q_desc.layout)
             ds_0, ds_1 = ds_smem, ds_smem
-            ds_bar = gl.allocate_shared_memory(gl.int64, [N_DS, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(N_DS):
+            ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(2):
                 mbarrier.init(ds_bar.index(i), count=2)
             kc_smem = gl.allocate_shared_memory(dtype, [2, 2 * HALF, dq_cols], kc_desc.layout)
             kc_0, kc_1 = kc_smem.index(0), kc_smem.index(1)
@@ -639,11 +589,11 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, kc_
         (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, k_smem.index(0), v_smem.index(0), q_smem, do_smem,
                           ds_0, dq_0, kc_0, ds_bar, kv_bar, ready, empty, out_row, stat_row, key0, m_first, n_masked,
                           n_tiles, qk_scale, sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, PREFETCH, FUSED, SPLIT,
-                          0, DEFER)),
+                          0)),
         (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, k_smem.index(1), v_smem.index(1), q_smem, do_smem,
                           ds_1, dq_1, kc_1, ds_bar, kv_bar, ready, empty, out_row + HALF, stat_row, key0 + HALF,
                           m_first, n_masked, n_tiles, qk_scale, sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES,
-                          PREFETCH, FUSED, SPLIT, 1, DEFER)),
+                          PREFETCH, FUSED, SPLIT, 1)),
         (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, kc_desc, k_smem, v_smem, q_smem, do_smem, kc_smem, kv_bar,
                           ready, empty, b * K_RB + h * K_RH + key0, b * K_CB + h * K_CH, b * V_RB + h * V_RH + key0,
                           b * V_CB + h * V_CH, b * Q_RB + h * Q_RH + m_first * BLOCK_M, b * Q_CB + h * Q_CH,
@@ -800,7 +750,6 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
     # dq, dk, dv are new; lse and delta contiguous. The tiles are the descriptors' block shapes, not constexprs.
     key = (q.device, q.dtype, q.shape, k.shape, block_m, block_n, qv, kv, vv, dov)
     split = fused_dq and FUSED_SPLIT
-    defer = split and FUSED_DEFER_DQ
     if fused_dq and GROUPED_ORDER and FUSED_GROUP_HEADS is not None:  # in the launch's key: not set by the shapes
         groups = (max(1, min(bh, FUSED_GROUP_HEADS)), groups[1])
         key += (groups,)
@@ -820,8 +769,7 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
         (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m),
          desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), dq_desc, kc_desc, lse, delta,
          n_q, n_k, heads, bh, groups[0], qk_scale, sm_scale, *strides),
-        ("dkdv", *key), PREFETCH=(is_causal, d) in PREFETCH_STATS and not defer, FUSED=fused_dq, SPLIT=split,
-        DEFER=defer, **common,
+        ("dkdv", *key), PREFETCH=(is_causal, d) in PREFETCH_STATS, FUSED=fused_dq, SPLIT=split, **common,
     )
     if fused_dq:
         dq.view(-1, d).copy_(dq_acc)
