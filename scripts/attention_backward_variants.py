@@ -97,6 +97,8 @@ VARIANTS = {
     # leaderboard's 16 heads on a group of one, whose heaviest programs come last: 4% longer in a list-scheduling model)
     **{f"hopper-fused{split}-g{n}": ("flash_triton", _fused(bool(split), n))
        for split in ("", "-split") for n in (1, 2, 4)},
+    # The default with dQ accumulated in the dK/dV kernel at d=128 too (by the problem's size)
+    "fused-128": ("flash_triton", {"FUSED_HEAD_DIMS": (64, 128)}),
     # The default with 3 stages of Q and dO tiles
     "fused-3stages": ("flash_triton", {"NUM_STAGES": 3}),
     "grouped": ("flash_triton", {"GROUPED_ORDER": True}),  # the default: the forwards' launch order
@@ -116,6 +118,7 @@ DEFAULTS = {
     "FUSED_DQ": (flash_hopper_bwd, flash_hopper_bwd.FUSED_DQ),
     "FUSED_SPLIT": (flash_hopper_bwd, flash_hopper_bwd.FUSED_SPLIT),
     "FUSED_GROUP_HEADS": (flash_hopper_bwd, flash_hopper_bwd.FUSED_GROUP_HEADS),
+    "FUSED_HEAD_DIMS": (flash_hopper_bwd, flash_hopper_bwd.FUSED_HEAD_DIMS),
     "FORWARD_64_MIN_KEYS": (flash_hopper, flash_hopper.FORWARD_64_MIN_KEYS),  # where the Gluon forward runs d=64
     "FORWARD_64_BELOW_PROGRAMS_PER_SM": (flash_hopper, flash_hopper.FORWARD_64_BELOW_PROGRAMS_PER_SM),
 }

@@ -401,12 +401,13 @@ def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, kc_desc, k_smem, v_smem, q_s
 
 
 @gluon.jit
-def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, delta_ahead, a_layout: gl.constexpr,
-                 PREFETCH: gl.constexpr):
+def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, delta_ahead, ds_w,
+                 a_layout: gl.constexpr, PREFETCH: gl.constexpr, DS_FROM_SMEM: gl.constexpr):
     """A query tile's dV += P^T dO issued, then (once dP^T is in, while dV is on the tensor cores) dS^T = P^T (dP^T -
     delta) formed and dK += dS^T Q issued: their tokens, the register operands they read, to keep until waited, and
     dS^T (16-bit, in the MMA layout). delta is loaded here, or with PREFETCH it is delta_ahead, loaded a step
-    earlier."""
+    earlier. With DS_FROM_SMEM dS^T is stored into ds_w first and dK's A operand read from there (no register
+    operand: the one returned is p_op again)."""
     p_op = gl.convert_layout(p.to(q_tile.dtype), a_layout)
     dv_token = warpgroup_mma(p_op, do_tile, dv, is_async=True)
     if PREFETCH:
@@ -415,8 +416,15 @@ def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, de
         delta = gl.load(DELTA + stat_row + cols)
     dp = warpgroup_mma_wait(1, deps=[dp_token])
     ds = (p * (dp - gl.expand_dims(delta, 0))).to(q_tile.dtype)
-    ds_op = gl.convert_layout(ds, a_layout)
-    dk_token = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+    if DS_FROM_SMEM:
+        ds_w.store(ds)
+        fence_async_shared()
+        gl.thread_barrier()  # every thread's rows stored before the product reads them
+        ds_op = p_op
+        dk_token = warpgroup_mma(ds_w, q_tile, dk, is_async=True)
+    else:
+        ds_op = gl.convert_layout(ds, a_layout)
+        dk_token = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
     return dv_token, dk_token, p_op, ds_op, ds
 
 
@@ -433,6 +441,10 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
     buffers, each filled once both have arrived on its ds_bar."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     half: gl.constexpr = k_w.shape[0]
+    # At d=128 (SPLIT) dK's A operand dS^T is read from shared memory (where dQ's is stored anyway), which leaves the
+    # registers of its 16-bit copy free, and dQ has one buffer (two do not fit shared memory there).
+    DS_FROM_SMEM: gl.constexpr = SPLIT and k_w.shape[1] > 64
+    N_DQ: gl.constexpr = dq_smem.shape[0]
     s_zero = gl.zeros([half, BLOCK_M], gl.float32, s_layout)
     if FUSED:
         dq_cols: gl.constexpr = dq_desc.block_type.shape[1]
@@ -464,17 +476,22 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
         if MASK:
             p = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1), p, 0.0)
+        if DS_FROM_SMEM:  # this warpgroup's rows of the step's dS^T buffer (SPLIT: below)
+            ds_w = ds_smem.index(j % 2).slice(WG * half, half)
+        else:
+            ds_w = ds_smem
         dv_token, dk_token, p_op, ds_op, ds = _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row,
-                                                           cols, delta, a_layout, PREFETCH)
+                                                           cols, delta, ds_w, a_layout, PREFETCH, DS_FROM_SMEM)
         if FUSED:
             # dQ = dS K, its A operand dS^T from shared memory, transposed.
             if SPLIT:
                 # This warpgroup's rows of the step's buffer: the other warpgroup last read it two steps ago, and
                 # has since arrived on the other buffer's barrier, after waiting for that product.
                 ds_all = ds_smem.index(j % 2)
-                ds_all.slice(WG * half, half).store(ds)
-                fence_async_shared()
-                gl.thread_barrier()  # every thread's rows stored before the warpgroup's one arrival
+                if not DS_FROM_SMEM:  # else stored for dK already
+                    ds_all.slice(WG * half, half).store(ds)
+                    fence_async_shared()
+                    gl.thread_barrier()  # every thread's rows stored before the warpgroup's one arrival
                 mbarrier.arrive(ds_bar.index(j % 2))
                 mbarrier.wait(ds_bar.index(j % 2), (j // 2) & 1)
                 dq_token = warpgroup_mma(ds_all.permute((1, 0)), kc_w, dq_zero, use_acc=False, is_async=True)
@@ -484,8 +501,10 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
                 dq_token = warpgroup_mma(ds_smem.permute((1, 0)), k_w, dq_zero, use_acc=False, is_async=True)
             dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op, dq_token])
             mbarrier.arrive(empty.index(slot))
-            dq_buffer = dq_smem.index(j % 2)
-            tma.store_wait(1)  # the reduction issued from this buffer two steps ago has read it
+            # The reduction issued from this buffer (one of two; at d=128 the only one) two steps (one) ago has read
+            # it.
+            dq_buffer = dq_smem.index(j % N_DQ)
+            tma.store_wait(N_DQ - 1)
             dq_buffer.store(dq * sm_scale)
             fence_async_shared()
             _tma_reduce_add(dq_desc, [stat_row + (m_first + j) * BLOCK_M, WG * dq_cols if SPLIT else 0], dq_buffer)
@@ -567,10 +586,11 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, kc_
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
     # Not read unless FUSED (and SPLIT):
     ds_0, ds_1, dq_0, dq_1, kc_0, kc_1, kc_smem, ds_bar = k_smem, k_smem, k_smem, k_smem, k_smem, k_smem, k_smem, kv_bar
-    if FUSED:  # per consumer warpgroup two fp32 dQ tiles (one may still be read by its reduction)
+    if FUSED:  # per consumer warpgroup two fp32 dQ tiles (one may still be read by its reduction; d=128: one)
         dq_cols: gl.constexpr = dq_desc.block_type.shape[1]
-        dq_0 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, dq_cols], dq_desc.layout)
-        dq_1 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, dq_cols], dq_desc.layout)
+        N_DQ: gl.constexpr = 1 if HEAD_DIM > 64 else 2
+        dq_0 = gl.allocate_shared_memory(gl.float32, [N_DQ, BLOCK_M, dq_cols], dq_desc.layout)
+        dq_1 = gl.allocate_shared_memory(gl.float32, [N_DQ, BLOCK_M, dq_cols], dq_desc.layout)
         if SPLIT:  # two buffers of both warpgroups' dS^T, their barriers (an arrival each), K's two column halves
             ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * HALF, BLOCK_M], q_desc.layout)
             ds_0, ds_1 = ds_smem, ds_smem
