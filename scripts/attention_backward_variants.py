@@ -6,8 +6,8 @@ without FUSED_SPLIT, the heads in groups of 1, 2 or 4), the Gluon forward at d=6
 runs long problems of few blocks: flash_hopper.plan), SDPA's cuDNN and flash backends, the default (what
 flash_attention runs: the Gluon backward as flash_hopper_bwd.plan decides by the problem's programs per
 multiprocessor, else the Triton one; dQ accumulated by the dK/dV kernel as flash_hopper_bwd.fused decides) and the
-default with the two kernels always (as before 2026-11-26), at the CS336 leaderboard's shape and the causal grid's
-points from 8192 tokens (issue 15).
+default with the two kernels always (as before 2026-11-26), at the CS336 leaderboard's shape (and that shape
+at d=128) and the causal grid's points from 8192 tokens (issue 15).
 
 For each point (bf16, causal unless --not-causal): first each variant's output and gradients against the Triton
 kernels' on the same inputs (the largest difference of each of o, dq, dk, dv relative to the Triton tensor's largest
@@ -61,6 +61,7 @@ from lmsys.bench.ncu import short_name
 # (batch, heads, seq, d): the leaderboard's (16, 16384, 64) and the causal grid's (1, T, d) points, as 4-D inputs.
 POINTS = {
     "leaderboard": [(16, 1, 16384, 64)],
+    "leaderboard-d128": [(16, 1, 16384, 128)],  # its shape at d=128
     "grid": [(1, 1, seq, d) for d in (64, 128) for seq in (8192, 16384, 32768, 65536)],
 }
 # name -> (provider, settings of lmsys.attention's modules for it: the Gluon backward, its defaults changed, the
@@ -97,8 +98,8 @@ VARIANTS = {
     # leaderboard's 16 heads on a group of one, whose heaviest programs come last: 4% longer in a list-scheduling model)
     **{f"hopper-fused{split}-g{n}": ("flash_triton", _fused(bool(split), n))
        for split in ("", "-split") for n in (1, 2, 4)},
-    # The default with dQ accumulated in the dK/dV kernel at d=128 too (by the problem's size)
-    "fused-128": ("flash_triton", {"FUSED_HEAD_DIMS": (64, 128)}),
+    # The default with dQ accumulated in the dK/dV kernel at d=64 alone (as before 2026-11-26's session 55)
+    "fused-64": ("flash_triton", {"FUSED_HEAD_DIMS": (64,)}),
     # The default with 3 stages of Q and dO tiles
     "fused-3stages": ("flash_triton", {"NUM_STAGES": 3}),
     "grouped": ("flash_triton", {"GROUPED_ORDER": True}),  # the default: the forwards' launch order

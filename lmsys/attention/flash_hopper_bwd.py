@@ -299,9 +299,13 @@ FUSED_SPLIT = True
 # tiles about 48 MB, L2's size). One head a group took FUSED_SPLIT's leaderboard backward from 3.24-3.34 ms to
 # 3.12-3.20 on the H100 (module docstring): the default.
 FUSED_GROUP_HEADS: int | None = 1
-# Not d=128: dK, dV and a dQ tile take 64 fp32 registers each there. Formed in two halves of 64 columns into one dQ
-# buffer (two do not fit shared memory), it compiled in 213 KB of shared memory but spilled 72-84 bytes (2026-11-26).
-FUSED_HEAD_DIMS = (64,)
+# The head dims at which the dK/dV kernel accumulates dQ: 64, and 128 with FUSED_SPLIT only. At d=128 dK and dV take
+# 64 fp32 registers each, and a whole dQ tile would take 64 more (formed in two halves of 64 columns it spilled 72-84
+# bytes, 2026-11-26); with FUSED_SPLIT (half its columns: 32 registers) both of dV's and dK's A operands, P^T and dS^T,
+# go through the shared buffer dQ's dS^T takes anyway, and dQ has one buffer (two do not fit shared memory). The causal
+# kernel still spills 44 bytes for sm_90 (tests/test_attention.py bounds it) and was measured faster than the two
+# kernels and than cuDNN from 32768 tokens (module docstring).
+FUSED_HEAD_DIMS = (64, 128)
 # The fp32 dQ tiles' shared buffers and the dQ buffer's TMA descriptor. A row of 64 fp32 (256 bytes) is wider than
 # the 128-byte swizzle: triton keeps the tile as two of 32 columns and two warps each issue one's reduction (the
 # compiled kernel's descriptor boxes are 64 x 32). Unswizzled, the rows of a warp's stores would fall in the same banks.
@@ -335,7 +339,7 @@ def plan(programs_per_sm: float, keys: int, capturing: bool) -> bool | None:
 def fused(head_dim: int, programs_per_sm: float, keys: int, is_causal: bool) -> bool:
     """Whether the dK/dV kernel accumulates dQ (FUSED_DQ) for a problem of this head dim, `programs_per_sm` programs
     per multiprocessor and `keys` keys, causal or not."""
-    if head_dim not in FUSED_HEAD_DIMS:
+    if head_dim not in FUSED_HEAD_DIMS or (head_dim > 64 and not FUSED_SPLIT):
         return False
     if FUSED_DQ is not None:
         return FUSED_DQ
@@ -406,10 +410,16 @@ def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, de
     """A query tile's dV += P^T dO issued, then (once dP^T is in, while dV is on the tensor cores) dS^T = P^T (dP^T -
     delta) formed and dK += dS^T Q issued: their tokens, the register operands they read, to keep until waited, and
     dS^T (16-bit, in the MMA layout). delta is loaded here, or with PREFETCH it is delta_ahead, loaded a step
-    earlier. With DS_FROM_SMEM dS^T is stored into ds_w first and dK's A operand read from there (no register
-    operand: the one returned is p_op again)."""
-    p_op = gl.convert_layout(p.to(q_tile.dtype), a_layout)
-    dv_token = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+    earlier. With DS_FROM_SMEM both A operands, P^T and then dS^T, go through ds_w (dS^T stored once the dV product
+    has read P^T): no register operand to keep (the ones returned are dS^T), and dV is returned done."""
+    if DS_FROM_SMEM:
+        ds_w.store(p.to(q_tile.dtype))
+        fence_async_shared()
+        gl.thread_barrier()  # every thread's rows stored before the product reads them
+        dv_token = warpgroup_mma(ds_w, do_tile, dv, is_async=True)
+    else:
+        p_op = gl.convert_layout(p.to(q_tile.dtype), a_layout)
+        dv_token = warpgroup_mma(p_op, do_tile, dv, is_async=True)
     if PREFETCH:
         delta = delta_ahead
     else:
@@ -417,10 +427,12 @@ def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, de
     dp = warpgroup_mma_wait(1, deps=[dp_token])
     ds = (p * (dp - gl.expand_dims(delta, 0))).to(q_tile.dtype)
     if DS_FROM_SMEM:
+        dv_token = warpgroup_mma_wait(0, deps=[dv_token])  # it has read P^T
         ds_w.store(ds)
         fence_async_shared()
-        gl.thread_barrier()  # every thread's rows stored before the product reads them
-        ds_op = p_op
+        gl.thread_barrier()
+        p_op = ds
+        ds_op = ds
         dk_token = warpgroup_mma(ds_w, q_tile, dk, is_async=True)
     else:
         ds_op = gl.convert_layout(ds, a_layout)
@@ -499,7 +511,10 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
                 ds_smem.store(ds)
                 fence_async_shared()
                 dq_token = warpgroup_mma(ds_smem.permute((1, 0)), k_w, dq_zero, use_acc=False, is_async=True)
-            dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op, dq_token])
+            if DS_FROM_SMEM:  # no register operand in flight
+                dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, dq_token])
+            else:
+                dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op, dq_token])
             mbarrier.arrive(empty.index(slot))
             # The reduction issued from this buffer (one of two; at d=128 the only one) two steps (one) ago has read
             # it.
