@@ -608,6 +608,7 @@ for causal, d, variant in builds:
         constexprs["PREFETCH"] = ((causal, d) in hb.PREFETCH_STATS) != (variant == "other-prefetch")
         constexprs["FUSED"] = variant.startswith("fused")
         constexprs["SPLIT"] = variant == "fused-split"
+        constexprs["DS_SMEM"] = constexprs["SPLIT"] and d > 64 and hb.FUSED_DS_SMEM
         dq_cols = d // 2 if constexprs["SPLIT"] else d
         if constexprs["FUSED"]:
             descs["dq_desc"] = f"tensordesc<fp32[{hb.TILES[d][0]}, {dq_cols}],{hb.DQ_ACC_LAYOUT!r}>"
@@ -659,7 +660,7 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
         assert len(reductions) == expected, folder
         # At d=128 dQ accumulated in the dK/dV kernel spills, measured faster all the same (FUSED_HEAD_DIMS).
         d128_fused = folder.parent.name == "dkdv-True-128" and folder.name == "fused-split"
-        _assert_compiled_well(folder, spill_bytes=44 if d128_fused else 0)
+        _assert_compiled_well(folder, spill_bytes=104 if d128_fused else 0)
 
 
 @pytest.mark.gpu
@@ -884,7 +885,8 @@ def test_the_gluon_backward_accumulates_dq_by_size_gpu(gpu, head_dim, monkeypatc
     head dims; the gradients against float32 SDPA."""
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
-    assert (flash_hopper_bwd.FUSED_DQ, flash_hopper_bwd.FUSED_SPLIT, flash_hopper_bwd.FUSED_GROUP_HEADS) == (None, True, 1)
+    defaults = (flash_hopper_bwd.FUSED_DQ, flash_hopper_bwd.FUSED_SPLIT, flash_hopper_bwd.FUSED_GROUP_HEADS)
+    assert defaults == (None, True, 1)
     launches = []
     launch = launcher.launch
     monkeypatch.setattr(launcher, "launch",

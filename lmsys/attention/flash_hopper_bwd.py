@@ -306,6 +306,7 @@ FUSED_GROUP_HEADS: int | None = 1
 # kernel still spills 44 bytes for sm_90 (tests/test_attention.py bounds it) and was measured faster than the two
 # kernels and than cuDNN from 32768 tokens (module docstring).
 FUSED_HEAD_DIMS = (64, 128)
+FUSED_DS_SMEM = True
 # The fp32 dQ tiles' shared buffers and the dQ buffer's TMA descriptor. A row of 64 fp32 (256 bytes) is wider than
 # the 128-byte swizzle: triton keeps the tile as two of 32 columns and two warps each issue one's reduction (the
 # compiled kernel's descriptor boxes are 64 x 32). Unswizzled, the rows of a warp's stores would fall in the same banks.
@@ -339,7 +340,7 @@ def plan(programs_per_sm: float, keys: int, capturing: bool) -> bool | None:
 def fused(head_dim: int, programs_per_sm: float, keys: int, is_causal: bool) -> bool:
     """Whether the dK/dV kernel accumulates dQ (FUSED_DQ) for a problem of this head dim, `programs_per_sm` programs
     per multiprocessor and `keys` keys, causal or not."""
-    if head_dim not in FUSED_HEAD_DIMS or (head_dim > 64 and not FUSED_SPLIT):
+    if head_dim not in FUSED_HEAD_DIMS or (head_dim > 64 and (not FUSED_SPLIT or NUM_STAGES > 2)):
         return False
     if FUSED_DQ is not None:
         return FUSED_DQ
@@ -410,16 +411,10 @@ def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, de
     """A query tile's dV += P^T dO issued, then (once dP^T is in, while dV is on the tensor cores) dS^T = P^T (dP^T -
     delta) formed and dK += dS^T Q issued: their tokens, the register operands they read, to keep until waited, and
     dS^T (16-bit, in the MMA layout). delta is loaded here, or with PREFETCH it is delta_ahead, loaded a step
-    earlier. With DS_FROM_SMEM both A operands, P^T and then dS^T, go through ds_w (dS^T stored once the dV product
-    has read P^T): no register operand to keep (the ones returned are dS^T), and dV is returned done."""
-    if DS_FROM_SMEM:
-        ds_w.store(p.to(q_tile.dtype))
-        fence_async_shared()
-        gl.thread_barrier()  # every thread's rows stored before the product reads them
-        dv_token = warpgroup_mma(ds_w, do_tile, dv, is_async=True)
-    else:
-        p_op = gl.convert_layout(p.to(q_tile.dtype), a_layout)
-        dv_token = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+    earlier. With DS_FROM_SMEM dS^T is stored into ds_w first and dK's A operand read from there (no register
+    operand: the one returned is p_op again)."""
+    p_op = gl.convert_layout(p.to(q_tile.dtype), a_layout)
+    dv_token = warpgroup_mma(p_op, do_tile, dv, is_async=True)
     if PREFETCH:
         delta = delta_ahead
     else:
@@ -427,12 +422,10 @@ def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, de
     dp = warpgroup_mma_wait(1, deps=[dp_token])
     ds = (p * (dp - gl.expand_dims(delta, 0))).to(q_tile.dtype)
     if DS_FROM_SMEM:
-        dv_token = warpgroup_mma_wait(0, deps=[dv_token])  # it has read P^T
         ds_w.store(ds)
         fence_async_shared()
-        gl.thread_barrier()
-        p_op = ds
-        ds_op = ds
+        gl.thread_barrier()  # every thread's rows stored before the product reads them
+        ds_op = p_op
         dk_token = warpgroup_mma(ds_w, q_tile, dk, is_async=True)
     else:
         ds_op = gl.convert_layout(ds, a_layout)
@@ -444,7 +437,8 @@ def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, de
 def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys, lo, hi,
                qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, BLOCK_M: gl.constexpr,
                NUM_STAGES: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr,
-               PREFETCH: gl.constexpr, FUSED: gl.constexpr, SPLIT: gl.constexpr, WG: gl.constexpr):
+               PREFETCH: gl.constexpr, FUSED: gl.constexpr, SPLIT: gl.constexpr, WG: gl.constexpr,
+               DS_SMEM: gl.constexpr):
     """Query tiles [lo, hi) (counted from the first one the program visits, m_first) into dK, dV. Each tile's
     log-sum-exp and delta are loaded from global memory in its step, or with PREFETCH one step ahead
     (PREFETCH_STATS). With FUSED (FUSED_DQ) each tile's dQ = dS K over these keys too, through ds_smem (dS^T) and
@@ -455,7 +449,7 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
     half: gl.constexpr = k_w.shape[0]
     # At d=128 (SPLIT) dK's A operand dS^T is read from shared memory (where dQ's is stored anyway), which leaves the
     # registers of its 16-bit copy free, and dQ has one buffer (two do not fit shared memory there).
-    DS_FROM_SMEM: gl.constexpr = SPLIT and k_w.shape[1] > 64
+    DS_FROM_SMEM: gl.constexpr = DS_SMEM
     N_DQ: gl.constexpr = dq_smem.shape[0]
     s_zero = gl.zeros([half, BLOCK_M], gl.float32, s_layout)
     if FUSED:
@@ -511,10 +505,7 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
                 ds_smem.store(ds)
                 fence_async_shared()
                 dq_token = warpgroup_mma(ds_smem.permute((1, 0)), k_w, dq_zero, use_acc=False, is_async=True)
-            if DS_FROM_SMEM:  # no register operand in flight
-                dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, dq_token])
-            else:
-                dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op, dq_token])
+            dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op, dq_token])
             mbarrier.arrive(empty.index(slot))
             # The reduction issued from this buffer (one of two; at d=128 the only one) two steps (one) ago has read
             # it.
@@ -533,7 +524,8 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
 def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, ds_smem, dq_smem, kc_w, ds_bar,
                    kv_bar, ready, empty, out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
                    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   PREFETCH: gl.constexpr, FUSED: gl.constexpr, SPLIT: gl.constexpr, WG: gl.constexpr):
+                   PREFETCH: gl.constexpr, FUSED: gl.constexpr, SPLIT: gl.constexpr, WG: gl.constexpr,
+                   DS_SMEM: gl.constexpr):
     half: gl.constexpr = k_w.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
@@ -546,14 +538,14 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, k_w, v_w, q_smem, do_s
         # The query tiles that overlap the program's keys need the mask; those after them do not.
         dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
                             0, n_masked, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, BLOCK_M,
-                            NUM_STAGES, True, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG)
+                            NUM_STAGES, True, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG, DS_SMEM)
         dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
                             n_masked, n_tiles, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, BLOCK_M,
-                            NUM_STAGES, False, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG)
+                            NUM_STAGES, False, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG, DS_SMEM)
     else:
         dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
                             0, n_tiles, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, BLOCK_M,
-                            NUM_STAGES, False, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG)
+                            NUM_STAGES, False, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG, DS_SMEM)
     # Epilogue: through this warpgroup's K and V buffers (no longer read) and TMA stores; the wait covers the dQ
     # reductions too.
     k_w.store((dk * sm_scale).to(dk_desc.dtype))
@@ -571,7 +563,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, kc_
                  DO_RB, DO_RH, DO_CB, DO_CH,
                  HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PREFETCH: gl.constexpr,
-                 GROUPED: gl.constexpr, FUSED: gl.constexpr, SPLIT: gl.constexpr):
+                 GROUPED: gl.constexpr, FUSED: gl.constexpr, SPLIT: gl.constexpr, DS_SMEM: gl.constexpr):
     HALF: gl.constexpr = k_desc.block_type.shape[0]  # keys per consumer warpgroup
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
@@ -624,11 +616,11 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, kc_
         (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, k_smem.index(0), v_smem.index(0), q_smem, do_smem,
                           ds_0, dq_0, kc_0, ds_bar, kv_bar, ready, empty, out_row, stat_row, key0, m_first, n_masked,
                           n_tiles, qk_scale, sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, PREFETCH, FUSED, SPLIT,
-                          0)),
+                          0, DS_SMEM)),
         (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, k_smem.index(1), v_smem.index(1), q_smem, do_smem,
                           ds_1, dq_1, kc_1, ds_bar, kv_bar, ready, empty, out_row + HALF, stat_row, key0 + HALF,
                           m_first, n_masked, n_tiles, qk_scale, sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES,
-                          PREFETCH, FUSED, SPLIT, 1)),
+                          PREFETCH, FUSED, SPLIT, 1, DS_SMEM)),
         (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, kc_desc, k_smem, v_smem, q_smem, do_smem, kc_smem, kv_bar,
                           ready, empty, b * K_RB + h * K_RH + key0, b * K_CB + h * K_CH, b * V_RB + h * V_RH + key0,
                           b * V_CB + h * V_CH, b * Q_RB + h * Q_RH + m_first * BLOCK_M, b * Q_CB + h * Q_CH,
@@ -804,7 +796,8 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
         (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m),
          desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), dq_desc, kc_desc, lse, delta,
          n_q, n_k, heads, bh, groups[0], qk_scale, sm_scale, *strides),
-        ("dkdv", *key), PREFETCH=(is_causal, d) in PREFETCH_STATS, FUSED=fused_dq, SPLIT=split, **common,
+        ("dkdv", *key), PREFETCH=(is_causal, d) in PREFETCH_STATS, FUSED=fused_dq, SPLIT=split,
+        DS_SMEM=split and d > 64 and FUSED_DS_SMEM, **common,
     )
     if fused_dq:
         dq.view(-1, d).copy_(dq_acc)
