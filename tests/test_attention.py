@@ -572,9 +572,10 @@ def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, head_dim,
 
 # Compiles the two kernels of the Gluon backward for sm_90 (no GPU needed), causal and not, at each head dim they take
 # (and the dK/dV kernel at d=64 with the other PREFETCH setting: causal without it, not causal with it, and
-# accumulating dQ, FUSED_DQ, causal and not, with and without FUSED_SPLIT; and each kernel, causal at d=64, in the other
-# launch order, GROUPED_ORDER: variants scripts/attention_backward_variants.py times), and writes each one's PTX, cubin
-# and shared-memory size to argv[2]/<kernel>-<causal>-<d>/<default, other-prefetch, fused, fused-split or other-order>.
+# accumulating dQ, FUSED_DQ, causal and not, with and without FUSED_SPLIT, and causal with it at d=128; and each kernel,
+# causal at d=64, in the other launch order, GROUPED_ORDER: variants scripts/attention_backward_variants.py times), and
+# writes each one's PTX, cubin and shared-memory size to argv[2]/<kernel>-<causal>-<d>/<default, other-prefetch, fused,
+# fused-split or other-order>.
 _COMPILE_HOPPER_BACKWARD = """
 import pathlib, sys
 import triton
@@ -608,7 +609,6 @@ for causal, d, variant in builds:
         constexprs["PREFETCH"] = ((causal, d) in hb.PREFETCH_STATS) != (variant == "other-prefetch")
         constexprs["FUSED"] = variant.startswith("fused")
         constexprs["SPLIT"] = variant == "fused-split"
-        constexprs["DS_SMEM"] = constexprs["SPLIT"] and d > 64 and hb.FUSED_DS_SMEM
         dq_cols = d // 2 if constexprs["SPLIT"] else d
         if constexprs["FUSED"]:
             descs["dq_desc"] = f"tensordesc<fp32[{hb.TILES[d][0]}, {dq_cols}],{hb.DQ_ACC_LAYOUT!r}>"
