@@ -14,9 +14,9 @@ next step needs:
   S = Q K^T and dP = dO V^T, then dQ += dS K.
 
 Like the Triton backward (and unlike FA3, which accumulates dQ with atomics) the scores are computed twice, once per
-kernel: no atomics and no fp32 dQ buffer. FUSED_DQ (by default on long causal problems, measured below) takes FA3's
-way at d=64: the dK/dV kernel also forms each query tile's dQ = dS K over its keys and adds it into an fp32 buffer
-with TMA's bulk reduction, and the dQ kernel does not run. delta = rowsum(dO * O) comes from the Triton
+kernel: no atomics and no fp32 dQ buffer. FUSED_DQ (by default on long causal problems, at d=64 and 128, measured
+below) takes FA3's way: the dK/dV kernel also forms each query tile's dQ = dS K over its keys and adds it into an fp32
+buffer with TMA's bulk reduction, and the dQ kernel does not run. delta = rowsum(dO * O) comes from the Triton
 preprocessing kernel. The two kernels share only their inputs: on problems of few programs (CONCURRENT_DQ, `plan`)
 the dQ kernel runs on a side stream beside the other, except under CUDA-graph capture.
 
