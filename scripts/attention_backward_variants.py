@@ -100,6 +100,7 @@ VARIANTS = {
        for split in ("", "-split") for n in (1, 2, 4)},
     # The default with dQ accumulated in the dK/dV kernel at d=64 alone (as before 2026-11-26's session 55)
     "fused-64": ("flash_triton", {"FUSED_HEAD_DIMS": (64,)}),
+    "fused-ds-smem": ("flash_triton", {"FUSED_DS_SMEM": True}),
     # The default with 3 stages of Q and dO tiles
     "fused-3stages": ("flash_triton", {"NUM_STAGES": 3}),
     "grouped": ("flash_triton", {"GROUPED_ORDER": True}),  # the default: the forwards' launch order
@@ -120,6 +121,7 @@ DEFAULTS = {
     "FUSED_SPLIT": (flash_hopper_bwd, flash_hopper_bwd.FUSED_SPLIT),
     "FUSED_GROUP_HEADS": (flash_hopper_bwd, flash_hopper_bwd.FUSED_GROUP_HEADS),
     "FUSED_HEAD_DIMS": (flash_hopper_bwd, flash_hopper_bwd.FUSED_HEAD_DIMS),
+    "FUSED_DS_SMEM": (flash_hopper_bwd, flash_hopper_bwd.FUSED_DS_SMEM),
     "FORWARD_64_MIN_KEYS": (flash_hopper, flash_hopper.FORWARD_64_MIN_KEYS),  # where the Gluon forward runs d=64
     "FORWARD_64_BELOW_PROGRAMS_PER_SM": (flash_hopper, flash_hopper.FORWARD_64_BELOW_PROGRAMS_PER_SM),
 }

@@ -609,6 +609,7 @@ for causal, d, variant in builds:
         constexprs["PREFETCH"] = ((causal, d) in hb.PREFETCH_STATS) != (variant == "other-prefetch")
         constexprs["FUSED"] = variant.startswith("fused")
         constexprs["SPLIT"] = variant == "fused-split"
+        constexprs["DS_SMEM"] = hb.FUSED_DS_SMEM
         dq_cols = d // 2 if constexprs["SPLIT"] else d
         if constexprs["FUSED"]:
             descs["dq_desc"] = f"tensordesc<fp32[{hb.TILES[d][0]}, {dq_cols}],{hb.DQ_ACC_LAYOUT!r}>"
