@@ -100,7 +100,8 @@ VARIANTS = {
        for split in ("", "-split") for n in (1, 2, 4)},
     # The default with dQ accumulated in the dK/dV kernel at d=64 alone (as before 2026-11-26's session 55)
     "fused-64": ("flash_triton", {"FUSED_HEAD_DIMS": (64,)}),
-    "fused-ds-smem": ("flash_triton", {"FUSED_DS_SMEM": True}),
+    "fused-ds-smem": ("flash_triton", {"FUSED_DS_SMEM": True}),  # dK's dS^T from shared memory at d=64 at any size
+    "fused-ds-registers": ("flash_triton", {"FUSED_DS_SMEM": False}),  # or from registers
     # The default with 3 stages of Q and dO tiles
     "fused-3stages": ("flash_triton", {"NUM_STAGES": 3}),
     "grouped": ("flash_triton", {"GROUPED_ORDER": True}),  # the default: the forwards' launch order

@@ -609,7 +609,7 @@ for causal, d, variant in builds:
         constexprs["PREFETCH"] = ((causal, d) in hb.PREFETCH_STATS) != (variant == "other-prefetch")
         constexprs["FUSED"] = variant.startswith("fused")
         constexprs["SPLIT"] = variant == "fused-split"
-        constexprs["DS_SMEM"] = hb.FUSED_DS_SMEM
+        constexprs["DS_SMEM"] = constexprs["SPLIT"] and hb.ds_from_shared(d, 15.5)  # as at the leaderboard
         dq_cols = d // 2 if constexprs["SPLIT"] else d
         if constexprs["FUSED"]:
             descs["dq_desc"] = f"tensordesc<fp32[{hb.TILES[d][0]}, {dq_cols}],{hb.DQ_ACC_LAYOUT!r}>"
@@ -721,8 +721,10 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, dq
     {"FUSED_DQ": True, "FUSED_SPLIT": True, "FUSED_GROUP_HEADS": 1},
     {"FUSED_DQ": True, "FUSED_SPLIT": False, "FUSED_GROUP_HEADS": 5},
     {"FUSED_DQ": True, "NUM_STAGES": 3},
+    {"FUSED_DQ": True, "FUSED_SPLIT": True, "FUSED_DS_SMEM": True},
+    {"FUSED_DQ": True, "FUSED_SPLIT": True, "FUSED_DS_SMEM": False},
 ], ids=["concurrent-dq", "serial-dq", "dq-tiles-128", "3-stages", "no-prefetch", "other-order", "fused-dq",
-        "fused-split", "fused-split-g1", "fused-dq-g5", "fused-3-stages"])
+        "fused-split", "fused-split-g1", "fused-dq-g5", "fused-3-stages", "fused-ds-shared", "fused-ds-registers"])
 @pytest.mark.parametrize("q_shape, is_causal", [((2, 3, 1024, 64), True), ((1, 2, 512, 128), False),
                                                 ((2, 3, 640, 64), False)])
 def test_hopper_backward_variants_gpu(gpu, settings, q_shape, is_causal, monkeypatch, seed):
@@ -803,6 +805,19 @@ def test_hopper_backward_fused_by_size(head_dim, per_sm, keys, is_causal, expect
     monkeypatch.setattr(flash_hopper_bwd, "FUSED_DQ", True)
     monkeypatch.setattr(flash_hopper_bwd, "FUSED_SPLIT", False)  # d=128 takes it only with FUSED_SPLIT
     assert flash_hopper_bwd.fused(head_dim, per_sm, keys, is_causal) is (head_dim == 64)
+
+
+@pytest.mark.parametrize("head_dim, per_sm, expected", [(64, 15.5, True), (64, 8, True), (64, 3.9, False),
+                                                         (128, 1.9, True)])
+def test_hopper_backward_ds_from_shared_by_size(head_dim, per_sm, expected, monkeypatch):
+    """By default (FUSED_DS_SMEM None) dK's dS^T comes from shared memory at d=64 from FUSED_DS_SMEM_MIN_PROGRAMS_PER_SM
+    programs per multiprocessor (the leaderboard's 15.5), from registers below (one head of 65536 tokens: 3.9); at d=128
+    always, forced or not."""
+    assert flash_hopper_bwd.FUSED_DS_SMEM is None
+    assert flash_hopper_bwd.ds_from_shared(head_dim, per_sm) is expected
+    for forced in (True, False):
+        monkeypatch.setattr(flash_hopper_bwd, "FUSED_DS_SMEM", forced)
+        assert flash_hopper_bwd.ds_from_shared(head_dim, per_sm) is (forced or head_dim > 64)
 
 
 @pytest.mark.parametrize(

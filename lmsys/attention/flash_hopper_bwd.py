@@ -223,6 +223,12 @@ and 6.333 ms against the two kernels' 1.666 and 6.501 (cuDNN 1.734 and 6.409), t
 it was 1% slower (6.403 ms at 65536 tokens, 6.669 at the leaderboard's shape), and with P^T also through shared memory
 for dV (44 bytes spilled, its dS^T stored once dV had read P^T) slower than the two kernels (6.748 against 6.602 ms at
 65536 tokens, an earlier start).
+
+dS^T from shared memory at d=64 (FUSED_DS_SMEM; session 55, `--points leaderboard grid --head-dims 64 --seqs 16384
+32768 65536 --modes bwd fwd_bwd --repeats 3 --clock queued --variants default fused-ds-smem sdpa_cudnn`, medians of 3,
+the H100, one start; "default" then dS^T from registers at every size): at the leaderboard the backward 3.011 ms
+against 3.060 (cuDNN 3.006), forward and backward 4.214 against 4.288 (cuDNN 4.194); at one head of 32768 and 65536
+tokens forward and backward 1.049 and 4.004 ms against 1.034 and 3.981 (cuDNN 1.181, 4.397). Hence `ds_from_shared`.
 """
 
 import contextlib
@@ -316,7 +322,13 @@ FUSED_GROUP_HEADS: int | None = 1
 # still spills 104 bytes (tests/test_attention.py bounds it), and was measured faster than the two kernels at every
 # size the rule takes, and than cuDNN on one head from 32768 tokens (module docstring).
 FUSED_HEAD_DIMS = (64, 128)
-FUSED_DS_SMEM = False
+# With FUSED_SPLIT, whether dK's A operand dS^T is read from the shared buffer dQ's is stored in (at d=128 always),
+# instead of from registers: None, by the problem's size (`ds_from_shared`: from FUSED_DS_SMEM_MIN_PROGRAMS_PER_SM),
+# True or False, always or never at d=64. On the H100 it made the leaderboard's backward 1.6% faster (16 heads of 16384:
+# 15.5 programs per multiprocessor) and one head of 32768 or 65536 tokens (1.9, 3.9) about 1% slower (module
+# docstring); the sizes between were not timed.
+FUSED_DS_SMEM: bool | None = None
+FUSED_DS_SMEM_MIN_PROGRAMS_PER_SM = 8
 # The fp32 dQ tiles' shared buffers and the dQ buffer's TMA descriptor. A row of 64 fp32 (256 bytes) is wider than
 # the 128-byte swizzle: triton keeps the tile as two of 32 columns and two warps each issue one's reduction (the
 # compiled kernel's descriptor boxes are 64 x 32). Unswizzled, the rows of a warp's stores would fall in the same banks.
@@ -355,6 +367,16 @@ def fused(head_dim: int, programs_per_sm: float, keys: int, is_causal: bool) -> 
     if FUSED_DQ is not None:
         return FUSED_DQ
     return is_causal and keys >= FUSED_MIN_KEYS and programs_per_sm >= FUSED_MIN_PROGRAMS_PER_SM
+
+
+def ds_from_shared(head_dim: int, programs_per_sm: float) -> bool:
+    """With FUSED_SPLIT, whether dK's A operand dS^T is read from shared memory (FUSED_DS_SMEM) for a problem of this
+    head dim and `programs_per_sm` programs per multiprocessor: at d=128 always (registers and shared memory)."""
+    if head_dim > 64:
+        return True
+    if FUSED_DS_SMEM is not None:
+        return FUSED_DS_SMEM
+    return programs_per_sm >= FUSED_DS_SMEM_MIN_PROGRAMS_PER_SM
 
 
 def views(q, k, v, do, is_causal):
@@ -457,9 +479,10 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
     buffers, each filled once both have arrived on its ds_bar."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     half: gl.constexpr = k_w.shape[0]
-    # At d=128 (SPLIT) dK's A operand dS^T is read from shared memory (where dQ's is stored anyway), which leaves the
-    # registers of its 16-bit copy free, and dQ has one buffer (two do not fit shared memory there).
-    DS_FROM_SMEM: gl.constexpr = SPLIT and (k_w.shape[1] > 64 or DS_SMEM)
+    # With DS_SMEM (SPLIT, `ds_from_shared`) dK's A operand dS^T is read from shared memory (where dQ's is stored
+    # anyway), which leaves the registers of its 16-bit copy free; at d=128 dQ has one buffer (two do not fit shared
+    # memory there).
+    DS_FROM_SMEM: gl.constexpr = DS_SMEM
     N_DQ: gl.constexpr = dq_smem.shape[0]
     s_zero = gl.zeros([half, BLOCK_M], gl.float32, s_layout)
     if FUSED:
@@ -808,7 +831,7 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
          desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), dq_desc, kc_desc, lse, delta,
          n_q, n_k, heads, bh, groups[0], qk_scale, sm_scale, *strides),
         ("dkdv", *key), PREFETCH=(is_causal, d) in PREFETCH_STATS, FUSED=fused_dq, SPLIT=split,
-        DS_SMEM=FUSED_DS_SMEM, **common,
+        DS_SMEM=split and ds_from_shared(d, flash_hopper.blocks_per_sm(q, BLOCK_ROWS)), **common,
     )
     if fused_dq:
         dq.view(-1, d).copy_(dq_acc)
