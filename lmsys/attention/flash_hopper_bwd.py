@@ -371,7 +371,8 @@ def fused(head_dim: int, programs_per_sm: float, keys: int, is_causal: bool) -> 
 
 def ds_from_shared(head_dim: int, programs_per_sm: float) -> bool:
     """With FUSED_SPLIT, whether dK's A operand dS^T is read from shared memory (FUSED_DS_SMEM) for a problem of this
-    head dim and `programs_per_sm` programs per multiprocessor: at d=128 always (registers and shared memory)."""
+    head dim and `programs_per_sm` programs per multiprocessor: at d=128 always (from registers it spilled more and was
+    slower there, FUSED_HEAD_DIMS)."""
     if head_dim > 64:
         return True
     if FUSED_DS_SMEM is not None:
@@ -381,8 +382,8 @@ def ds_from_shared(head_dim: int, programs_per_sm: float) -> bool:
 
 def views(q, k, v, do, is_causal):
     """When these kernels run this backward: the 2-D views (`flash_hopper._view`) of q, k, v and do, whether the dK/dV
-    kernel accumulates dQ (`fused`), and whether the dQ kernel runs beside the dK/dV one (`plan`; never beside none);
-    else None."""
+    kernel reads dK's dS^T from shared memory (`ds_from_shared`, with FUSED_SPLIT), whether it accumulates dQ (`fused`),
+    and whether the dQ kernel runs beside the dK/dV one (`plan`; never beside none); else None."""
     if q.shape[-1] not in HEAD_DIMS or do.shape != q.shape or not q.is_cuda:
         return None
     # The plan before the views: a problem that runs on the Triton backward (the launch-bound ones) leaves without them.
@@ -393,7 +394,8 @@ def views(q, k, v, do, is_causal):
     if dov is None:
         return None
     fused_dq = fused(q.shape[-1], per_sm, k.shape[-2], is_causal)
-    return (*found, dov, fused_dq, concurrent and not fused_dq)
+    ds_smem = fused_dq and FUSED_SPLIT and ds_from_shared(q.shape[-1], per_sm)
+    return (*found, dov, ds_smem, fused_dq, concurrent and not fused_dq)
 
 
 @gluon.constexpr_function
@@ -439,11 +441,11 @@ def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, kc_desc, k_smem, v_smem, q_s
 
 @gluon.jit
 def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, delta_ahead, ds_w,
-                 a_layout: gl.constexpr, PREFETCH: gl.constexpr, DS_FROM_SMEM: gl.constexpr):
+                 a_layout: gl.constexpr, PREFETCH: gl.constexpr, DS_SMEM: gl.constexpr):
     """A query tile's dV += P^T dO issued, then (once dP^T is in, while dV is on the tensor cores) dS^T = P^T (dP^T -
     delta) formed and dK += dS^T Q issued: their tokens, the register operands they read, to keep until waited, and
     dS^T (16-bit, in the MMA layout). delta is loaded here, or with PREFETCH it is delta_ahead, loaded a step
-    earlier. With DS_FROM_SMEM dS^T is stored into ds_w first and dK's A operand read from there (no register
+    earlier. With DS_SMEM dS^T is stored into ds_w first and dK's A operand read from there (no register
     operand: the one returned is p_op again)."""
     p_op = gl.convert_layout(p.to(q_tile.dtype), a_layout)
     dv_token = warpgroup_mma(p_op, do_tile, dv, is_async=True)
@@ -453,7 +455,7 @@ def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, de
         delta = gl.load(DELTA + stat_row + cols)
     dp = warpgroup_mma_wait(1, deps=[dp_token])
     ds = (p * (dp - gl.expand_dims(delta, 0))).to(q_tile.dtype)
-    if DS_FROM_SMEM:
+    if DS_SMEM:
         ds_w.store(ds)
         fence_async_shared()
         gl.thread_barrier()  # every thread's rows stored before the product reads them
@@ -482,7 +484,6 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
     # With DS_SMEM (SPLIT, `ds_from_shared`) dK's A operand dS^T is read from shared memory (where dQ's is stored
     # anyway), which leaves the registers of its 16-bit copy free; at d=128 dQ has one buffer (two do not fit shared
     # memory there).
-    DS_FROM_SMEM: gl.constexpr = DS_SMEM
     N_DQ: gl.constexpr = dq_smem.shape[0]
     s_zero = gl.zeros([half, BLOCK_M], gl.float32, s_layout)
     if FUSED:
@@ -515,19 +516,19 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
         if MASK:
             p = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1), p, 0.0)
-        if DS_FROM_SMEM:  # this warpgroup's rows of the step's dS^T buffer (SPLIT: below)
+        if DS_SMEM:  # this warpgroup's rows of the step's dS^T buffer (SPLIT: below)
             ds_w = ds_smem.index(j % 2).slice(WG * half, half)
         else:
             ds_w = ds_smem
         dv_token, dk_token, p_op, ds_op, ds = _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row,
-                                                           cols, delta, ds_w, a_layout, PREFETCH, DS_FROM_SMEM)
+                                                           cols, delta, ds_w, a_layout, PREFETCH, DS_SMEM)
         if FUSED:
             # dQ = dS K, its A operand dS^T from shared memory, transposed.
             if SPLIT:
                 # This warpgroup's rows of the step's buffer: the other warpgroup last read it two steps ago, and
                 # has since arrived on the other buffer's barrier, after waiting for that product.
                 ds_all = ds_smem.index(j % 2)
-                if not DS_FROM_SMEM:  # else stored for dK already
+                if not DS_SMEM:  # else stored for dK already
                     ds_all.slice(WG * half, half).store(ds)
                     fence_async_shared()
                     gl.thread_barrier()  # every thread's rows stored before the warpgroup's one arrival
@@ -797,7 +798,7 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
     d, n_q, n_k = q.shape[-1], q.shape[-2], k.shape[-2]
     bh = q.numel() // (n_q * d)
     heads = q.shape[1] if q.dim() == 4 else 1
-    qv, kv, vv, dov, fused_dq, concurrent = found
+    qv, kv, vv, dov, ds_smem, fused_dq, concurrent = found
     strides = (*qv[2:], *kv[2:], *vv[2:], *dov[2:])
     sm_scale = 1.0 / math.sqrt(d)
     qk_scale = sm_scale * LOG2E.value
@@ -831,7 +832,7 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
          desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), dq_desc, kc_desc, lse, delta,
          n_q, n_k, heads, bh, groups[0], qk_scale, sm_scale, *strides),
         ("dkdv", *key), PREFETCH=(is_causal, d) in PREFETCH_STATS, FUSED=fused_dq, SPLIT=split,
-        DS_SMEM=split and ds_from_shared(d, flash_hopper.blocks_per_sm(q, BLOCK_ROWS)), **common,
+        DS_SMEM=ds_smem, **common,
     )
     if fused_dq:
         dq.view(-1, d).copy_(dq_acc)
