@@ -102,6 +102,8 @@ VARIANTS = {
     "fused-64": ("flash_triton", {"FUSED_HEAD_DIMS": (64,)}),
     "fused-ds-smem": ("flash_triton", {"FUSED_DS_SMEM": True}),  # dK's dS^T from shared memory at d=64 at any size
     "fused-ds-registers": ("flash_triton", {"FUSED_DS_SMEM": False}),  # or from registers
+    # The default with S^T's A operand K from shared memory (as before session 56; dK's dS^T by ds_from_shared's size)
+    "k-shared": ("flash_triton", {"K_IN_REGISTERS": False}),
     # The default with 3 stages of Q and dO tiles
     "fused-3stages": ("flash_triton", {"NUM_STAGES": 3}),
     "grouped": ("flash_triton", {"GROUPED_ORDER": True}),  # the default: the forwards' launch order
@@ -123,6 +125,7 @@ DEFAULTS = {
     "FUSED_GROUP_HEADS": (flash_hopper_bwd, flash_hopper_bwd.FUSED_GROUP_HEADS),
     "FUSED_HEAD_DIMS": (flash_hopper_bwd, flash_hopper_bwd.FUSED_HEAD_DIMS),
     "FUSED_DS_SMEM": (flash_hopper_bwd, flash_hopper_bwd.FUSED_DS_SMEM),
+    "K_IN_REGISTERS": (flash_hopper_bwd, flash_hopper_bwd.K_IN_REGISTERS),
     "FORWARD_64_MIN_KEYS": (flash_hopper, flash_hopper.FORWARD_64_MIN_KEYS),  # where the Gluon forward runs d=64
     "FORWARD_64_BELOW_PROGRAMS_PER_SM": (flash_hopper, flash_hopper.FORWARD_64_BELOW_PROGRAMS_PER_SM),
 }

@@ -610,6 +610,7 @@ for causal, d, variant in builds:
         constexprs["FUSED"] = variant.startswith("fused")
         constexprs["SPLIT"] = variant == "fused-split"
         constexprs["DS_SMEM"] = constexprs["SPLIT"] and hb.ds_from_shared(d, 15.5)  # as at the leaderboard
+        constexprs["K_REGS"] = constexprs["FUSED"] and hb.K_IN_REGISTERS and d == 64
         dq_cols = d // 2 if constexprs["SPLIT"] else d
         if constexprs["FUSED"]:
             descs["dq_desc"] = f"tensordesc<fp32[{hb.TILES[d][0]}, {dq_cols}],{hb.DQ_ACC_LAYOUT!r}>"
@@ -659,9 +660,10 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
         # Per consumer warpgroup, one in the loop without the mask and (causal) one in the loop with it.
         expected = (4 if "True" in folder.parent.name else 2) if folder.name.startswith("fused") else 0
         assert len(reductions) == expected, folder
-        # At d=128 dQ accumulated in the dK/dV kernel spills, measured faster all the same (FUSED_HEAD_DIMS).
-        d128_fused = folder.parent.name == "dkdv-True-128" and folder.name == "fused-split"
-        _assert_compiled_well(folder, spill_bytes=104 if d128_fused else 0)
+        # dQ accumulated in the dK/dV kernel spills, causal, measured faster all the same: at d=128 (FUSED_HEAD_DIMS),
+        # and at d=64 with K from registers (K_IN_REGISTERS: one register, stored before the loops).
+        spill_bytes = {"dkdv-True-128": 104, "dkdv-True-64": 4}.get(folder.parent.name, 0)
+        _assert_compiled_well(folder, spill_bytes=spill_bytes if folder.name == "fused-split" else 0)
 
 
 @pytest.mark.gpu
@@ -723,8 +725,12 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, dq
     {"FUSED_DQ": True, "NUM_STAGES": 3},
     {"FUSED_DQ": True, "FUSED_SPLIT": True, "FUSED_DS_SMEM": True},
     {"FUSED_DQ": True, "FUSED_SPLIT": True, "FUSED_DS_SMEM": False},
+    {"FUSED_DQ": True, "FUSED_SPLIT": True, "FUSED_DS_SMEM": True, "K_IN_REGISTERS": True},
+    {"FUSED_DQ": True, "FUSED_SPLIT": True, "FUSED_DS_SMEM": False, "K_IN_REGISTERS": True},
+    {"FUSED_DQ": True, "K_IN_REGISTERS": False},
 ], ids=["concurrent-dq", "serial-dq", "dq-tiles-128", "3-stages", "no-prefetch", "other-order", "fused-dq",
-        "fused-split", "fused-split-g1", "fused-dq-g5", "fused-3-stages", "fused-ds-shared", "fused-ds-registers"])
+        "fused-split", "fused-split-g1", "fused-dq-g5", "fused-3-stages", "fused-ds-shared", "fused-ds-registers",
+        "fused-ds-shared-k-registers", "fused-ds-registers-k-registers", "fused-k-shared"])
 @pytest.mark.parametrize("q_shape, is_causal", [((2, 3, 1024, 64), True), ((1, 2, 512, 128), False),
                                                 ((2, 3, 640, 64), False)])
 def test_hopper_backward_variants_gpu(gpu, settings, q_shape, is_causal, monkeypatch, seed):
@@ -807,14 +813,18 @@ def test_hopper_backward_fused_by_size(head_dim, per_sm, keys, is_causal, expect
     assert flash_hopper_bwd.fused(head_dim, per_sm, keys, is_causal) is (head_dim == 64)
 
 
-@pytest.mark.parametrize("head_dim, per_sm, expected", [(64, 15.5, True), (64, 8, True), (64, 3.9, False),
-                                                         (128, 1.9, True)])
-def test_hopper_backward_ds_from_shared_by_size(head_dim, per_sm, expected, monkeypatch):
-    """By default (FUSED_DS_SMEM None) dK's dS^T comes from shared memory at d=64 from FUSED_DS_SMEM_MIN_PROGRAMS_PER_SM
-    programs per multiprocessor (the leaderboard's 15.5), from registers below (one head of 65536 tokens: 3.9); at d=128
-    always, forced or not."""
-    assert flash_hopper_bwd.FUSED_DS_SMEM is None
+@pytest.mark.parametrize("head_dim, per_sm, expected, expected_k_shared",
+                         [(64, 15.5, False, True), (64, 8, False, True), (64, 3.9, False, False),
+                          (128, 1.9, True, True)])
+def test_hopper_backward_ds_from_shared_by_size(head_dim, per_sm, expected, expected_k_shared, monkeypatch):
+    """By default (FUSED_DS_SMEM None, K_IN_REGISTERS) dK's dS^T comes from registers at d=64, from shared memory at
+    d=128; with K from shared memory (K_IN_REGISTERS off) at d=64 from FUSED_DS_SMEM_MIN_PROGRAMS_PER_SM programs per
+    multiprocessor (the leaderboard's 15.5), from registers below (one head of 65536 tokens: 3.9); forced either way at
+    d=64, at d=128 always from shared memory."""
+    assert flash_hopper_bwd.FUSED_DS_SMEM is None and flash_hopper_bwd.K_IN_REGISTERS
     assert flash_hopper_bwd.ds_from_shared(head_dim, per_sm) is expected
+    monkeypatch.setattr(flash_hopper_bwd, "K_IN_REGISTERS", False)
+    assert flash_hopper_bwd.ds_from_shared(head_dim, per_sm) is expected_k_shared
     for forced in (True, False):
         monkeypatch.setattr(flash_hopper_bwd, "FUSED_DS_SMEM", forced)
         assert flash_hopper_bwd.ds_from_shared(head_dim, per_sm) is (forced or head_dim > 64)

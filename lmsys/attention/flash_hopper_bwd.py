@@ -229,6 +229,27 @@ dS^T from shared memory at d=64 (FUSED_DS_SMEM; session 55, `--points leaderboar
 the H100, one start; "default" then dS^T from registers at every size): at the leaderboard the backward 3.011 ms
 against 3.060 (cuDNN 3.006), forward and backward 4.214 against 4.288 (cuDNN 4.194); at one head of 32768 and 65536
 tokens forward and backward 1.049 and 4.004 ms against 1.034 and 3.981 (cuDNN 1.181, 4.397). Hence `ds_from_shared`.
+
+K from registers (K_IN_REGISTERS; session 56, the H100, `--points leaderboard --modes bwd fwd_bwd --repeats 4 --clock
+queued`, then `--points grid --head-dims 64 --seqs 32768 65536 --modes bwd --repeats 2 --clock queued`, one start,
+medians; "default" then K from shared memory). Each 64 x 64 product with both operands in shared memory reads 4 KB
+per 32 clocks, the multiprocessor's whole 128 bytes a clock; a step of a warpgroup reads about 112 KB of shared memory
+(its S^T, dP^T, dK and dQ operands, dV's dO, dS^T and dQ stored, the reduction's read, its share of the Q and dO
+tiles). With K in registers and dK's dS^T in registers too ("k-registers-ds-registers") the leaderboard's backward took
+2.985 ms against 3.013 (cuDNN 3.002), forward and backward 4.202 against 4.241 (cuDNN 4.192); with dS^T still from
+shared memory 3.019 (and 3.020 against 3.012 in an earlier start: no gain). On one head of 32768 and 65536 tokens
+0.7429 and 2.838 ms against 0.7536 and 2.885 (cuDNN 0.786 and 3.014; the earlier start: 0.738 and 2.838 against
+0.751 and 2.885). K and V both in registers spilled 196 bytes. Tried the same session and slower, removed: each tile's
+dQ stored and reduce-added in the next step, under its S^T and dP^T (3.384 ms against 3.011 at the leaderboard; ptxas
+waits for the reduction's shared-memory read between the two products there, and it spilled 76 bytes); one of every
+2 or 4 exponentials by a polynomial on the FMA pipes (as FlashAttention 4 does; 16 ex2 a clock per multiprocessor
+take 512 clocks a step for both warpgroups): 3.010 and 3.043 ms against 3.011, and in the Triton forward at d=64 1.401
+and 1.289 ms against 1.201 (cuDNN 1.194), so the exponentials are not what bounds either kernel; dQ's softmax scale
+applied in the fp32 buffer's cast instead of to each tile (16 fewer multiplies a step): 3.019 against 3.013 ms at the
+leaderboard, 0.774 and 2.962 against 0.754 and 2.885 on one head. Under a sustained load (`--power 4`, forward and
+backward back to back for 4 s, every reading at the power cap, 1680-1725 MHz) forward and backward took 4.642 ms and
+3.23 J per call, cuDNN 4.594 ms and 3.21 J (K from shared memory; K from registers with dS^T from shared memory
+4.651 ms and 3.23 J there).
 """
 
 import contextlib
@@ -324,11 +345,18 @@ FUSED_GROUP_HEADS: int | None = 1
 FUSED_HEAD_DIMS = (64, 128)
 # With FUSED_SPLIT, whether dK's A operand dS^T is read from the shared buffer dQ's is stored in (at d=128 always),
 # instead of from registers: None, by the problem's size (`ds_from_shared`: from FUSED_DS_SMEM_MIN_PROGRAMS_PER_SM),
-# True or False, always or never at d=64. On the H100 it made the leaderboard's backward 1.6% faster (16 heads of 16384:
-# 15.5 programs per multiprocessor) and one head of 32768 or 65536 tokens (1.9, 3.9) about 1% slower (module
-# docstring); the sizes between were not timed.
+# True or False, always or never at d=64. With K from shared memory (K_IN_REGISTERS off) it made the leaderboard's
+# backward 1.6% faster on the H100 (16 heads of 16384: 15.5 programs per multiprocessor) and one head of 32768 or 65536
+# tokens (1.9, 3.9) about 1% slower (module docstring); the sizes between were not timed. With K from registers (the
+# default) never: from registers it was faster at each of those sizes.
 FUSED_DS_SMEM: bool | None = None
 FUSED_DS_SMEM_MIN_PROGRAMS_PER_SM = 8
+# With FUSED_DQ at d=64, whether the dK/dV kernel reads K, the A operand of S^T = K Q^T, from registers (loaded once
+# per program) instead of from shared memory at every step (at d=128 its 32 more registers do not fit): a warpgroup MMA
+# of 64 x 64 with both operands in shared memory reads 4 KB per 32 clocks, all of the multiprocessor's 128 bytes a
+# clock. Then dK's dS^T comes from registers too (`ds_from_shared`). On the H100 the backward was 0.9% faster at the
+# leaderboard (2.985 ms against 3.013, cuDNN 3.002) and 1.5% on one head of 32768 and 65536 tokens (module docstring).
+K_IN_REGISTERS = True
 # The fp32 dQ tiles' shared buffers and the dQ buffer's TMA descriptor. A row of 64 fp32 (256 bytes) is wider than
 # the 128-byte swizzle: triton keeps the tile as two of 32 columns and two warps each issue one's reduction (the
 # compiled kernel's descriptor boxes are 64 x 32). Unswizzled, the rows of a warp's stores would fall in the same banks.
@@ -372,12 +400,13 @@ def fused(head_dim: int, programs_per_sm: float, keys: int, is_causal: bool) -> 
 def ds_from_shared(head_dim: int, programs_per_sm: float) -> bool:
     """With FUSED_SPLIT, whether dK's A operand dS^T is read from shared memory (FUSED_DS_SMEM) for a problem of this
     head dim and `programs_per_sm` programs per multiprocessor: at d=128 always (from registers it spilled more and was
-    slower there, FUSED_HEAD_DIMS)."""
+    slower there, FUSED_HEAD_DIMS); at d=64 never with K_IN_REGISTERS (measured faster at every size timed), else from
+    FUSED_DS_SMEM_MIN_PROGRAMS_PER_SM."""
     if head_dim > 64:
         return True
     if FUSED_DS_SMEM is not None:
         return FUSED_DS_SMEM
-    return programs_per_sm >= FUSED_DS_SMEM_MIN_PROGRAMS_PER_SM
+    return not K_IN_REGISTERS and programs_per_sm >= FUSED_DS_SMEM_MIN_PROGRAMS_PER_SM
 
 
 def views(q, k, v, do, is_causal):
@@ -468,7 +497,7 @@ def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, de
 
 
 @gluon.jit
-def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys, lo, hi,
+def _dkdv_loop(dk, dv, k_w, k_op, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys, lo, hi,
                qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, BLOCK_M: gl.constexpr,
                NUM_STAGES: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr,
                PREFETCH: gl.constexpr, FUSED: gl.constexpr, SPLIT: gl.constexpr, WG: gl.constexpr,
@@ -478,7 +507,8 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
     (PREFETCH_STATS). With FUSED (FUSED_DQ) each tile's dQ = dS K over these keys too, through ds_smem (dS^T) and
     one of the two buffers of dq_smem, added into dq_desc's rows by TMA; with SPLIT (FUSED_SPLIT) the columns of dQ
     in kc_w's (this warpgroup's, WG, half of them) over both warpgroups' keys, their dS^T in one of ds_smem's two
-    buffers, each filled once both have arrived on its ds_bar."""
+    buffers, each filled once both have arrived on its ds_bar. k_op: S^T's A operand, k_w or its registers
+    (K_IN_REGISTERS)."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     half: gl.constexpr = k_w.shape[0]
     # With DS_SMEM (SPLIT, `ds_from_shared`) dK's A operand dS^T is read from shared memory (where dQ's is stored
@@ -509,7 +539,7 @@ def _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat
         mbarrier.wait(ready.index(slot), (j // NUM_STAGES) & 1)
         q_tile = q_smem.index(slot)
         do_tile = do_smem.index(slot)
-        s_token = warpgroup_mma(k_w, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_token = warpgroup_mma(k_op, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp_token = warpgroup_mma(v_w, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         # MMA groups complete in order: waiting for all but the newest waits for S^T alone.
         s = warpgroup_mma_wait(1, deps=[s_token])
@@ -559,7 +589,7 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, k_w, v_w, q_smem, do_s
                    kv_bar, ready, empty, out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
                    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
                    PREFETCH: gl.constexpr, FUSED: gl.constexpr, SPLIT: gl.constexpr, WG: gl.constexpr,
-                   DS_SMEM: gl.constexpr):
+                   DS_SMEM: gl.constexpr, K_REGS: gl.constexpr):
     half: gl.constexpr = k_w.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
@@ -568,16 +598,20 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, k_w, v_w, q_smem, do_s
     dk = gl.zeros([half, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([half, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, 0)
+    if K_REGS:  # K_IN_REGISTERS
+        k_op = k_w.load(_a_layout(BLOCK_M))
+    else:
+        k_op = k_w
     if CAUSAL:
         # The query tiles that overlap the program's keys need the mask; those after them do not.
-        dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
+        dk, dv = _dkdv_loop(dk, dv, k_w, k_op, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
                             0, n_masked, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, BLOCK_M,
                             NUM_STAGES, True, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG, DS_SMEM)
-        dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
+        dk, dv = _dkdv_loop(dk, dv, k_w, k_op, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
                             n_masked, n_tiles, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, BLOCK_M,
                             NUM_STAGES, False, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG, DS_SMEM)
     else:
-        dk, dv = _dkdv_loop(dk, dv, k_w, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
+        dk, dv = _dkdv_loop(dk, dv, k_w, k_op, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
                             0, n_tiles, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, BLOCK_M,
                             NUM_STAGES, False, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG, DS_SMEM)
     # Epilogue: through this warpgroup's K and V buffers (no longer read) and TMA stores; the wait covers the dQ
@@ -598,7 +632,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, kc_
                  HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PREFETCH: gl.constexpr,
                  GROUPED: gl.constexpr, FUSED: gl.constexpr, SPLIT: gl.constexpr,
-                 DS_SMEM: gl.constexpr):
+                 DS_SMEM: gl.constexpr, K_REGS: gl.constexpr):
     HALF: gl.constexpr = k_desc.block_type.shape[0]  # keys per consumer warpgroup
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
@@ -651,11 +685,11 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, kc_
         (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, k_smem.index(0), v_smem.index(0), q_smem, do_smem,
                           ds_0, dq_0, kc_0, ds_bar, kv_bar, ready, empty, out_row, stat_row, key0, m_first, n_masked,
                           n_tiles, qk_scale, sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, PREFETCH, FUSED, SPLIT,
-                          0, DS_SMEM)),
+                          0, DS_SMEM, K_REGS)),
         (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, k_smem.index(1), v_smem.index(1), q_smem, do_smem,
                           ds_1, dq_1, kc_1, ds_bar, kv_bar, ready, empty, out_row + HALF, stat_row, key0 + HALF,
                           m_first, n_masked, n_tiles, qk_scale, sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES,
-                          PREFETCH, FUSED, SPLIT, 1, DS_SMEM)),
+                          PREFETCH, FUSED, SPLIT, 1, DS_SMEM, K_REGS)),
         (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, kc_desc, k_smem, v_smem, q_smem, do_smem, kc_smem, kv_bar,
                           ready, empty, b * K_RB + h * K_RH + key0, b * K_CB + h * K_CH, b * V_RB + h * V_RH + key0,
                           b * V_CB + h * V_CH, b * Q_RB + h * Q_RH + m_first * BLOCK_M, b * Q_CB + h * Q_CH,
@@ -832,7 +866,7 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
          desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), dq_desc, kc_desc, lse, delta,
          n_q, n_k, heads, bh, groups[0], qk_scale, sm_scale, *strides),
         ("dkdv", *key), PREFETCH=(is_causal, d) in PREFETCH_STATS, FUSED=fused_dq, SPLIT=split,
-        DS_SMEM=ds_smem, **common,
+        DS_SMEM=ds_smem, K_REGS=fused_dq and K_IN_REGISTERS and d == 64, **common,
     )
     if fused_dq:
         dq.view(-1, d).copy_(dq_acc)
