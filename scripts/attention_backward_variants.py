@@ -101,7 +101,8 @@ VARIANTS = {
     # The default with dQ accumulated in the dK/dV kernel at d=64 alone (as before 2026-11-26's session 55)
     "fused-64": ("flash_triton", {"FUSED_HEAD_DIMS": (64,)}),
     "fused-ds-smem": ("flash_triton", {"FUSED_DS_SMEM": True}),  # dK's dS^T from shared memory at d=64 at any size
-    "fused-ds-registers": ("flash_triton", {"FUSED_DS_SMEM": False}),  # or from registers
+    # or from registers (with K_IN_REGISTERS the default's choice at d=64 already)
+    "fused-ds-registers": ("flash_triton", {"FUSED_DS_SMEM": False}),
     # The default with S^T's A operand K from shared memory (as before session 56; dK's dS^T by ds_from_shared's size)
     "k-shared": ("flash_triton", {"K_IN_REGISTERS": False}),
     # The default with 3 stages of Q and dO tiles
