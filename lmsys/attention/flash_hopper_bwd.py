@@ -7,9 +7,10 @@ next step needs:
 
 * `_dkdv_kernel`: a program owns 128 keys (64 per consumer warpgroup), holds their K and V in shared memory (with
   FUSED_DQ at d=64 K in registers too, S^T's A operand: K_IN_REGISTERS) and dK, dV in registers, and visits the query
-  tiles (TILES: rows of Q and dO, with their log-sum-exp and delta). On transposed scores: S^T = K Q^T and dP^T = V dO^T are issued together; the probabilities P^T = exp2(S^T - lse) are
-  computed while dP^T is still on the tensor cores; dV += P^T dO is issued before dS^T = P^T (dP^T - delta) is formed,
-  and dK += dS^T Q after it, both with their A operand from registers.
+  tiles (TILES: rows of Q and dO, with their log-sum-exp and delta). On transposed scores: S^T = K Q^T and dP^T = V
+  dO^T are issued together; the probabilities P^T = exp2(S^T - lse) are computed while dP^T is still on the tensor
+  cores; dV += P^T dO is issued before dS^T = P^T (dP^T - delta) is formed, and dK += dS^T Q after it, both with their
+  A operand from registers (dK's from shared memory where `ds_from_shared` says so).
 * `_dq_kernel`: a program owns 128 query rows (64 per warpgroup) and visits the key tiles (TILES: rows of K and V):
   S = Q K^T and dP = dO V^T, then dQ += dS K.
 
