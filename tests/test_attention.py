@@ -1070,6 +1070,22 @@ def test_hopper_view_of_each_layout(make, expected):
     assert flash_hopper._view(make()) == expected
 
 
+
+@pytest.mark.parametrize("shape, transposed", [((2, 3, 256, 64), False), ((2, 3, 256, 128), True), ((3, 128, 64), False)])
+def test_hopper_descriptors_skip_only_triton_checks(shape, transposed):
+    """`flash_hopper.tma_descriptor` (no __post_init__) builds what Triton's TensorDescriptor does from the same
+    arguments, field for field: a Triton upgrade that adds, renames or derives a field fails here."""
+    x = torch.empty(shape, dtype=torch.bfloat16)
+    if transposed:
+        x = torch.empty(shape[0], shape[2], shape[1], shape[3], dtype=torch.bfloat16).transpose(1, 2)
+    (rows, cols), stride = flash_hopper._view(x)[:2]
+    layout = flash_hopper._smem_layout(64, x.shape[-1], flash_hopper._gl_dtype(x.dtype))
+    args = (x, [rows, cols], [stride, 1], [64, x.shape[-1]], layout)
+    fast, checked = flash_hopper.tma_descriptor(*args), flash_hopper.TensorDescriptor(*args)
+    assert type(fast) is type(checked) and vars(fast).keys() == vars(checked).keys()
+    assert all(getattr(fast, name) is getattr(checked, name) or getattr(fast, name) == getattr(checked, name)
+               for name in vars(checked))
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
 def test_model_attention_runs_the_hopper_forward(gpu, train, monkeypatch, seed):
@@ -1266,6 +1282,20 @@ def test_triton_without_interpreter_rejects_cpu_tensors():
     assert "the Triton attention kernels need CUDA tensors, got tensors on cpu" in result.stderr
 
 
+@pytest.mark.parametrize("n_q, d", [(100, 64), (64, 48)])
+def test_the_preprocess_kernel_zeroes_the_dq_buffer(n_q, d, seed):
+    """With ZERO_DQ the backward's preprocess kernel also zeroes the fp32 dQ accumulator of the fused Gluon backward
+    (which runs on Hopper only), every row and column of it and nothing past it, beside D = rowsum(dO * O)."""
+    o, do = (torch.randn(2, 3, n_q, d, device=TRITON_DEVICE) for _ in range(2))
+    delta = torch.empty(2, 3, n_q, device=TRITON_DEVICE)
+    buffer = torch.full((2 * 3 * n_q + 1, d), float("nan"), device=TRITON_DEVICE)  # one row past the accumulator
+    args = (o, do, delta, buffer, n_q, 3, *o.stride()[:3], *do.stride()[:3])
+    launcher.launch(flash_triton._flash_bwd_preprocess_kernel, (triton.cdiv(n_q, 64), 6), args, ("zeroing", n_q, d),
+                    HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=64, ZERO_DQ=True)
+    torch.testing.assert_close(delta, (o.double() * do.double()).sum(-1).float())
+    assert (buffer[:-1] == 0).all() and buffer[-1].isnan().all()
+
+
 def test_a_launch_key_that_does_not_fix_the_launch_is_an_error(monkeypatch):
     """With CHECK, two launches under one key whose arguments or grids differ raise, naming the kernel: the caller's
     key left something out (here the batch, which sets the grid)."""
@@ -1275,9 +1305,9 @@ def test_a_launch_key_that_does_not_fix_the_launch_is_an_error(monkeypatch):
     for batch in (1, 2):
         o = torch.randn(batch, 2, 64, 16, device=TRITON_DEVICE)
         delta = torch.empty(batch, 2, 64, device=TRITON_DEVICE)
-        args = (o, o, delta, 64, 2, *o.stride()[:3], *o.stride()[:3])
+        args = (o, o, delta, None, 64, 2, *o.stride()[:3], *o.stride()[:3])
         launch = functools.partial(launcher.launch, kernel, (1, batch * 2), args, ("no batch here",), HEAD_DIM=16,
-                                   BLOCK_D=16, BLOCK_M=64)
+                                   BLOCK_D=16, BLOCK_M=64, ZERO_DQ=False)
         if batch == 1:
             launch()
         else:

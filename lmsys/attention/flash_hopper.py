@@ -100,10 +100,12 @@ def _view(x):
     contiguous heads, rows padded or not) or columns within a row (the transposed view of a (B, T, H, d) projection,
     as the model makes them, or of a (T, B, d) tensor), all of a row's heads within the row stride. TMA needs 16-byte
     aligned rows and base."""
-    x4 = x.unsqueeze(1) if x.dim() == 3 else x
-    batch, heads, n, d = x4.shape
-    stride_b, stride_h, stride_n, stride_d = x4.stride()
-    if stride_d != 1 or stride_n < d or (stride_n * x4.element_size()) % 16 or x4.data_ptr() % 16:
+    if x.dim() == 3:  # one head (no unsqueeze: a view costs microseconds of CPU per call)
+        (batch, n, d), (stride_b, stride_n, stride_d) = x.shape, x.stride()
+        heads, stride_h = 1, 0
+    else:
+        (batch, heads, n, d), (stride_b, stride_h, stride_n, stride_d) = x.shape, x.stride()
+    if stride_d != 1 or stride_n < d or (stride_n * x.element_size()) % 16 or x.data_ptr() % 16:
         return None
     rows, cols, steps = n, d, []
     for size, stride in ((batch, stride_b), (heads, stride_h)):
@@ -343,11 +345,23 @@ def _smem_layout(rows, d, dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, d], dtype)
 
 
+def tma_descriptor(base, shape, strides, block_shape, layout) -> TensorDescriptor:
+    """`TensorDescriptor(base, shape, strides, block_shape, layout)` without its __post_init__'s checks (alignment,
+    rank, block shape: about 2 us of CPU per descriptor, and a backward builds eight), for arguments already known to
+    pass them: views that `_view` returned, tiles of this module's constants, new contiguous tensors. The fields are
+    TensorDescriptor's own (tests/test_attention.py compares both constructions, so a Triton upgrade that changes the
+    class fails there)."""
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides, desc.block_shape, desc.layout = base, shape, strides, block_shape, layout
+    desc.padding = "zero"
+    return desc
+
+
 def _descriptor(x, view, rows):
     """A TMA descriptor over the 2-D view `view` (_view's first two items) of x, tiles of `rows` x d."""
     (n_rows, n_cols), stride = view[:2]
     d = x.shape[-1]
-    return TensorDescriptor(x, [n_rows, n_cols], [stride, 1], [rows, d], _smem_layout(rows, d, _gl_dtype(x.dtype)))
+    return tma_descriptor(x, [n_rows, n_cols], [stride, 1], [rows, d], _smem_layout(rows, d, _gl_dtype(x.dtype)))
 
 
 def forward(q, k, v, is_causal, qkv_views):

@@ -269,7 +269,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from lmsys.attention import flash_hopper, launch_order, launcher
 from lmsys.attention.flash_hopper import ring, stream_kv
@@ -826,10 +825,19 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, N_Q, N_K, H
 # ------------------------------------------------------------------------------------------------ wrapper
 
 
-def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
+def dq_buffer(q, found) -> torch.Tensor | None:
+    """The fp32 buffer in which the dK/dV kernel accumulates dQ for q (`found`: what `views()` returned), new and not
+    zeroed, or None when it does not (`fused`); `backward` takes it zeroed."""
+    if not found[-2]:
+        return None
+    return torch.empty((q.numel() // q.shape[-1], q.shape[-1]), device=q.device, dtype=torch.float32)
+
+
+def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found, dq_acc) -> None:
     """Writes the gradients into dq, dk, dv (new, contiguous, of q's dtype) for inputs these kernels take (`found`:
     what `views()` returned, under the same capture state), given the forward's natural-log log-sum-exp and
-    delta = rowsum(dO * O), both fp32 and contiguous, one row per head."""
+    delta = rowsum(dO * O), both fp32 and contiguous, one row per head, and `dq_buffer`'s buffer, zeroed (None when
+    that is None)."""
     d, n_q, n_k = q.shape[-1], q.shape[-2], k.shape[-2]
     bh = q.numel() // (n_q * d)
     heads = q.shape[1] if q.dim() == 4 else 1
@@ -852,12 +860,12 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found) -> None:
         key += (groups,)
     dq_desc = kc_desc = None
     if fused_dq:
-        dq_acc = torch.zeros((bh * n_q, d), device=q.device, dtype=torch.float32)
-        dq_desc = TensorDescriptor(dq_acc, [bh * n_q, d], [d, 1], [block_m, d // 2 if split else d], DQ_ACC_LAYOUT)
+        dq_desc = flash_hopper.tma_descriptor(dq_acc, [bh * n_q, d], [d, 1], [block_m, d // 2 if split else d],
+                                              DQ_ACC_LAYOUT)
     if split:  # K's tiles of the program's keys and half of d, in the layout their MMA reads
         (n_rows, n_cols), stride = kv[:2]
         layout = flash_hopper._smem_layout(BLOCK_KEYS, d // 2, flash_hopper._gl_dtype(k.dtype))
-        kc_desc = TensorDescriptor(k, [n_rows, n_cols], [stride, 1], [BLOCK_KEYS, d // 2], layout)
+        kc_desc = flash_hopper.tma_descriptor(k, [n_rows, n_cols], [stride, 1], [BLOCK_KEYS, d // 2], layout)
     if concurrent:
         current, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
         side.wait_stream(current)  # the inputs, delta included, are ready on it

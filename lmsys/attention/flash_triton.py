@@ -299,13 +299,15 @@ def _flash_fwd_kernel(
 
 @triton.jit
 def _flash_bwd_preprocess_kernel(
-    O, DO, DELTA,
+    O, DO, DELTA, DQ_ACC,
     N_Q, H,
     stride_ob, stride_oh, stride_om,
     stride_dob, stride_doh, stride_dom,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQ: tl.constexpr,
 ):
-    """D = rowsum(dO * O), in fp32."""
+    """D = rowsum(dO * O), in fp32; with ZERO_DQ also zeroes the same rows of DQ_ACC, an fp32 (batch * heads *
+    N_Q, HEAD_DIM) buffer (the Gluon backward's dQ accumulator), which saves the backward a launch and an allocation's
+    dispatch."""
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
     off_h = (off_bh % H).to(tl.int64)
@@ -317,7 +319,11 @@ def _flash_bwd_preprocess_kernel(
     do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom
                  + offs_d[None, :], mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + off_bh.to(tl.int64) * N_Q + offs_m, delta, mask=offs_m < N_Q)
+    rows = off_bh.to(tl.int64) * N_Q + offs_m
+    tl.store(DELTA + rows, delta, mask=offs_m < N_Q)
+    if ZERO_DQ:
+        tl.store(DQ_ACC + rows[:, None] * HEAD_DIM + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
+                 mask=mask)
 
 
 def _bwd_configs():
@@ -579,13 +585,7 @@ def _fwd_impl(q, k, v, is_causal):
     return o, lse
 
 
-@torch.library.custom_op("lmsys::flash_attn_fwd", mutates_args=())
-def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fwd_impl(q, k, v, is_causal)
-
-
-@_fwd_op.register_fake
-def _(q, k, v, is_causal):
+def _fwd_fake(q, k, v, is_causal):
     # Contiguous whatever the inputs' strides, as _fwd_impl allocates them: inductor checks the real strides
     # against these.
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
@@ -593,26 +593,29 @@ def _(q, k, v, is_causal):
 
 def _bwd_impl(q, k, v, o, lse, do, is_causal):
     q, k, v, o, do = _unit_stride(q), _unit_stride(k), _unit_stride(v), _unit_stride(o), _unit_stride(do)
-    (batch, heads, n_q, head_dim), q_strides = _dims(q)
-    n_k = k.shape[-2]
-    k_strides, v_strides, o_strides, do_strides = _dims(k)[1], _dims(v)[1], _dims(o)[1], _dims(do)[1]
+    hopper = flash_hopper_bwd.views(q, k, v, do, is_causal) if HOPPER_BACKWARD else None
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk, dv = (torch.empty(k.shape, dtype=k.dtype, device=k.device) for _ in range(2))
     if lse.shape != q.shape[:-1] or not lse.is_contiguous():  # the kernels index it as one row per head
         lse = lse.reshape(q.shape[:-1]).contiguous()
     delta = torch.empty_like(lse)
+    # The fused Gluon backward's fp32 dQ accumulator, zeroed by the preprocess kernel.
+    dq_acc = flash_hopper_bwd.dq_buffer(q, hopper) if hopper is not None else None
+    (batch, heads, n_q, head_dim), o_strides = _dims(o)
+    do_strides = _dims(do)[1]
     pre_block = 64
     aligned = launcher.aligned(q, k, v, o, do, lse)
     launcher.launch(
         _flash_bwd_preprocess_kernel, (triton.cdiv(n_q, pre_block), batch * heads),
-        (o, do, delta, n_q, heads, *o_strides, *do_strides),
-        (q.device, q.dtype, o.shape, o_strides, do_strides, aligned),  # delta is new
-        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=pre_block,
+        (o, do, delta, dq_acc, n_q, heads, *o_strides, *do_strides),
+        (q.device, q.dtype, o.shape, o_strides, do_strides, aligned),  # delta and dq_acc are new
+        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=pre_block, ZERO_DQ=dq_acc is not None,
     )
-    hopper = flash_hopper_bwd.views(q, k, v, do, is_causal) if HOPPER_BACKWARD else None
     if hopper is not None:
-        flash_hopper_bwd.backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, hopper)
+        flash_hopper_bwd.backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, hopper, dq_acc)
         return dq, dk, dv
+    q_strides, k_strides, v_strides = _dims(q)[1], _dims(k)[1], _dims(v)[1]
+    n_k = k.shape[-2]
     sm_scale = 1.0 / math.sqrt(head_dim)
     launcher.launch(
         _flash_bwd_kernel,
@@ -626,18 +629,27 @@ def _bwd_impl(q, k, v, o, lse, do, is_causal):
     return dq, dk, dv
 
 
-@torch.library.custom_op("lmsys::flash_attn_bwd", mutates_args=())
-def _bwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
-    is_causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _bwd_impl(q, k, v, o, lse, do, is_causal)
-
-
-@_bwd_op.register_fake
-def _(q, k, v, o, lse, do, is_causal):
+def _bwd_fake(q, k, v, o, lse, do, is_causal):
     # Contiguous, as _bwd_impl allocates them (not the strides of q, k, v, which are often transposed views).
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# The custom ops that keep the kernels opaque to torch.compile (its graphs call them). Defined through
+# torch.library.Library, the dispatcher calls _fwd_impl and _bwd_impl directly; torch.library.custom_op puts its Python
+# wrappers around them (an autograd kernel that redispatches, the backend's wrapper with dynamo disabled and an aliasing
+# check), which cost more CPU time per call than the forward's own launch path. Their autograd is
+# FlashAttentionTriton's: the compiled graphs call them below autograd, and eager calls do not go through them.
+_LIB = torch.library.Library("lmsys", "FRAGMENT")
+_LIB.define("flash_attn_fwd(Tensor q, Tensor k, Tensor v, bool is_causal) -> (Tensor, Tensor)")
+_LIB.define(
+    "flash_attn_bwd(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor do, bool is_causal) "
+    "-> (Tensor, Tensor, Tensor)"
+)
+for _key in ("CUDA", "CPU"):  # CPU: under the Triton interpreter
+    _LIB.impl("flash_attn_fwd", _fwd_impl, _key)
+    _LIB.impl("flash_attn_bwd", _bwd_impl, _key)
+torch.library.register_fake("lmsys::flash_attn_fwd", _fwd_fake, lib=_LIB)
+torch.library.register_fake("lmsys::flash_attn_bwd", _bwd_fake, lib=_LIB)
 
 
 def forward(q, k, v, is_causal=False):
@@ -646,14 +658,14 @@ def forward(q, k, v, is_causal=False):
     # The custom ops keep the kernels opaque to torch.compile; eager calls skip their dispatch (tens of us each,
     # which is most of the time of a small problem).
     if torch.compiler.is_compiling():
-        return _fwd_op(q, k, v, is_causal)
+        return torch.ops.lmsys.flash_attn_fwd(q, k, v, is_causal)
     return _fwd_impl(q, k, v, is_causal)
 
 
 def backward(q, k, v, o, lse, do, is_causal=False):
     """Gradients (dq, dk, dv) of attention, given the forward's output, log-sum-exp and the output's gradient."""
     if torch.compiler.is_compiling():
-        return _bwd_op(q, k, v, o, lse, do, is_causal)
+        return torch.ops.lmsys.flash_attn_bwd(q, k, v, o, lse, do, is_causal)
     return _bwd_impl(q, k, v, o, lse, do, is_causal)
 
 
