@@ -833,11 +833,12 @@ def dq_buffer(q, found) -> torch.Tensor | None:
     return torch.empty((q.numel() // q.shape[-1], q.shape[-1]), device=q.device, dtype=torch.float32)
 
 
-def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found, dq_acc) -> None:
-    """Writes the gradients into dq, dk, dv (new, contiguous, of q's dtype) for inputs these kernels take (`found`:
-    what `views()` returned, under the same capture state), given the forward's natural-log log-sum-exp and
-    delta = rowsum(dO * O), both fp32 and contiguous, one row per head, and `dq_buffer`'s buffer, zeroed (None when
-    that is None)."""
+def backward(q, k, v, do, lse, delta, dk, dv, dq_acc, is_causal, found) -> torch.Tensor:
+    """Writes dK and dV into dk, dv (new, contiguous, of q's dtype) and returns dQ (new, contiguous) for inputs these
+    kernels take (`found`: what `views()` returned, under the same capture state), given the forward's natural-log
+    log-sum-exp and delta = rowsum(dO * O), both fp32 and contiguous, one row per head, and `dq_buffer`'s buffer,
+    zeroed (None when that is None). dQ is allocated after the dK/dV kernel's launch: the device may be waiting for
+    it, and an allocation costs the CPU tens of microseconds on the lent H100."""
     d, n_q, n_k = q.shape[-1], q.shape[-2], k.shape[-2]
     bh = q.numel() // (n_q * d)
     heads = q.shape[1] if q.dim() == 4 else 1
@@ -878,8 +879,8 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found, dq_acc) -> N
         DS_SMEM=ds_smem, K_REGS=fused_dq and K_IN_REGISTERS and d == 64, **common,
     )
     if fused_dq:
-        dq.view(-1, d).copy_(dq_acc)
-        return
+        return dq_acc.to(q.dtype).view(q.shape)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     half = BLOCK_ROWS // 2
     with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
         launcher.launch(
@@ -893,6 +894,7 @@ def backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, found, dq_acc) -> N
         # dq, allocated on the current stream, is written on the side one: the current stream waits for it before
         # anything there (a free by the caching allocator included) can touch it.
         current.wait_stream(side)
+    return dq
 
 
 @functools.cache

@@ -594,7 +594,6 @@ def _fwd_fake(q, k, v, is_causal):
 def _bwd_impl(q, k, v, o, lse, do, is_causal):
     q, k, v, o, do = _unit_stride(q), _unit_stride(k), _unit_stride(v), _unit_stride(o), _unit_stride(do)
     hopper = flash_hopper_bwd.views(q, k, v, do, is_causal) if HOPPER_BACKWARD else None
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk, dv = (torch.empty(k.shape, dtype=k.dtype, device=k.device) for _ in range(2))
     if lse.shape != q.shape[:-1] or not lse.is_contiguous():  # the kernels index it as one row per head
         lse = lse.reshape(q.shape[:-1]).contiguous()
@@ -612,8 +611,8 @@ def _bwd_impl(q, k, v, o, lse, do, is_causal):
         HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=pre_block, ZERO_DQ=dq_acc is not None,
     )
     if hopper is not None:
-        flash_hopper_bwd.backward(q, k, v, do, lse, delta, dq, dk, dv, is_causal, hopper, dq_acc)
-        return dq, dk, dv
+        return flash_hopper_bwd.backward(q, k, v, do, lse, delta, dk, dv, dq_acc, is_causal, hopper), dk, dv
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q_strides, k_strides, v_strides = _dims(q)[1], _dims(k)[1], _dims(v)[1]
     n_k = k.shape[-2]
     sm_scale = 1.0 / math.sqrt(head_dim)
