@@ -1070,8 +1070,9 @@ def test_hopper_view_of_each_layout(make, expected):
     assert flash_hopper._view(make()) == expected
 
 
-
-@pytest.mark.parametrize("shape, transposed", [((2, 3, 256, 64), False), ((2, 3, 256, 128), True), ((3, 128, 64), False)])
+@pytest.mark.parametrize(
+    "shape, transposed", [((2, 3, 256, 64), False), ((2, 3, 256, 128), True), ((3, 128, 64), False)]
+)
 def test_hopper_descriptors_skip_only_triton_checks(shape, transposed):
     """`flash_hopper.tma_descriptor` (no __post_init__) builds what Triton's TensorDescriptor does from the same
     arguments, field for field: a Triton upgrade that adds, renames or derives a field fails here."""
@@ -1085,6 +1086,7 @@ def test_hopper_descriptors_skip_only_triton_checks(shape, transposed):
     assert type(fast) is type(checked) and vars(fast).keys() == vars(checked).keys()
     assert all(getattr(fast, name) is getattr(checked, name) or getattr(fast, name) == getattr(checked, name)
                for name in vars(checked))
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])

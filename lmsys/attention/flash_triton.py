@@ -656,8 +656,7 @@ torch.library.register_fake("lmsys::flash_attn_bwd", _bwd_fake, lib=_LIB)
 def forward(q, k, v, is_causal=False):
     """Attention output and log-sum-exp (natural log, fp32, shape of q without its last dim)."""
     _check(q, k, v, is_causal)
-    # The custom ops keep the kernels opaque to torch.compile; eager calls skip their dispatch (tens of us each,
-    # which is most of the time of a small problem).
+    # The custom ops keep the kernels opaque to torch.compile; eager calls skip their dispatch.
     if torch.compiler.is_compiling():
         return torch.ops.lmsys.flash_attn_fwd(q, k, v, is_causal)
     return _fwd_impl(q, k, v, is_causal)
