@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -896,7 +897,7 @@ def test_the_gluon_backward_is_the_default_from_its_measured_sizes_gpu(gpu, monk
     monkeypatch.setattr(flash_hopper_bwd, "backward", lambda *a: calls.append(a) or hopper_backward(*a))
     sms = torch.cuda.get_device_properties(gpu).multi_processor_count
     # 0.5, 1 and 2 programs per multiprocessor (batch 1, one head; on the H100's 132 multiprocessors 8448 rows, 16896
-    # and 33792): the last entry of the backward's last argument (`found`) says how it ran.
+    # and 33792): the backward's last argument (its `BackwardPlan`) says how it ran.
     for rows, expected in ((sms * 64, []), (sms * 128, [True]), (2 * sms * 128, [False])):
         assert (rows >= flash_hopper_bwd.CONCURRENT_MIN_KEYS) == bool(expected)
         calls.clear()
@@ -904,7 +905,7 @@ def test_the_gluon_backward_is_the_default_from_its_measured_sizes_gpu(gpu, monk
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         do = torch.randn_like(q)
         grads = torch.autograd.grad(flash_attention(q, k, v, is_causal=True, impl="triton"), (q, k, v), do)
-        assert [call[-1][-1] for call in calls] == expected
+        assert [call[-1].concurrent for call in calls] == expected
         _assert_sdpa_gradients(grads, q, k, v, do, True)
 
 
@@ -919,9 +920,7 @@ def test_the_gluon_backward_accumulates_dq_by_size_gpu(gpu, head_dim, monkeypatc
     defaults = (flash_hopper_bwd.FUSED_DQ, flash_hopper_bwd.FUSED_SPLIT, flash_hopper_bwd.FUSED_GROUP_HEADS)
     assert defaults == (None, True, 1)
     launches = []
-    launch = launcher.launch
-    monkeypatch.setattr(launcher, "launch",
-                        lambda kernel, *a, **c: launches.append((kernel, c)) or launch(kernel, *a, **c))
+    monkeypatch.setattr(launcher, "TRACE", launches)
     sms = torch.cuda.get_device_properties(gpu).multi_processor_count
     for rows, is_causal, expected in ((sms * 128, True, False), (2 * sms * 128, True, True),
                                       (2 * sms * 128, False, False)):
@@ -950,7 +949,8 @@ def test_the_gluon_backward_under_graph_capture_gpu(gpu, fused_dq, monkeypatch, 
     q, k, v, do = (torch.randn(1, 2, sms * 128, 64, device=gpu, dtype=torch.bfloat16) for _ in range(4))
     o, lse = flash_triton.forward(q, k, v, True)
     # eager at 2 programs per multiprocessor: the dQ kernel beside the dK/dV one, or no dQ kernel
-    assert flash_hopper_bwd.views(q, k, v, do, True)[-2:] == (fused_dq, not fused_dq)
+    found = flash_hopper_bwd.views(q, k, v, do, True)
+    assert (found.fused_dq, found.concurrent) == (fused_dq, not fused_dq)
     eager = flash_triton.backward(q, k, v, o, lse, do, True)
     side = torch.cuda.Stream(gpu)
     side.wait_stream(torch.cuda.current_stream(gpu))
@@ -959,7 +959,8 @@ def test_the_gluon_backward_under_graph_capture_gpu(gpu, fused_dq, monkeypatch, 
     torch.cuda.current_stream(gpu).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        assert flash_hopper_bwd.views(q, k, v, do, True)[-2:] == (fused_dq, False)
+        found = flash_hopper_bwd.views(q, k, v, do, True)
+        assert (found.fused_dq, found.concurrent) == (fused_dq, False)
         captured = tuple(t.clone() for t in flash_triton.backward(q, k, v, o, lse, do, True))
     for t in captured:
         t.fill_(float("nan"))  # the replay must write every element
@@ -1183,6 +1184,103 @@ def test_launcher_keys_tell_apart_what_triton_specializes_on():
     assert launcher._spec(x) != launcher._spec(x.float())
     assert launcher._spec(x) != launcher._spec(x[1:])  # 2 bytes off a 16-byte boundary
     assert launcher._spec(16) != launcher._spec(17)
+
+
+def _fake_compiled(launch_fn, signature, tensordesc_meta=None):
+    """A stand-in for a compiled kernel whose launcher is triton's CudaLauncher (its __call__, unchanged) over
+    `launch_fn` wrapped as triton wraps a launcher whose signature has tensor descriptors."""
+    from triton.backends.nvidia import driver
+
+    cuda_launcher = object.__new__(driver.CudaLauncher)
+    cuda_launcher.launch = driver.wrap_handle_tensordesc(launch_fn, signature, tensordesc_meta)
+    cuda_launcher.num_ctas, cuda_launcher.launch_cooperative_grid, cuda_launcher.launch_pdl = 1, False, False
+    cuda_launcher.global_scratch_size = cuda_launcher.profile_scratch_size = 0
+    cuda_launcher.global_scratch_align = cuda_launcher.profile_scratch_align = 1
+    return types.SimpleNamespace(run=cuda_launcher, function=1234, packed_metadata=("packed",),
+                                 src=types.SimpleNamespace(signature=signature),
+                                 metadata=types.SimpleNamespace(tensordesc_meta=tensordesc_meta))
+
+
+def test_a_kept_launch_hands_the_compiled_launcher_what_triton_would(monkeypatch):
+    """`launcher.Launch` calls the compiled launcher under triton's CudaLauncher and its wrapper for descriptor
+    arguments: it must pass what they would, for descriptors given and for tensors in their places (the first
+    launch's descriptors over them), the constexprs after the arguments. Runs triton's own wrapper and
+    CudaLauncher.__call__ beside it (without encodings: those need the GPU), so a triton upgrade that changes what
+    they pass fails here."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)  # a CPU build has neither
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    signature = {"a": "tensordesc<fp32[8, 16]>", "n": "i32", "x": "*fp32", "b": "tensordesc<fp32[4, 16]>",
+                 "C": "constexpr"}
+    received = []
+    compiled = _fake_compiled(lambda *args: received.append(args), signature)
+    x, y, z = (torch.zeros(32, 16) for _ in range(3))
+    first = (TensorDescriptor(x, [32, 16], [16, 1], [8, 16]), 5, y, TensorDescriptor(y, [32, 16], [16, 1], [4, 16]))
+    kept = launcher.Launch("kernel", (3,), "key", {"C": 7}, compiled, (3, 1, 1), (7,), {"C": 7}, first)
+    assert kept.direct and launcher.raw_launcher(compiled.run.launch) is compiled.run.launch.__closure__[
+        compiled.run.launch.__code__.co_freevars.index("launcher")].cell_contents
+    later = (TensorDescriptor(z, [32, 16], [16, 1], [8, 16]), 6, x, TensorDescriptor(x, [32, 16], [16, 1], [4, 16]))
+    for args in (first, later, (z, 6, x, x)):  # the last: tensors in the descriptors' places
+        received.clear()
+        compiled.run(3, 1, 1, 77, compiled.function, compiled.packed_metadata, None, None, None,
+                     *kept._described(args), 7)
+        kept.run(args)
+        by_triton, ours = received
+        assert len(ours) == len(by_triton) and all(a is b or a == b for a, b in zip(ours, by_triton)), (ours, by_triton)
+    assert received[0][13] is z and received[0][13 + 1 + 2 + 2 + 1 + 2 + 2 + 2] is x  # the last call's bases
+
+
+def test_kept_launch_templates_hold_no_tensor():
+    """A kept launch's descriptor templates drop their tensors (which would stay allocated otherwise)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    compiled = _fake_compiled(lambda *args: None, {"a": "tensordesc<fp32[8, 16]>"})
+    x = torch.zeros(32, 16)
+    kept = launcher.Launch("kernel", (1,), "key", {}, compiled, (1, 1, 1), (), {},
+                           (TensorDescriptor(x, [32, 16], [16, 1], [8, 16]),))
+    assert [template.base for _, template, _, _ in kept.descriptors] == [None]
+
+
+@pytest.mark.parametrize("module", [flash_triton, flash_hopper, flash_hopper_bwd, launcher])
+def test_a_setting_changed_forgets_the_plans(module, seed):
+    """The wrappers keep one plan per signature of inputs; setting (or deleting) any attribute of a module they follow
+    from forgets them all, as monkeypatch does for tests."""
+    q, k, v = make_inputs((1, 2, 40, 16), (1, 2, 40, 16), torch.float32, TRITON_DEVICE)
+    o, lse = flash_triton.forward(q, k, v, True)
+    flash_triton.backward(q, k, v, o, lse, torch.randn_like(q), True)
+    assert flash_triton._FORWARD_PLANS and flash_triton._BACKWARD_PLANS
+    module.SOME_SETTING = 1
+    assert not flash_triton._FORWARD_PLANS and not flash_triton._BACKWARD_PLANS
+    flash_triton.forward(q, k, v, True)
+    del module.SOME_SETTING
+    assert not flash_triton._FORWARD_PLANS
+
+
+def test_one_plan_per_signature(seed):
+    """Calls with inputs of one signature share a plan; strides, alignment, dtype or the mask make another, and
+    each gives the float64 reference's output."""
+    plans_before = dict(flash_triton._FORWARD_PLANS)
+    flash_triton._FORWARD_PLANS.clear()
+    try:
+        base = torch.randn(1, 2, 41, 16, dtype=torch.float32, device=TRITON_DEVICE)
+        packed = torch.randn(1, 41, 2, 20, dtype=torch.float32, device=TRITON_DEVICE)
+        cases = [
+            (base, False), (base.clone(), False),  # one signature
+            (base, True),  # the mask
+            (packed[..., :16].transpose(1, 2), False),  # strides
+            (packed[..., 4:].transpose(1, 2), False),  # 16 bytes off: still aligned, the same strides as the last
+            (packed[..., 1:17].transpose(1, 2), False),  # 4 bytes off: not aligned
+            (base.half(), False),
+        ]
+        for x, is_causal in cases:
+            o, _ = flash_triton.forward(x, x, x, is_causal)
+            want = F.scaled_dot_product_attention(x.double(), x.double(), x.double(), is_causal=is_causal)
+            assert (o.double() - want).abs().max() < TOLERANCE[x.dtype] * 10
+        assert len(flash_triton._FORWARD_PLANS) == 5
+    finally:
+        flash_triton._FORWARD_PLANS.clear()
+        flash_triton._FORWARD_PLANS.update(plans_before)
 
 
 @pytest.mark.gpu

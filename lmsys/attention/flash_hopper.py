@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from lmsys.attention import launch_order, launcher
+from lmsys.attention import launch_order, launcher, plans
 
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
 BLOCK_N = 128  # keys per tile
@@ -145,11 +145,23 @@ def blocks_per_sm(q, rows: int = BLOCK_M) -> float:
     return q.numel() // (q.shape[-1] * rows) / _sm_count(q.device)
 
 
-def forward_views(q, k, v):
-    """`views` when the forward runs these inputs here (`plan`), else None."""
-    if not q.is_cuda:
+class ForwardPlan:
+    """What `forward` needs beyond the tensors for inputs that this kernel takes: `views` (what `views()` found) and,
+    once it has launched, the launch (`launcher.Launch`) and its arguments that are not tensors. A caller keeps it
+    for later inputs of the same signature (shapes, strides, dtype, device, alignment): lmsys.attention.plans."""
+
+    __slots__ = ("views", "is_causal", "launch", "scalars")
+
+    def __init__(self, views):
+        self.views, self.is_causal, self.launch, self.scalars = views, None, None, None
+
+
+def forward_views(q, k, v) -> ForwardPlan | None:
+    """A `ForwardPlan` when the forward runs these inputs here (`plan`, `views`), else None."""
+    if not q.is_cuda or not plan(q.shape[-1], blocks_per_sm(q), k.shape[-2]):
         return None
-    return views(q, k, v) if plan(q.shape[-1], blocks_per_sm(q), k.shape[-2]) else None
+    found = views(q, k, v)
+    return None if found is None else ForwardPlan(found)
 
 
 def applies(q, k, v) -> bool:
@@ -364,24 +376,33 @@ def _descriptor(x, view, rows):
     return tma_descriptor(x, [n_rows, n_cols], [stride, 1], [rows, d], _smem_layout(rows, d, _gl_dtype(x.dtype)))
 
 
-def forward(q, k, v, is_causal, qkv_views):
-    """(o, lse) for inputs that this kernel takes, `qkv_views` being what `views()` found for them: output in q's
-    dtype, contiguous, natural-log log-sum-exp in fp32 of q's shape without d."""
+def forward(q, k, v, is_causal, forward_plan: ForwardPlan):
+    """(o, lse) for inputs that this kernel takes, `forward_plan` being what `forward_views()` returned for inputs of
+    their signature: output in q's dtype, contiguous, natural-log log-sum-exp in fp32 of q's shape without d."""
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    if forward_plan.launch is not None and forward_plan.is_causal == is_causal:
+        # The descriptors of the first launch over these tensors (launcher.Launch).
+        forward_plan.launch((q, k, v, o, lse, *forward_plan.scalars))
+        return o, lse
     d, n_q, n_k = q.shape[-1], q.shape[-2], k.shape[-2]
     heads = q.shape[1] if q.dim() == 4 else 1
     bh = q.numel() // (n_q * d)
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     # Tiles never cross a head: both lengths are multiples of the tiles.
-    found = (*qkv_views, _view(o))
-    launcher.launch(
+    found = (*forward_plan.views, _view(o))
+    scalars = (n_q, n_k, heads, bh, launch_order.group_heads(k, bh), LOG2E / math.sqrt(d), *found[0][2:],
+               *found[1][2:], *found[2][2:])
+    forward_plan.launch = launcher.launch(
         _flash_fwd_hopper_kernel, (n_q // BLOCK_M * bh,),
         (_descriptor(q, found[0], BLOCK_M // 2), _descriptor(k, found[1], BLOCK_N),
-         _descriptor(v, found[2], BLOCK_N), _descriptor(o, found[3], BLOCK_M // 2), lse, n_q, n_k, heads, bh,
-         launch_order.group_heads(k, bh), LOG2E / math.sqrt(d), *found[0][2:], *found[1][2:], *found[2][2:]),
-        # _view checked the alignment; o and lse are new.
+         _descriptor(v, found[2], BLOCK_N), _descriptor(o, found[3], BLOCK_M // 2), lse, *scalars),
+        # _view checked the alignment; o and lse are new. The views fix the descriptors' shapes and strides.
         (q.device, q.dtype, q.shape, n_k, *found),
         HEAD_DIM=d, CAUSAL=is_causal, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
     )
+    forward_plan.is_causal, forward_plan.scalars = is_causal, scalars
     return o, lse
+
+
+plans.watch(__name__)

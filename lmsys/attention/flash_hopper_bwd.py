@@ -270,7 +270,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from lmsys.attention import flash_hopper, launch_order, launcher
+from lmsys.attention import flash_hopper, launch_order, launcher, plans
 from lmsys.attention.flash_hopper import ring, stream_kv
 
 BLOCK_KEYS = 128  # keys per _dkdv_kernel program: two consumer warpgroups of 64
@@ -409,10 +409,24 @@ def ds_from_shared(head_dim: int, programs_per_sm: float) -> bool:
     return not K_IN_REGISTERS and programs_per_sm >= FUSED_DS_SMEM_MIN_PROGRAMS_PER_SM
 
 
-def views(q, k, v, do, is_causal):
-    """When these kernels run this backward: the 2-D views (`flash_hopper._view`) of q, k, v and do, whether the dK/dV
-    kernel reads dK's dS^T from shared memory (`ds_from_shared`, with FUSED_SPLIT), whether it accumulates dQ (`fused`),
-    and whether the dQ kernel runs beside the dK/dV one (`plan`; never beside none); else None."""
+class BackwardPlan:
+    """How these kernels run a backward (`views`): the 2-D views (`flash_hopper._view`) of q, k, v and do, whether
+    the dK/dV kernel reads dK's dS^T from shared memory (`ds_smem`), accumulates dQ (`fused_dq`), and whether the dQ
+    kernel runs beside it (`concurrent`); and once `backward` has launched them, the launches (`launcher.Launch`) and
+    their arguments that are not tensors. A caller keeps it for later inputs of the same signature (shapes, strides,
+    dtype, device, alignment, capture state): lmsys.attention.plans."""
+
+    __slots__ = ("qv", "kv", "vv", "dov", "ds_smem", "fused_dq", "concurrent", "is_causal", "split", "dkdv", "dq",
+                 "dkdv_scalars", "dq_scalars")
+
+    def __init__(self, qv, kv, vv, dov, ds_smem, fused_dq, concurrent):
+        self.qv, self.kv, self.vv, self.dov = qv, kv, vv, dov
+        self.ds_smem, self.fused_dq, self.concurrent = ds_smem, fused_dq, concurrent
+        self.is_causal = self.split = self.dkdv = self.dq = self.dkdv_scalars = self.dq_scalars = None
+
+
+def views(q, k, v, do, is_causal) -> BackwardPlan | None:
+    """A `BackwardPlan` when these kernels run this backward, else None."""
     if q.shape[-1] not in HEAD_DIMS or do.shape != q.shape or not q.is_cuda:
         return None
     # The plan before the views: a problem that runs on the Triton backward (the launch-bound ones) leaves without them.
@@ -424,7 +438,7 @@ def views(q, k, v, do, is_causal):
         return None
     fused_dq = fused(q.shape[-1], per_sm, k.shape[-2], is_causal)
     ds_smem = fused_dq and FUSED_SPLIT and ds_from_shared(q.shape[-1], per_sm)
-    return (*found, dov, ds_smem, fused_dq, concurrent and not fused_dq)
+    return BackwardPlan(*found, dov, ds_smem, fused_dq, concurrent and not fused_dq)
 
 
 @gluon.constexpr_function
@@ -825,24 +839,58 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, N_Q, N_K, H
 # ------------------------------------------------------------------------------------------------ wrapper
 
 
-def dq_buffer(q, found) -> torch.Tensor | None:
-    """The fp32 buffer in which the dK/dV kernel accumulates dQ for q (`found`: what `views()` returned), new and not
-    zeroed, or None when it does not (`fused`); `backward` takes it zeroed."""
-    if not found[-2]:
+def dq_buffer(q, backward_plan: BackwardPlan) -> torch.Tensor | None:
+    """The fp32 buffer in which the dK/dV kernel accumulates dQ for q, new and not zeroed, or None when it does not
+    (`fused`); `backward` takes it zeroed."""
+    if not backward_plan.fused_dq:
         return None
     return torch.empty((q.numel() // q.shape[-1], q.shape[-1]), device=q.device, dtype=torch.float32)
 
 
-def backward(q, k, v, do, lse, delta, dk, dv, dq_acc, is_causal, found) -> torch.Tensor:
+def backward(q, k, v, do, lse, delta, dk, dv, dq_acc, is_causal, backward_plan: BackwardPlan) -> torch.Tensor:
     """Writes dK and dV into dk, dv (new, contiguous, of q's dtype) and returns dQ (new, contiguous) for inputs these
-    kernels take (`found`: what `views()` returned, under the same capture state), given the forward's natural-log
-    log-sum-exp and delta = rowsum(dO * O), both fp32 and contiguous, one row per head, and `dq_buffer`'s buffer,
-    zeroed (None when that is None). dQ is allocated after the dK/dV kernel's launch: the device may be waiting for
-    it, and an allocation costs the CPU tens of microseconds on the lent H100."""
+    kernels take (`backward_plan`: what `views()` returned for inputs of this signature, under the same capture
+    state), given the forward's natural-log log-sum-exp and delta = rowsum(dO * O), both fp32 and contiguous, one row
+    per head, and `dq_buffer`'s buffer, zeroed (None when that is None). dQ is allocated after the dK/dV kernel's
+    launch: the device may be waiting for it, and an allocation costs the CPU tens of microseconds on the lent H100.
+    The first call for a plan works out its launches' arguments that are not tensors and launches through triton;
+    later ones pass the tensors to the kept launches (`launcher.Launch`: in the descriptors' places, the first launch's
+    descriptors over them)."""
+    p = backward_plan
+    first = p.dkdv is None or p.is_causal != is_causal
+    if first:
+        dkdv, dq_launch = _launches(q, k, v, do, dk, dv, dq_acc, is_causal, p)
+    if p.concurrent:
+        current, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
+        side.wait_stream(current)  # the inputs, delta included, are ready on it
+    if first:
+        p.dkdv = dkdv(lse, delta)
+    else:  # with FUSED_SPLIT, K's halves are the eighth descriptor, over k
+        p.dkdv((q, k, v, do, dk, dv, dq_acc, k if p.split else None, lse, delta, *p.dkdv_scalars))
+    if p.fused_dq:
+        return dq_acc.to(q.dtype).view(q.shape)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    with torch.cuda.stream(side) if p.concurrent else contextlib.nullcontext():
+        if first:
+            p.dq = dq_launch(dq, lse, delta)
+        else:
+            p.dq((q, k, v, do, dq, lse, delta, *p.dq_scalars))
+    if p.concurrent:
+        # dq, allocated on the current stream, is written on the side one: the current stream waits for it before
+        # anything there (a free by the caching allocator included) can touch it.
+        current.wait_stream(side)
+    p.is_causal = is_causal if p.dkdv is not None and (p.fused_dq or p.dq is not None) else None
+    return dq
+
+
+def _launches(q, k, v, do, dk, dv, dq_acc, is_causal, p: BackwardPlan):
+    """Works out the launches of plan `p` for these inputs, storing their arguments that are not tensors in `p`;
+    returns functions that make them through `launcher.launch`, with descriptors: dkdv(lse, delta) and
+    dq(dq, lse, delta), each returning the `launcher.Launch` for later calls (None when there is none)."""
     d, n_q, n_k = q.shape[-1], q.shape[-2], k.shape[-2]
     bh = q.numel() // (n_q * d)
     heads = q.shape[1] if q.dim() == 4 else 1
-    qv, kv, vv, dov, ds_smem, fused_dq, concurrent = found
+    qv, kv, vv, dov, fused_dq = p.qv, p.kv, p.vv, p.dov, p.fused_dq
     strides = (*qv[2:], *kv[2:], *vv[2:], *dov[2:])
     sm_scale = 1.0 / math.sqrt(d)
     qk_scale = sm_scale * LOG2E.value
@@ -853,7 +901,8 @@ def backward(q, k, v, do, lse, delta, dk, dv, dq_acc, is_causal, found) -> torch
                   PRODUCER_REGS=PRODUCER_REGS, GROUPED=GROUPED_ORDER, num_warps=4)
     # With GROUPED_ORDER, heads per group: the dK/dV kernel streams q and dO, the dQ kernel k and v.
     groups = (launch_order.group_heads(q, bh), launch_order.group_heads(k, bh)) if GROUPED_ORDER else (1, 1)
-    # dq, dk, dv are new; lse and delta contiguous. The tiles are the descriptors' block shapes, not constexprs.
+    # dq, dk, dv are new; lse and delta contiguous. The tiles are the descriptors' block shapes, not constexprs; the
+    # views fix the descriptors' shapes and strides.
     key = (q.device, q.dtype, q.shape, k.shape, block_m, block_n, qv, kv, vv, dov)
     split = fused_dq and FUSED_SPLIT
     if fused_dq and GROUPED_ORDER and FUSED_GROUP_HEADS is not None:  # in the launch's key: not set by the shapes
@@ -867,37 +916,35 @@ def backward(q, k, v, do, lse, delta, dk, dv, dq_acc, is_causal, found) -> torch
         (n_rows, n_cols), stride = kv[:2]
         layout = flash_hopper._smem_layout(BLOCK_KEYS, d // 2, flash_hopper._gl_dtype(k.dtype))
         kc_desc = flash_hopper.tma_descriptor(k, [n_rows, n_cols], [stride, 1], [BLOCK_KEYS, d // 2], layout)
-    if concurrent:
-        current, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
-        side.wait_stream(current)  # the inputs, delta included, are ready on it
-    launcher.launch(
-        _dkdv_kernel, (n_k // BLOCK_KEYS * bh,) if GROUPED_ORDER else (n_k // BLOCK_KEYS, bh),
-        (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m),
-         desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), dq_desc, kc_desc, lse, delta,
-         n_q, n_k, heads, bh, groups[0], qk_scale, sm_scale, *strides),
-        ("dkdv", *key), PREFETCH=(is_causal, d) in PREFETCH_STATS, FUSED=fused_dq, SPLIT=split,
-        DS_SMEM=ds_smem, K_REGS=fused_dq and K_IN_REGISTERS and d == 64, **common,
-    )
-    if fused_dq:
-        return dq_acc.to(q.dtype).view(q.shape)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    half = BLOCK_ROWS // 2
-    with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
-        launcher.launch(
+    p.split = split
+    p.dkdv_scalars = (n_q, n_k, heads, bh, groups[0], qk_scale, sm_scale, *strides)
+    p.dq_scalars = (n_q, n_k, heads, bh, groups[1], qk_scale, sm_scale, *strides)
+
+    def dkdv(lse, delta):
+        return launcher.launch(
+            _dkdv_kernel, (n_k // BLOCK_KEYS * bh,) if GROUPED_ORDER else (n_k // BLOCK_KEYS, bh),
+            (desc(q, qv, block_m), desc(k, kv, half), desc(v, vv, half), desc(do, dov, block_m),
+             desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), dq_desc, kc_desc, lse,
+             delta, *p.dkdv_scalars),
+            ("dkdv", *key), PREFETCH=(is_causal, d) in PREFETCH_STATS, FUSED=fused_dq, SPLIT=split,
+            DS_SMEM=p.ds_smem, K_REGS=fused_dq and K_IN_REGISTERS and d == 64, **common,
+        )
+
+    def dq_launch(dq, lse, delta):
+        rows = BLOCK_ROWS // 2
+        return launcher.launch(
             _dq_kernel, (n_q // BLOCK_ROWS * bh,) if GROUPED_ORDER else (n_q // BLOCK_ROWS, bh),
-            (desc(q, qv, half), desc(k, kv, block_n), desc(v, vv, block_n), desc(do, dov, half),
-             desc(dq, flash_hopper._view(dq), half), lse, delta, n_q, n_k, heads, bh, groups[1], qk_scale,
-             sm_scale, *strides),
+            (desc(q, qv, rows), desc(k, kv, block_n), desc(v, vv, block_n), desc(do, dov, rows),
+             desc(dq, flash_hopper._view(dq), rows), lse, delta, *p.dq_scalars),
             ("dq", *key), **common,
         )
-    if concurrent:
-        # dq, allocated on the current stream, is written on the side one: the current stream waits for it before
-        # anything there (a free by the caching allocator included) can touch it.
-        current.wait_stream(side)
-    return dq
+
+    return dkdv, dq_launch
 
 
 @functools.cache
 def _side_stream(device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
+
+plans.watch(__name__)

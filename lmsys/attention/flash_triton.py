@@ -29,7 +29,8 @@ faster. The choice is kept in triton's on-disk cache (``cache_results``; its key
 triton's version and the GPU's architecture), so later processes take the same config without timing them again: the
 perf gate then compares one config's time across runs, not the autotuner's pick among configs a few percent apart. Under
 ``torch.compile`` the wrappers are ``torch.library`` custom ops, opaque to the compiler; eager calls skip the custom-op
-dispatch, and every launch after the first of its kind skips triton's wrappers (lmsys.attention.launcher). Any sequence
+dispatch, every launch after the first of its kind skips triton's wrappers (lmsys.attention.launcher), and what a call
+works out from its inputs' signature is kept per signature (lmsys.attention.plans). Any sequence
 length works: boundary masks are compiled in only when a length is not a multiple of the tile (``EVEN_*`` heuristics).
 Any head dim up to 128 works (the 2.7B model's is 80): tiles are BLOCK_D wide, the head dim rounded up to a power of two
 (at least 16), and the padding columns load as zeros, which leaves every product over the head dim unchanged, and are
@@ -45,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmsys.attention import flash_hopper, flash_hopper_bwd, launch_order, launcher
+from lmsys.attention import flash_hopper, flash_hopper_bwd, launch_order, launcher, plans
 from lmsys.attention.checks import check_inputs, refuse_double_backward
 
 # Any head dim up to 128: the kernels' tiles are BLOCK_D = _block_d(d) wide, zero-padded past d.
@@ -521,6 +522,13 @@ def _dims(x):
     return (batch, 1, n, d), (stride_b, 0, stride_n)
 
 
+def _new_strides(shape):
+    """`_dims`'s strides of a new contiguous tensor of this shape (the kernels' outputs)."""
+    if len(shape) == 4:
+        return shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3]
+    return shape[1] * shape[2], 0, shape[2]
+
+
 def _tma_ok(*tensors):
     """Tensor descriptors need 16-byte aligned base addresses and row strides; the kernel moves the base by the batch
     and head strides, so those must keep it aligned too (a 16-bit head dim that is not a multiple of 8 breaks this
@@ -556,32 +564,56 @@ def _check(q, k, v, is_causal):
         )
 
 
+# Per signature of the inputs, what _fwd_impl and _bwd_impl work out from it (lmsys.attention.plans).
+_FORWARD_PLANS = plans.cache()
+_BACKWARD_PLANS = plans.cache()
+
+
+class _ForwardPlan:
+    """How _fwd_impl runs inputs of one signature: on the Gluon forward (`hopper`, its `flash_hopper.ForwardPlan`),
+    or on the Triton kernel with these arguments after the tensors, grid, launch key and constexprs; `launch`, the
+    `launcher.Launch` once it has launched."""
+
+    __slots__ = ("hopper", "tma", "scalars", "grid", "key", "constexprs", "launch")
+
+    def __init__(self, q, k, v, is_causal):
+        self.hopper = flash_hopper.forward_views(q, k, v) if HOPPER_FORWARD else None
+        (batch, heads, n_q, head_dim), q_strides = _dims(q)
+        n_k = k.shape[-2]
+        k_strides, v_strides = _dims(k)[1], _dims(v)[1]
+        # The interpreter runs tensor descriptors too (zero-filling out of bounds as TMA does), for tests that force
+        # a config with USE_TMA; its own config has none.
+        self.tma = (q.is_cuda or _INTERPRET) and _tma_ok(q, k, v)
+        self.scalars = (n_q, n_k, heads, batch * heads, launch_order.group_heads(k, batch * heads),
+                        _autotune_key(n_q, n_k), LOG2E.value / math.sqrt(head_dim), *q_strides, *k_strides, *v_strides,
+                        *_new_strides(q.shape))
+        self.grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * batch * heads,)
+        # o and lse are new (aligned, contiguous): the rest of the launch follows from these.
+        self.key = (q.device, q.dtype, q.shape, n_k, q_strides, k_strides, v_strides, launcher.aligned(q, k, v))
+        self.constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=is_causal,
+                               DOT_PRECISION=_dot_precision(q.dtype), TMA_OK=self.tma)
+        self.launch = None
+
+
 def _fwd_impl(q, k, v, is_causal):
-    hopper = flash_hopper.forward_views(q, k, v) if HOPPER_FORWARD else None
-    if hopper is not None:
-        return flash_hopper.forward(q, k, v, is_causal, hopper)
-    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
-    (batch, heads, n_q, head_dim), q_strides = _dims(q)
-    n_k = k.shape[-2]
-    k_strides, v_strides = _dims(k)[1], _dims(v)[1]
+    signature = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, is_causal,
+                 q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0)
+    plan = _FORWARD_PLANS.get(signature)
+    if plan is None:
+        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            return _fwd_impl(_unit_stride(q), _unit_stride(k), _unit_stride(v), is_causal)
+        plan = plans.keep(_FORWARD_PLANS, signature, _ForwardPlan(q, k, v, is_causal))
+    if plan.hopper is not None:
+        return flash_hopper.forward(q, k, v, is_causal, plan.hopper)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    # The interpreter runs tensor descriptors too (zero-filling out of bounds as TMA does), for tests that force a
-    # config with USE_TMA; its own config has none.
-    tma_ok = (q.is_cuda or _INTERPRET) and _tma_ok(q, k, v)
-    if tma_ok and q.is_cuda:
+    if plan.tma and q.is_cuda:
         triton.set_allocator(_scratch)
-    launcher.launch(
-        _flash_fwd_kernel,
-        lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * batch * heads,),
-        (q, k, v, o, lse, n_q, n_k, heads, batch * heads, launch_order.group_heads(k, batch * heads),
-         _autotune_key(n_q, n_k), LOG2E.value / math.sqrt(head_dim), *q_strides, *k_strides, *v_strides,
-         *_dims(o)[1]),
-        # o and lse are new (aligned, contiguous): the rest of the launch follows from these.
-        (q.device, q.dtype, q.shape, n_k, q_strides, k_strides, v_strides, launcher.aligned(q, k, v)),
-        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
-        TMA_OK=tma_ok,
-    )
+    args = (q, k, v, o, lse, *plan.scalars)
+    if plan.launch is not None:
+        plan.launch(args)
+    else:
+        plan.launch = launcher.launch(_flash_fwd_kernel, plan.grid, args, plan.key, **plan.constexprs)
     return o, lse
 
 
@@ -591,40 +623,75 @@ def _fwd_fake(q, k, v, is_causal):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-def _bwd_impl(q, k, v, o, lse, do, is_causal):
-    q, k, v, o, do = _unit_stride(q), _unit_stride(k), _unit_stride(v), _unit_stride(o), _unit_stride(do)
-    hopper = flash_hopper_bwd.views(q, k, v, do, is_causal) if HOPPER_BACKWARD else None
-    dk, dv = (torch.empty(k.shape, dtype=k.dtype, device=k.device) for _ in range(2))
-    if lse.shape != q.shape[:-1] or not lse.is_contiguous():  # the kernels index it as one row per head
-        lse = lse.reshape(q.shape[:-1]).contiguous()
-    delta = torch.empty_like(lse)
-    # The fused Gluon backward's fp32 dQ accumulator, zeroed by the preprocess kernel.
-    dq_acc = flash_hopper_bwd.dq_buffer(q, hopper) if hopper is not None else None
-    (batch, heads, n_q, head_dim), o_strides = _dims(o)
-    do_strides = _dims(do)[1]
-    pre_block = 64
-    aligned = launcher.aligned(q, k, v, o, do, lse)
-    launcher.launch(
-        _flash_bwd_preprocess_kernel, (triton.cdiv(n_q, pre_block), batch * heads),
-        (o, do, delta, dq_acc, n_q, heads, *o_strides, *do_strides),
-        (q.device, q.dtype, o.shape, o_strides, do_strides, aligned),  # delta and dq_acc are new
-        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=pre_block, ZERO_DQ=dq_acc is not None,
-    )
-    if hopper is not None:
-        return flash_hopper_bwd.backward(q, k, v, do, lse, delta, dk, dv, dq_acc, is_causal, hopper), dk, dv
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    q_strides, k_strides, v_strides = _dims(q)[1], _dims(k)[1], _dims(v)[1]
-    n_k = k.shape[-2]
-    sm_scale = 1.0 / math.sqrt(head_dim)
-    launcher.launch(
-        _flash_bwd_kernel,
-        lambda meta: (triton.cdiv(max(n_q, n_k), meta["BLOCK_BIG"]), batch * heads),
-        (q, k, v, do, dq, dk, dv, lse, delta, n_q, n_k, heads, _autotune_key(n_q, n_k), sm_scale * LOG2E.value,
-         sm_scale, *q_strides, *k_strides, *v_strides, *do_strides, *_dims(dq)[1], *_dims(dk)[1], *_dims(dv)[1]),
+class _BackwardPlan:
+    """How _bwd_impl runs inputs of one signature: the preprocess kernel's arguments after the tensors, grid, launch
+    key and constexprs, then the Gluon backward (`hopper`, its `flash_hopper_bwd.BackwardPlan`, with `dq_acc`, the
+    shape of its fp32 dQ buffer when it accumulates dQ) or the Triton kernel's; each `launch` the `launcher.Launch`
+    once it has launched."""
+
+    __slots__ = ("hopper", "dq_acc", "pre_scalars", "pre_grid", "pre_key", "pre_constexprs", "pre_launch", "scalars",
+                 "grid", "key", "constexprs", "launch")
+
+    def __init__(self, q, k, v, o, lse, do, is_causal):
+        self.hopper = flash_hopper_bwd.views(q, k, v, do, is_causal) if HOPPER_BACKWARD else None
+        fused = self.hopper is not None and self.hopper.fused_dq
+        self.dq_acc = (q.numel() // q.shape[-1], q.shape[-1]) if fused else None
+        (batch, heads, n_q, head_dim), o_strides = _dims(o)
+        do_strides = _dims(do)[1]
+        pre_block = 64
+        aligned = launcher.aligned(q, k, v, o, do, lse)
+        self.pre_scalars = (n_q, heads, *o_strides, *do_strides)
+        self.pre_grid = (triton.cdiv(n_q, pre_block), batch * heads)
+        self.pre_key = (q.device, q.dtype, o.shape, o_strides, do_strides, aligned)  # delta and dq_acc are new
+        self.pre_constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=pre_block, ZERO_DQ=fused)
+        self.pre_launch = self.launch = None
+        if self.hopper is not None:
+            return
+        q_strides, k_strides, v_strides = _dims(q)[1], _dims(k)[1], _dims(v)[1]
+        n_k = k.shape[-2]
+        sm_scale = 1.0 / math.sqrt(head_dim)
+        self.scalars = (n_q, n_k, heads, _autotune_key(n_q, n_k), sm_scale * LOG2E.value, sm_scale, *q_strides,
+                        *k_strides, *v_strides, *do_strides, *_new_strides(q.shape), *_new_strides(k.shape),
+                        *_new_strides(k.shape))
+        self.grid = lambda meta: (triton.cdiv(max(n_q, n_k), meta["BLOCK_BIG"]), batch * heads)
         # dq, dk, dv and delta are new; lse is contiguous, one row per head.
-        (q.device, q.dtype, q.shape, k.shape, q_strides, k_strides, v_strides, do_strides, aligned),
-        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
-    )
+        self.key = (q.device, q.dtype, q.shape, k.shape, q_strides, k_strides, v_strides, do_strides, aligned)
+        self.constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=is_causal,
+                               DOT_PRECISION=_dot_precision(q.dtype))
+
+
+def _bwd_impl(q, k, v, o, lse, do, is_causal):
+    signature = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(), lse.shape,
+                 lse.stride(), do.shape, do.stride(), q.dtype, q.device, is_causal, q.data_ptr() % 16 == 0,
+                 k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, o.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0,
+                 do.data_ptr() % 16 == 0, q.is_cuda and torch.cuda.is_current_stream_capturing())
+    plan = _BACKWARD_PLANS.get(signature)
+    if plan is None:
+        unit_stride = all(x.stride(-1) == 1 for x in (q, k, v, o, do))
+        if not unit_stride or lse.shape != q.shape[:-1] or not lse.is_contiguous():
+            # The kernels read rows as contiguous vectors, and lse as one row per head.
+            return _bwd_impl(_unit_stride(q), _unit_stride(k), _unit_stride(v), _unit_stride(o),
+                             lse.reshape(q.shape[:-1]).contiguous(), _unit_stride(do), is_causal)
+        plan = plans.keep(_BACKWARD_PLANS, signature, _BackwardPlan(q, k, v, o, lse, do, is_causal))
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
+    # The fused Gluon backward's fp32 dQ accumulator, zeroed by the preprocess kernel.
+    dq_acc = None if plan.dq_acc is None else torch.empty(plan.dq_acc, dtype=torch.float32, device=q.device)
+    args = (o, do, delta, dq_acc, *plan.pre_scalars)
+    if plan.pre_launch is not None:
+        plan.pre_launch(args)
+    else:
+        plan.pre_launch = launcher.launch(_flash_bwd_preprocess_kernel, plan.pre_grid, args, plan.pre_key,
+                                          **plan.pre_constexprs)
+    if plan.hopper is not None:
+        return flash_hopper_bwd.backward(q, k, v, do, lse, delta, dk, dv, dq_acc, is_causal, plan.hopper), dk, dv
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    args = (q, k, v, do, dq, dk, dv, lse, delta, *plan.scalars)
+    if plan.launch is not None:
+        plan.launch(args)
+    else:
+        plan.launch = launcher.launch(_flash_bwd_kernel, plan.grid, args, plan.key, **plan.constexprs)
     return dq, dk, dv
 
 
@@ -689,3 +756,6 @@ class FlashAttentionTriton(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         grads = backward(q, k, v, o, lse, do, ctx.is_causal)
         return (*refuse_double_backward("flash_triton", grads, (q, k, v, do)), None)
+
+
+plans.watch(__name__)

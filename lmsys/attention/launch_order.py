@@ -11,6 +11,8 @@ group (no long straggler), while a group's keys and values stay few enough to be
 import triton
 import triton.language as tl
 
+# Not watched by lmsys.attention.plans (the kernels read this module, which triton wants of the plain module type):
+# the attention wrappers' plans keep the groups worked out from it.
 _GROUP_BYTES = 24 * 2**20
 
 
@@ -36,3 +38,4 @@ def program_position(N_Q, BH, GROUP_HEADS, BLOCK_M: tl.constexpr, CAUSAL: tl.con
     else:
         start_m = rank // group_heads
     return off_bh, start_m
+

@@ -16,22 +16,41 @@ launched, on the grid it would have used. `CHECK = True` (the test suite sets it
 records each key's arguments as triton sees them and its grid, and raises when a later call with the same key differs,
 naming the kernel.
 
+`launch` returns that kept launch (`Launch`), which a caller may hold and call with later arguments: the wrappers'
+plans (lmsys.attention.plans) do, skipping the key's hashing too. It calls the compiled kernel's launcher below
+triton's Python layer: what triton's CudaLauncher does (the global scratch a kernel asks for, from triton's allocator)
+and what its wrapper for tensor-descriptor arguments does (each descriptor expanded into its encoding, shape and
+strides), except that a tensor passed in a descriptor's place is encoded once per address (the first launch's
+descriptor over it) and the encoding kept.
+
 This leans on triton's internals (3.6): the JIT function returns the compiled kernel it launched, the autotuner
-keeps its choice in `best_config`, the heuristics wrapper its rules in `values`, and the JIT function launches with
+keeps its choice in `best_config`, the heuristics wrapper its rules in `values`, the JIT function launches with
 `kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata, enter_hook,
-exit_hook, *arguments)`. tests/test_attention.py checks each of these, so an upgrade that moves one fails a test
-(rather than launching wrongly). `DIRECT = False` sends every launch through triton.
+exit_hook, *arguments)`, and `kernel.run` is a CudaLauncher whose `launch` wraps the compiled launcher as its closure's
+`launcher` (driver.wrap_handle_tensordesc). tests/test_attention.py checks each of these (the last by running triton's
+CudaLauncher and wrapper beside a `Launch`), so an upgrade that moves one fails a test (rather than launching wrongly).
+`DIRECT = False` sends every launch through triton.
 """
+
+import copy
 
 import torch
 from triton import knobs
+from triton.backends.nvidia.driver import make_tensordesc_arg
+from triton.runtime import _allocation
 from triton.runtime.autotuner import Autotuner, Heuristics
 from triton.runtime.jit import JITFunction
 
+from lmsys.attention import plans
+
 DIRECT = True
 CHECK = False
+# A list to which every launch appends (kernel, constexprs), for tests; None: no tracing.
+TRACE = None
 # Distinct launches kept; past this the table starts over (a program that runs every shape once gains nothing).
 MAX_LAUNCHES = 4096
+# Descriptor encodings kept per descriptor argument of a launch (one per address it saw); past this they start over.
+MAX_ENCODINGS = 64
 
 # (kernel, key, constexprs) -> (compiled kernel, (grid_0, grid_1, grid_2), the constexpr arguments after the positional
 # ones); with CHECK, also -> (the arguments as triton specializes them, the grid, the meta-parameters)
@@ -39,9 +58,9 @@ _launches: dict = {}
 _checked: dict = {}
 
 
-def aligned(*tensors) -> bool:
-    """Whether every tensor's address is a multiple of 16 bytes (what triton specializes a pointer on)."""
-    return all(x.data_ptr() % 16 == 0 for x in tensors)
+def aligned(*tensors) -> tuple[bool, ...]:
+    """Whether each tensor's address is a multiple of 16 bytes (what triton specializes a pointer on)."""
+    return tuple(x.data_ptr() % 16 == 0 for x in tensors)
 
 
 def _spec(arg):
@@ -62,38 +81,144 @@ def _hooks():
     return None
 
 
-def launch(kernel, grid, args: tuple, key, **constexprs) -> None:
+def launch(kernel, grid, args: tuple, key, **constexprs) -> "Launch | None":
     """Launches `kernel` (a JIT function, possibly under triton's heuristics and autotuner) on the positional `args`
     and the constexpr keyword arguments `constexprs`, as `kernel[grid](*args, **constexprs)` would. `grid` is a tuple
     or a function of the kernel's arguments by name (the chosen config's meta-parameters included); `key` names the
-    launch (see the module docstring: it must fix the arguments' specialization and the grid)."""
+    launch (see the module docstring: it must fix the arguments' specialization and the grid). Returns the `Launch`
+    that later launches under this key take (a caller may keep it and call it), or None when there is none (the
+    interpreter, or DIRECT off)."""
+    if TRACE is not None:
+        TRACE.append((kernel, constexprs))
     if not DIRECT:
         kernel[grid](*args, **constexprs)
-        return
+        return None
     full_key = (kernel, key, *constexprs.values())
     if CHECK:
         _check(full_key, kernel, grid, args, constexprs)
     known = _launches.get(full_key)
     if known is None:
-        known = _first_launch(kernel, grid, args, constexprs)
+        known = _first_launch(kernel, grid, args, key, constexprs)
         if CHECK and full_key not in _checked:
-            _checked[full_key] = (tuple(map(_spec, args)), known[1], known[3])
-        if known[0] is not None:
-            if len(_launches) >= MAX_LAUNCHES:
-                _launches.clear()
-            _launches[full_key] = known
-        return
-    compiled, (grid_0, grid_1, grid_2), tail, _ = known
-    # What triton's CUDA driver reads: the current device's current stream (a kernel has run, so CUDA is initialized).
-    stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-    hooks = _hooks()
-    if hooks is None:
-        compiled.run(grid_0, grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                     *args, *tail)
-    else:
-        metadata = compiled.launch_metadata((grid_0, grid_1, grid_2), stream, *args, *tail)
-        compiled.run(grid_0, grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, metadata, *hooks,
-                     *args, *tail)
+            _checked[full_key] = (tuple(map(_spec, args)), known.grid_shape, known.values)
+        if not known.direct:
+            return None
+        if len(_launches) >= MAX_LAUNCHES:
+            _launches.clear()
+        _launches[full_key] = known
+        return known
+    known.run(args)
+    return known
+
+
+class Launch:
+    """A launch that triton has made once: `launch_ = launch(kernel, grid, args, key, **constexprs)`, then
+    `launch_(args)` launches the same kernel on the same grid with new arguments of the same specialization, straight
+    to the compiled kernel's launcher. With CHECK, or DIRECT off, the call goes through `launch` (which checks).
+
+    Tensor descriptors: in the place of a descriptor argument, a call may pass a tensor instead, meaning the descriptor
+    of the first launch over that tensor (its shape, strides, block shape and layout, over the new base); the launch's
+    key must then fix those. triton encodes each descriptor it is given (cuTensorMapEncodeTiled, and a Python loop over
+    every argument); a tensor in a descriptor's place is encoded once per address and the encoding kept."""
+
+    def __init__(self, kernel, grid, key, constexprs, compiled, grid_shape, tail, values, args):
+        self.kernel, self.grid, self.key, self.constexprs = kernel, grid, key, constexprs
+        self.full_key = (kernel, key, *constexprs.values())
+        self.grid_shape, self.tail, self.values = grid_shape, tail, values
+        self.descriptors = ()
+        launcher = compiled.run if compiled is not None else None
+        # Triton's profiling scratch (proton's instrumentation) is left to triton's own launch path.
+        self.direct = launcher is not None and not getattr(launcher, "profile_scratch_size", 0)
+        if not self.direct:
+            return
+        self.function, self.packed_metadata = compiled.function, compiled.packed_metadata
+        self.flags = (launcher.launch_cooperative_grid, launcher.launch_pdl)
+        grid_size = grid_shape[0] * grid_shape[1] * grid_shape[2] * launcher.num_ctas
+        self.scratch = ((grid_size * launcher.global_scratch_size, launcher.global_scratch_align)
+                        if launcher.global_scratch_size > 0 else None)
+        self.compiled = compiled
+        # The positions of the descriptor arguments, as triton's wrap_handle_tensordesc finds them, and their
+        # encoding metadata; each with the first launch's descriptor and the encodings kept by address.
+        positions = [i for i, ty in enumerate(compiled.src.signature.values())
+                     if isinstance(ty, str) and ty.startswith("tensordesc")]
+        if positions and max(positions) >= len(args):
+            self.direct = False  # a descriptor among the constexprs: not a launch this class makes
+        elif positions:
+            metas = getattr(compiled.metadata, "tensordesc_meta", None) or [None] * len(positions)
+            # The first launch's descriptors, without their tensors (which a template would keep alive).
+            self.descriptors = tuple((i, _rebased(args[i], None), meta, {}) for i, meta in zip(positions, metas))
+            self.raw = raw_launcher(launcher.launch)
+        else:
+            self.raw = launcher.launch
+
+    def __call__(self, args: tuple) -> "Launch":
+        """Launches on `args`; returns itself (a caller keeps what a launch returns)."""
+        if TRACE is not None:
+            TRACE.append((self.kernel, self.constexprs))
+        if CHECK or not DIRECT:
+            described = self._described(args)
+            if not DIRECT:
+                self.kernel[self.grid](*described, **self.constexprs)
+                return self
+            _check(self.full_key, self.kernel, self.grid, described, self.constexprs)
+        self.run(args)
+        return self
+
+    def _described(self, args: tuple) -> tuple:
+        """args with each tensor in a descriptor's place replaced by the first launch's descriptor over it."""
+        args = list(args)
+        for i, template, _, _ in self.descriptors:
+            if isinstance(args[i], torch.Tensor):
+                args[i] = _rebased(template, args[i])
+        return tuple(args)
+
+    def run(self, args: tuple) -> None:
+        """The launch itself: what triton's CudaLauncher does for the compiled kernel, the descriptors' encodings
+        kept by address for tensors passed in their place, and the launch hooks when a profiler set them."""
+        grid_0, grid_1, grid_2 = self.grid_shape
+        # What triton's CUDA driver reads: the current device's current stream (a kernel has run, so CUDA is
+        # initialized).
+        stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+        scratch = None
+        if self.scratch is not None:
+            scratch = _allocation._allocator.get()(self.scratch[0], self.scratch[1], stream)
+        hooks = _hooks()
+        metadata = None
+        if hooks is not None:
+            metadata = self.compiled.launch_metadata(self.grid_shape, stream, *args, *self.tail)
+        else:
+            hooks = (None, None)
+        if self.descriptors:
+            args = list(args)
+            for i, first, meta, encoded in reversed(self.descriptors):  # from the last: the positions stay true
+                arg = args[i]
+                if isinstance(arg, torch.Tensor):
+                    expanded = encoded.get(arg.data_ptr())
+                    if expanded is None:
+                        expanded = make_tensordesc_arg(_rebased(first, arg), meta)
+                        if meta is not None:  # an encoding, which holds no tensor (without meta: the tensor itself)
+                            if len(encoded) >= MAX_ENCODINGS:
+                                encoded.clear()
+                            encoded[arg.data_ptr()] = expanded
+                else:
+                    expanded = make_tensordesc_arg(arg, meta)
+                args[i:i + 1] = expanded
+        self.raw(grid_0, grid_1, grid_2, stream, self.function, *self.flags, scratch, None, self.packed_metadata,
+                 metadata, *hooks, *args, *self.tail)
+
+
+def _rebased(descriptor, base):
+    """`descriptor` over `base` (same shape, strides, block shape and layout)."""
+    rebased = copy.copy(descriptor)
+    rebased.base = base
+    return rebased
+
+
+def raw_launcher(launch_fn):
+    """The compiled launcher under triton's wrapper for descriptor arguments (wrap_handle_tensordesc's `inner`, which
+    expands each descriptor into its encoding, shape and strides): the `launcher` of its closure."""
+    names = launch_fn.__code__.co_freevars
+    return launch_fn.__closure__[names.index("launcher")].cell_contents
 
 
 def _unwrapped(kernel):
@@ -124,10 +249,9 @@ def _check(full_key, kernel, grid, args, constexprs):
         )
 
 
-def _first_launch(kernel, grid, args, constexprs):
-    """Launches through triton; returns (the compiled kernel, or None when triton did not hand one back (the
-    interpreter), the grid, the constexpr arguments after the positional ones, the constexprs and meta-parameters by
-    name)."""
+def _first_launch(kernel, grid, args, key, constexprs) -> Launch:
+    """Launches through triton; returns the `Launch` for later calls (not `direct` when triton did not hand back a
+    compiled kernel that can be called so: the interpreter)."""
     compiled = kernel[grid](*args, **constexprs)
     jit, autotuner, heuristics = _unwrapped(kernel)
     meta = autotuner.best_config.all_kwargs() if autotuner else {}
@@ -141,4 +265,8 @@ def _first_launch(kernel, grid, args, constexprs):
     usable = isinstance(jit, JITFunction) and hasattr(compiled, "packed_metadata")
     if not usable or any(name not in values for name in names):
         compiled = None
-    return compiled, shape, tuple(values.get(name) for name in names), values
+    return Launch(kernel, grid, key, constexprs, compiled, shape, tuple(values.get(name) for name in names), values,
+                  args)
+
+
+plans.watch(__name__)
