@@ -702,17 +702,19 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, dq
     # Small problems, which it would leave (they run with the dQ kernel beside the other).
     monkeypatch.setattr(flash_hopper_bwd, "MIN_PROGRAMS_PER_SM", 0)
     monkeypatch.setattr(flash_hopper_bwd, "MIN_PROGRAMS_PER_SM_CONCURRENT", 0)
-    calls = []
-    hopper_backward = flash_hopper_bwd.backward
+    calls, planned = [], []
+    hopper_backward, plan_launches = flash_hopper_bwd.backward, flash_hopper_bwd._launches
     monkeypatch.setattr(flash_hopper_bwd, "backward", lambda *a: calls.append(a) or hopper_backward(*a))
-    if layout == "packed":
-        q, k, v = _packed_qkv(q_shape[0], q_shape[1], q_shape[2], q_shape[3], dtype, gpu)
-    else:
-        q = _strided(q_shape, layout, dtype, gpu)
-        k, v = (_strided(k_shape, layout, dtype, gpu) for _ in range(2))
-    do = _strided(q_shape, layout if layout != "packed" else "transposed", dtype, gpu)
-    check_flash("triton", q, k, v, is_causal, do)
-    assert len(calls) == 1
+    monkeypatch.setattr(flash_hopper_bwd, "_launches", lambda *a: planned.append(a) or plan_launches(*a))
+    for _ in range(2):  # the second on fresh inputs of the same signature: through the launches its plan kept
+        if layout == "packed":
+            q, k, v = _packed_qkv(q_shape[0], q_shape[1], q_shape[2], q_shape[3], dtype, gpu)
+        else:
+            q = _strided(q_shape, layout, dtype, gpu)
+            k, v = (_strided(k_shape, layout, dtype, gpu) for _ in range(2))
+        do = _strided(q_shape, layout if layout != "packed" else "transposed", dtype, gpu)
+        check_flash("triton", q, k, v, is_causal, do)
+    assert len(calls) == 2 and len(planned) == 1
 
 
 @pytest.mark.gpu

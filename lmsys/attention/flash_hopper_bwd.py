@@ -857,7 +857,7 @@ def backward(q, k, v, do, lse, delta, dk, dv, dq_acc, is_causal, backward_plan: 
     later ones pass the tensors to the kept launches (`launcher.Launch`: in the descriptors' places, the first launch's
     descriptors over them)."""
     p = backward_plan
-    first = p.dkdv is None or p.is_causal != is_causal
+    first = p.is_causal != is_causal
     if first:
         dkdv, dq_launch = _launches(q, k, v, do, dk, dv, dq_acc, is_causal, p)
     if p.concurrent:
@@ -868,18 +868,21 @@ def backward(q, k, v, do, lse, delta, dk, dv, dq_acc, is_causal, backward_plan: 
     else:  # with FUSED_SPLIT, K's halves are the eighth descriptor, over k
         p.dkdv((q, k, v, do, dk, dv, dq_acc, k if p.split else None, lse, delta, *p.dkdv_scalars))
     if p.fused_dq:
-        return dq_acc.to(q.dtype).view(q.shape)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    with torch.cuda.stream(side) if p.concurrent else contextlib.nullcontext():
-        if first:
-            p.dq = dq_launch(dq, lse, delta)
-        else:
-            p.dq((q, k, v, do, dq, lse, delta, *p.dq_scalars))
-    if p.concurrent:
-        # dq, allocated on the current stream, is written on the side one: the current stream waits for it before
-        # anything there (a free by the caching allocator included) can touch it.
-        current.wait_stream(side)
-    p.is_causal = is_causal if p.dkdv is not None and (p.fused_dq or p.dq is not None) else None
+        dq = dq_acc.to(q.dtype).view(q.shape)
+    else:
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        with torch.cuda.stream(side) if p.concurrent else contextlib.nullcontext():
+            if first:
+                p.dq = dq_launch(dq, lse, delta)
+            else:
+                p.dq((q, k, v, do, dq, lse, delta, *p.dq_scalars))
+        if p.concurrent:
+            # dq, allocated on the current stream, is written on the side one: the current stream waits for it
+            # before anything there (a free by the caching allocator included) can touch it.
+            current.wait_stream(side)
+    if first:  # later calls take the kept launches (none without the launcher's DIRECT: then every call is a first)
+        kept = p.dkdv is not None and (p.fused_dq or p.dq is not None)
+        p.is_causal = is_causal if kept else None
     return dq
 
 
