@@ -839,20 +839,13 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, N_Q, N_K, H
 # ------------------------------------------------------------------------------------------------ wrapper
 
 
-def dq_buffer(q, backward_plan: BackwardPlan) -> torch.Tensor | None:
-    """The fp32 buffer in which the dK/dV kernel accumulates dQ for q, new and not zeroed, or None when it does not
-    (`fused`); `backward` takes it zeroed."""
-    if not backward_plan.fused_dq:
-        return None
-    return torch.empty((q.numel() // q.shape[-1], q.shape[-1]), device=q.device, dtype=torch.float32)
-
-
 def backward(q, k, v, do, lse, delta, dk, dv, dq_acc, is_causal, backward_plan: BackwardPlan) -> torch.Tensor:
     """Writes dK and dV into dk, dv (new, contiguous, of q's dtype) and returns dQ (new, contiguous) for inputs these
     kernels take (`backward_plan`: what `views()` returned for inputs of this signature, under the same capture
     state), given the forward's natural-log log-sum-exp and delta = rowsum(dO * O), both fp32 and contiguous, one row
-    per head, and `dq_buffer`'s buffer, zeroed (None when that is None). dQ is allocated after the dK/dV kernel's
-    launch: the device may be waiting for it, and an allocation costs the CPU tens of microseconds on the lent H100.
+    per head, and with `fused_dq` the fp32 buffer in which the dK/dV kernel accumulates dQ, (rows of q, d), zeroed
+    (else None). dQ is allocated after the dK/dV kernel's launch: the device may be waiting for it, and an allocation
+    costs the CPU tens of microseconds on the lent H100.
     The first call for a plan works out its launches' arguments that are not tensors and launches through triton;
     later ones pass the tensors to the kept launches (`launcher.Launch`: in the descriptors' places, the first launch's
     descriptors over them)."""

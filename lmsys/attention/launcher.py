@@ -52,8 +52,8 @@ MAX_LAUNCHES = 4096
 # Descriptor encodings kept per descriptor argument of a launch (one per address it saw); past this they start over.
 MAX_ENCODINGS = 64
 
-# (kernel, key, constexprs) -> (compiled kernel, (grid_0, grid_1, grid_2), the constexpr arguments after the positional
-# ones); with CHECK, also -> (the arguments as triton specializes them, the grid, the meta-parameters)
+# (kernel, key, constexprs) -> its `Launch`; with CHECK, also -> (the arguments as triton specializes them, the grid, the
+# meta-parameters)
 _launches: dict = {}
 _checked: dict = {}
 
@@ -114,7 +114,8 @@ def launch(kernel, grid, args: tuple, key, **constexprs) -> "Launch | None":
 class Launch:
     """A launch that triton has made once: `launch_ = launch(kernel, grid, args, key, **constexprs)`, then
     `launch_(args)` launches the same kernel on the same grid with new arguments of the same specialization, straight
-    to the compiled kernel's launcher. With CHECK, or DIRECT off, the call goes through `launch` (which checks).
+    to the compiled kernel's launcher. With CHECK it first checks the arguments as `launch` does; with DIRECT off it
+    launches through triton.
 
     Tensor descriptors: in the place of a descriptor argument, a call may pass a tensor instead, meaning the descriptor
     of the first launch over that tensor (its shape, strides, block shape and layout, over the new base); the launch's
