@@ -38,4 +38,3 @@ def program_position(N_Q, BH, GROUP_HEADS, BLOCK_M: tl.constexpr, CAUSAL: tl.con
     else:
         start_m = rank // group_heads
     return off_bh, start_m
-

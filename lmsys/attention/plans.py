@@ -9,8 +9,10 @@ each is worked out once into a plan (a `cache()` dict keyed by the signature), a
 
 A plan also follows from the modules' settings (`flash_hopper_bwd.FUSED_DQ`, the forward's `HOPPER_FORWARD`, the
 launcher's tables, ...), which tests and scripts set. `watch(module)` makes every attribute set or deleted on the module
-(`module.X = ...`, monkeypatch's setattr and its undo) forget every plan. An assignment inside the module through
-`global` bypasses this: the watched modules make none.
+(`module.X = ...`, monkeypatch's setattr and its undo) forget every plan. Not seen: an assignment inside the module
+through `global` (the watched modules make none), a setting changed in place (an item of `flash_hopper_bwd.TILES`:
+set the attribute to a new dict instead), and lmsys.attention.launch_order, whose module triton's kernels read and
+which therefore stays a plain module.
 """
 
 import sys
