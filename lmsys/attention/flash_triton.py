@@ -571,10 +571,10 @@ _BACKWARD_PLANS = plans.cache()
 
 class _ForwardPlan:
     """How _fwd_impl runs inputs of one signature: on the Gluon forward (`hopper`, its `flash_hopper.ForwardPlan`),
-    or on the Triton kernel with these arguments after the tensors, grid, launch key and constexprs; `launch`, the
-    `launcher.Launch` once it has launched."""
+    or on the Triton kernel with these arguments after the tensors (`launch`: a `launcher.Pending`, then the
+    `launcher.Launch` it made)."""
 
-    __slots__ = ("hopper", "tma", "scalars", "grid", "key", "constexprs", "launch")
+    __slots__ = ("hopper", "tma", "scalars", "launch")
 
     def __init__(self, q, k, v, is_causal):
         self.hopper = flash_hopper.forward_views(q, k, v) if HOPPER_FORWARD else None
@@ -587,12 +587,13 @@ class _ForwardPlan:
         self.scalars = (n_q, n_k, heads, batch * heads, launch_order.group_heads(k, batch * heads),
                         _autotune_key(n_q, n_k), LOG2E.value / math.sqrt(head_dim), *q_strides, *k_strides, *v_strides,
                         *_new_strides(q.shape))
-        self.grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * batch * heads,)
-        # o and lse are new (aligned, contiguous): the rest of the launch follows from these.
-        self.key = (q.device, q.dtype, q.shape, n_k, q_strides, k_strides, v_strides, launcher.aligned(q, k, v))
-        self.constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=is_causal,
-                               DOT_PRECISION=_dot_precision(q.dtype), TMA_OK=self.tma)
-        self.launch = None
+        self.launch = launcher.Pending(
+            _flash_fwd_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * batch * heads,),
+            # o and lse are new (aligned, contiguous): the rest of the launch follows from these.
+            (q.device, q.dtype, q.shape, n_k, q_strides, k_strides, v_strides, launcher.aligned(q, k, v)),
+            HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
+            TMA_OK=self.tma,
+        )
 
 
 def _fwd_impl(q, k, v, is_causal):
@@ -609,11 +610,7 @@ def _fwd_impl(q, k, v, is_causal):
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     if plan.tma and q.is_cuda:
         triton.set_allocator(_scratch)
-    args = (q, k, v, o, lse, *plan.scalars)
-    if plan.launch is not None:
-        plan.launch(args)
-    else:
-        plan.launch = launcher.launch(_flash_fwd_kernel, plan.grid, args, plan.key, **plan.constexprs)
+    plan.launch = plan.launch((q, k, v, o, lse, *plan.scalars))
     return o, lse
 
 
@@ -624,13 +621,12 @@ def _fwd_fake(q, k, v, is_causal):
 
 
 class _BackwardPlan:
-    """How _bwd_impl runs inputs of one signature: the preprocess kernel's arguments after the tensors, grid, launch
-    key and constexprs, then the Gluon backward (`hopper`, its `flash_hopper_bwd.BackwardPlan`, with `dq_acc`, the
-    shape of its fp32 dQ buffer when it accumulates dQ) or the Triton kernel's; each `launch` the `launcher.Launch`
-    once it has launched."""
+    """How _bwd_impl runs inputs of one signature: the preprocess kernel (`preprocess`, with its arguments after the
+    tensors), then the Gluon backward (`hopper`, its `flash_hopper_bwd.BackwardPlan`, with `dq_acc`, the shape of its
+    fp32 dQ buffer when it accumulates dQ) or the Triton kernel (`launch`, with its). Each launch is a
+    `launcher.Pending`, then the `launcher.Launch` it made."""
 
-    __slots__ = ("hopper", "dq_acc", "pre_scalars", "pre_grid", "pre_key", "pre_constexprs", "pre_launch", "scalars",
-                 "grid", "key", "constexprs", "launch")
+    __slots__ = ("hopper", "dq_acc", "pre_scalars", "preprocess", "scalars", "launch")
 
     def __init__(self, q, k, v, o, lse, do, is_causal):
         self.hopper = flash_hopper_bwd.views(q, k, v, do, is_causal) if HOPPER_BACKWARD else None
@@ -641,10 +637,12 @@ class _BackwardPlan:
         pre_block = 64
         aligned = launcher.aligned(q, k, v, o, do, lse)
         self.pre_scalars = (n_q, heads, *o_strides, *do_strides)
-        self.pre_grid = (triton.cdiv(n_q, pre_block), batch * heads)
-        self.pre_key = (q.device, q.dtype, o.shape, o_strides, do_strides, aligned)  # delta and dq_acc are new
-        self.pre_constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=pre_block, ZERO_DQ=fused)
-        self.pre_launch = self.launch = None
+        self.preprocess = launcher.Pending(
+            _flash_bwd_preprocess_kernel, (triton.cdiv(n_q, pre_block), batch * heads),
+            (q.device, q.dtype, o.shape, o_strides, do_strides, aligned),  # delta and dq_acc are new
+            HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=pre_block, ZERO_DQ=fused,
+        )
+        self.scalars = self.launch = None
         if self.hopper is not None:
             return
         q_strides, k_strides, v_strides = _dims(q)[1], _dims(k)[1], _dims(v)[1]
@@ -653,11 +651,12 @@ class _BackwardPlan:
         self.scalars = (n_q, n_k, heads, _autotune_key(n_q, n_k), sm_scale * LOG2E.value, sm_scale, *q_strides,
                         *k_strides, *v_strides, *do_strides, *_new_strides(q.shape), *_new_strides(k.shape),
                         *_new_strides(k.shape))
-        self.grid = lambda meta: (triton.cdiv(max(n_q, n_k), meta["BLOCK_BIG"]), batch * heads)
-        # dq, dk, dv and delta are new; lse is contiguous, one row per head.
-        self.key = (q.device, q.dtype, q.shape, k.shape, q_strides, k_strides, v_strides, do_strides, aligned)
-        self.constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=is_causal,
-                               DOT_PRECISION=_dot_precision(q.dtype))
+        self.launch = launcher.Pending(
+            _flash_bwd_kernel, lambda meta: (triton.cdiv(max(n_q, n_k), meta["BLOCK_BIG"]), batch * heads),
+            # dq, dk, dv and delta are new; lse is contiguous, one row per head.
+            (q.device, q.dtype, q.shape, k.shape, q_strides, k_strides, v_strides, do_strides, aligned),
+            HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
+        )
 
 
 def _bwd_impl(q, k, v, o, lse, do, is_causal):
@@ -678,20 +677,11 @@ def _bwd_impl(q, k, v, o, lse, do, is_causal):
     delta = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
     # The fused Gluon backward's fp32 dQ accumulator, zeroed by the preprocess kernel.
     dq_acc = None if plan.dq_acc is None else torch.empty(plan.dq_acc, dtype=torch.float32, device=q.device)
-    args = (o, do, delta, dq_acc, *plan.pre_scalars)
-    if plan.pre_launch is not None:
-        plan.pre_launch(args)
-    else:
-        plan.pre_launch = launcher.launch(_flash_bwd_preprocess_kernel, plan.pre_grid, args, plan.pre_key,
-                                          **plan.pre_constexprs)
+    plan.preprocess = plan.preprocess((o, do, delta, dq_acc, *plan.pre_scalars))
     if plan.hopper is not None:
         return flash_hopper_bwd.backward(q, k, v, do, lse, delta, dk, dv, dq_acc, is_causal, plan.hopper), dk, dv
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    args = (q, k, v, do, dq, dk, dv, lse, delta, *plan.scalars)
-    if plan.launch is not None:
-        plan.launch(args)
-    else:
-        plan.launch = launcher.launch(_flash_bwd_kernel, plan.grid, args, plan.key, **plan.constexprs)
+    plan.launch = plan.launch((q, k, v, do, dq, dk, dv, lse, delta, *plan.scalars))
     return dq, dk, dv
 
 

@@ -111,6 +111,21 @@ def launch(kernel, grid, args: tuple, key, **constexprs) -> "Launch | None":
     return known
 
 
+class Pending:
+    """A launch not made yet: `pending(args)` launches through `launch` and returns what a later call takes in its place,
+    the `Launch` that `launch` kept, or itself where there is none (the interpreter, DIRECT off): a caller keeps
+    `launch_ = launch_(args)`."""
+
+    __slots__ = ("kernel", "grid", "key", "constexprs")
+
+    def __init__(self, kernel, grid, key, **constexprs):
+        self.kernel, self.grid, self.key, self.constexprs = kernel, grid, key, constexprs
+
+    def __call__(self, args: tuple) -> "Launch | Pending":
+        kept = launch(self.kernel, self.grid, args, self.key, **self.constexprs)
+        return self if kept is None else kept
+
+
 class Launch:
     """A launch that triton has made once: `launch_ = launch(kernel, grid, args, key, **constexprs)`, then
     `launch_(args)` launches the same kernel on the same grid with new arguments of the same specialization, straight
