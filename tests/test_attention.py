@@ -540,7 +540,7 @@ def descriptor(rows):
 
 kernel = fh._flash_fwd_hopper_kernel
 constexprs = dict(HEAD_DIM=d, CAUSAL=sys.argv[1] == "causal", BLOCK_N=fh.BLOCK_N, NUM_STAGES=fh.NUM_STAGES,
-                  CONSUMER_REGS=fh.CONSUMER_REGS, PRODUCER_REGS=fh.PRODUCER_REGS, PINGPONG=fh.PINGPONG)
+                  CONSUMER_REGS=fh.CONSUMER_REGS, PRODUCER_REGS=fh.PRODUCER_REGS)
 types = {"q_desc": descriptor(fh.BLOCK_M // 2), "k_desc": descriptor(fh.BLOCK_N), "v_desc": descriptor(fh.BLOCK_N),
          "o_desc": descriptor(fh.BLOCK_M // 2), "LSE": "*fp32", "qk_scale": "fp32",
          **dict.fromkeys(constexprs, "constexpr")}

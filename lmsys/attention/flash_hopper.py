@@ -17,6 +17,14 @@ mask, key tiles above the diagonal are never loaded and only the diagonal tiles 
 mask. The launch order is the Triton forward's (lmsys.attention.launch_order): heads in groups that keep their keys
 and values in L2, heaviest query block first.
 
+FA3 also has its two consumer warpgroups take turns to issue their products (its scheduler barrier, "pingpong"), so
+that one's softmax runs while the other's products are on the tensor cores. Built here with an mbarrier per warpgroup
+(PINGPONG, commit ebcb83f) and slower on the H100 at every point where it differed (2026-11-26, session 59;
+`scripts/attention_backward_variants.py --modes fwd --repeats 3 --clock queued`, causal bf16, medians of 3, with and
+without it in the same run): at the leaderboard's (16, 16384, 64) with this kernel at d=64 1.226 ms against 1.208
+(forward and backward 4.196 against 4.178); on one head at d=64 0.3137 and 1.183 ms against 0.2924 and 1.114 at 32768
+and 65536 tokens, at d=128 0.3947 and 1.523 against 0.3875 and 1.499; at 8192 and 16384 tokens within 0.5%. Removed.
+
 Scope: CUDA tensors of compute capability 9.0, bf16 or fp16, head dim 128 (or 64 on long problems of few blocks:
 `plan`), both lengths multiples of 128, enough query blocks to give every multiprocessor one (MIN_PROGRAMS_PER_SM), each
 of q, k and v either with its heads one after another (contiguous) or side by side in its rows (the (batch, heads, seq,
@@ -51,10 +59,6 @@ HEAD_DIMS = (64, 128)  # what it compiles for; where it runs: `plan`
 # setmaxnreg budgets: 2 x 128 consumer threads at 240 and 32 producer threads at 24 fit the 64K registers.
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
-# Whether the two consumer warpgroups take turns to issue their products (FA3's "pingpong", its scheduler barrier):
-# a warpgroup issues S_j and P_{j-1} V_{j-1} once the other has issued its own, so that one's softmax runs while the
-# other's products are on the tensor cores, instead of both softmaxes at once.
-PINGPONG = True
 LOG2E = 1.4426950408889634
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
@@ -217,29 +221,20 @@ def stream_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty
 
 
 @gluon.jit
-def _consumer_loop(o, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn,
+def _consumer_loop(o, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                    lo, hi, qk_scale, rows, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK: gl.constexpr,
-                   s_layout: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr, WG: gl.constexpr,
-                   PINGPONG: gl.constexpr):
-    """Key tiles [lo, hi): S_j is computed while P_{j-1} V_{j-1} accumulates; the softmax of S_j overlaps the latter.
-    With PINGPONG, warpgroup WG issues them on its `turn` barrier (an arrival of the other warpgroup's: at tile j
-    its (j-1)-th, or the first round's pass for warpgroup 0) and then gives the other warpgroup its turn."""
+                   s_layout: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Key tiles [lo, hi): S_j is computed while P_{j-1} V_{j-1} accumulates; the softmax of S_j overlaps the latter."""
     rows_per_wg: gl.constexpr = q_smem.shape[0]
     s_zero = gl.zeros([rows_per_wg, BLOCK_N], gl.float32, s_layout)
     for j in range(lo, hi):
         slot = j % NUM_STAGES
         prev = (j - 1) % NUM_STAGES
         mbarrier.wait(k_ready.index(slot), (j // NUM_STAGES) & 1)
-        if PINGPONG:
-            # Tile j is the (j-1)-th turn of each warpgroup: warpgroup 1 waits for warpgroup 0's (j-1)-th arrival,
-            # warpgroup 0 for warpgroup 1's (j-2)-th (at j=1 a fresh barrier's parity 1, which passes at once).
-            mbarrier.wait(turn.index(WG), (j & 1) ^ WG)
         s_token = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
         o_token = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG))
         # MMA groups complete in order: waiting for all but the newest one waits for S_j alone.
         s = warpgroup_mma_wait(1, deps=[s_token])
         mbarrier.arrive(k_empty.index(slot))
@@ -252,10 +247,9 @@ def _consumer_loop(o, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_ready, k_emp
 
 
 @gluon.jit
-def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
               o_row, row0, lse_row, n_full, n_tiles, qk_scale,
-              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-              WG: gl.constexpr, PINGPONG: gl.constexpr):
+              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
     rows_per_wg: gl.constexpr = q_smem.shape[0]
     warps: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
@@ -282,16 +276,15 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, 
     if CAUSAL:
         # Tiles strictly below the diagonal block unmasked, then the diagonal ones masked.
         o, m_i, l_i, p, alpha = _consumer_loop(o, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_ready, k_empty,
-                                               v_ready, v_empty, turn, 1, n_full, qk_scale, rows, BLOCK_N,
-                                               NUM_STAGES, False, s_layout, p_layout, o_layout, WG, PINGPONG)
+                                               v_ready, v_empty, 1, n_full, qk_scale, rows, BLOCK_N, NUM_STAGES,
+                                               False, s_layout, p_layout, o_layout)
         o, m_i, l_i, p, alpha = _consumer_loop(o, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_ready, k_empty,
-                                               v_ready, v_empty, turn, gl.maximum(n_full, 1), n_tiles, qk_scale,
-                                               rows, BLOCK_N, NUM_STAGES, True, s_layout, p_layout, o_layout, WG,
-                                               PINGPONG)
+                                               v_ready, v_empty, gl.maximum(n_full, 1), n_tiles, qk_scale, rows,
+                                               BLOCK_N, NUM_STAGES, True, s_layout, p_layout, o_layout)
     else:
         o, m_i, l_i, p, alpha = _consumer_loop(o, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_ready, k_empty,
-                                               v_ready, v_empty, turn, 1, n_tiles, qk_scale, rows, BLOCK_N,
-                                               NUM_STAGES, False, s_layout, p_layout, o_layout, WG, PINGPONG)
+                                               v_ready, v_empty, 1, n_tiles, qk_scale, rows, BLOCK_N, NUM_STAGES,
+                                               False, s_layout, p_layout, o_layout)
     # Last tile: O = alpha * O + P_last V_last.
     last = (n_tiles - 1) % NUM_STAGES
     o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -326,8 +319,7 @@ def ring(desc, NUM_STAGES: gl.constexpr, HEAD_DIM: gl.constexpr):
 def _flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, N_Q, N_K, H, BH, GROUP_HEADS, qk_scale,
                              Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH,
                              HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-                             NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                             PINGPONG: gl.constexpr):
+                             NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]  # rows per consumer warpgroup
     BLOCK_M: gl.constexpr = 2 * HALF_M
     dtype: gl.constexpr = q_desc.dtype
@@ -349,19 +341,15 @@ def _flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, N_Q, N_K, H, B
     mbarrier.init(q_bar, count=1)
     k_smem, k_ready, k_empty = ring(k_desc, NUM_STAGES, HEAD_DIM)
     v_smem, v_ready, v_empty = ring(v_desc, NUM_STAGES, HEAD_DIM)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG: one per warpgroup
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
 
     row0 = start_m * BLOCK_M
     lse_row = off_bh * N_Q + row0
     gl.warp_specialize([
-        (_consumer, (o_desc, LSE, q_smem.index(0), k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-                     o_row, row0, lse_row, n_full, n_tiles, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES, 0,
-                     PINGPONG)),
-        (_consumer, (o_desc, LSE, q_smem.index(1), k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+        (_consumer, (o_desc, LSE, q_smem.index(0), k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                     o_row, row0, lse_row, n_full, n_tiles, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+        (_consumer, (o_desc, LSE, q_smem.index(1), k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                      o_row + HALF_M, row0 + HALF_M, lse_row + HALF_M, n_full, n_tiles, qk_scale, CAUSAL, BLOCK_N,
-                     HEAD_DIM, NUM_STAGES, 1, PINGPONG)),
+                     HEAD_DIM, NUM_STAGES)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                      q_row, b * Q_CB + h * Q_CH, b * K_RB + h * K_RH, b * K_CB + h * K_CH, b * V_RB + h * V_RH,
                      b * V_CB + h * V_CH, n_tiles, BLOCK_N, NUM_STAGES, HALF_M)),
@@ -419,7 +407,7 @@ def forward(q, k, v, is_causal, forward_plan: ForwardPlan):
         # _view checked the alignment; o and lse are new. The views fix the descriptors' shapes and strides.
         (q.device, q.dtype, q.shape, n_k, *found),
         HEAD_DIM=d, CAUSAL=is_causal, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, PINGPONG=PINGPONG, num_warps=4,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
     )
     forward_plan.is_causal, forward_plan.scalars = is_causal, scalars
     return o, lse
