@@ -107,8 +107,6 @@ VARIANTS = {
     "k-shared": ("flash_triton", {"K_IN_REGISTERS": False}),
     # The default with 3 stages of Q and dO tiles
     "fused-3stages": ("flash_triton", {"NUM_STAGES": 3}),
-    # The default with the warpgroups taking turns to form each step's whole dQ (FUSED_TURNS)
-    "fused-turns": ("flash_triton", {"FUSED_TURNS": True}),
     "grouped": ("flash_triton", {"GROUPED_ORDER": True}),  # the default: the forwards' launch order
     "ungrouped": ("flash_triton", {"GROUPED_ORDER": False}),  # the default before 2026-11-25: a grid of (blocks, heads)
     "sdpa_cudnn": ("sdpa_cudnn", {}),
@@ -129,7 +127,6 @@ DEFAULTS = {
     "FUSED_HEAD_DIMS": (flash_hopper_bwd, flash_hopper_bwd.FUSED_HEAD_DIMS),
     "FUSED_DS_SMEM": (flash_hopper_bwd, flash_hopper_bwd.FUSED_DS_SMEM),
     "K_IN_REGISTERS": (flash_hopper_bwd, flash_hopper_bwd.K_IN_REGISTERS),
-    "FUSED_TURNS": (flash_hopper_bwd, flash_hopper_bwd.FUSED_TURNS),
     "FORWARD_64_MIN_KEYS": (flash_hopper, flash_hopper.FORWARD_64_MIN_KEYS),  # where the Gluon forward runs d=64
     "FORWARD_64_BELOW_PROGRAMS_PER_SM": (flash_hopper, flash_hopper.FORWARD_64_BELOW_PROGRAMS_PER_SM),
 }

@@ -590,7 +590,7 @@ kernel = hb._dkdv_kernel if which == "dkdv" else hb._dq_kernel
 builds = [(causal, d, "default") for causal in (False, True) for d in hb.HEAD_DIMS]
 builds += [(causal, 64, variant) for causal in (False, True) for variant in ("other-prefetch", "fused", "fused-split")
            if which == "dkdv"]
-builds += [(True, 128, "fused-split"), (True, 64, "fused-turns")] if which == "dkdv" else []
+builds += [(True, 128, "fused-split")] if which == "dkdv" else []
 builds += [(True, 64, "other-order")]
 for causal, d, variant in builds:
     def descriptor(rows):
@@ -609,11 +609,10 @@ for causal, d, variant in builds:
     if which == "dkdv":
         constexprs["PREFETCH"] = ((causal, d) in hb.PREFETCH_STATS) != (variant == "other-prefetch")
         constexprs["FUSED"] = variant.startswith("fused")
-        constexprs["SPLIT"] = variant in ("fused-split", "fused-turns")
-        constexprs["TURNS"] = variant == "fused-turns"
-        constexprs["DS_SMEM"] = variant == "fused-split" and hb.ds_from_shared(d, 15.5)  # as at the leaderboard
+        constexprs["SPLIT"] = variant == "fused-split"
+        constexprs["DS_SMEM"] = constexprs["SPLIT"] and hb.ds_from_shared(d, 15.5)  # as at the leaderboard
         constexprs["K_REGS"] = constexprs["FUSED"] and hb.K_IN_REGISTERS and d == 64
-        dq_cols = d // 2 if variant == "fused-split" else d
+        dq_cols = d // 2 if constexprs["SPLIT"] else d
         if constexprs["FUSED"]:
             descs["dq_desc"] = f"tensordesc<fp32[{hb.TILES[d][0]}, {dq_cols}],{hb.DQ_ACC_LAYOUT!r}>"
         else:
@@ -653,7 +652,6 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
     assert variants.count("default") == 4
     assert variants.count("other-prefetch") == variants.count("fused") == (2 if kernel == "dkdv" else 0)
     assert variants.count("fused-split") == (3 if kernel == "dkdv" else 0)
-    assert variants.count("fused-turns") == (1 if kernel == "dkdv" else 0)
     assert variants.count("other-order") == 1
     for folder in built:
         assert int((folder / "shared").read_text()) <= 227 * 1024, folder.name
@@ -733,10 +731,9 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, dq
     {"FUSED_DQ": True, "FUSED_SPLIT": True, "FUSED_DS_SMEM": True, "K_IN_REGISTERS": True},
     {"FUSED_DQ": True, "FUSED_SPLIT": True, "FUSED_DS_SMEM": False, "K_IN_REGISTERS": True},
     {"FUSED_DQ": True, "K_IN_REGISTERS": False},
-    {"FUSED_DQ": True, "FUSED_SPLIT": True, "FUSED_TURNS": True},
 ], ids=["concurrent-dq", "serial-dq", "dq-tiles-128", "3-stages", "no-prefetch", "other-order", "fused-dq",
         "fused-split", "fused-split-g1", "fused-dq-g5", "fused-3-stages", "fused-ds-shared", "fused-ds-registers",
-        "fused-ds-shared-k-registers", "fused-ds-registers-k-registers", "fused-k-shared", "fused-turns"])
+        "fused-ds-shared-k-registers", "fused-ds-registers-k-registers", "fused-k-shared"])
 @pytest.mark.parametrize("q_shape, is_causal", [((2, 3, 1024, 64), True), ((1, 2, 512, 128), False),
                                                 ((2, 3, 640, 64), False)])
 def test_hopper_backward_variants_gpu(gpu, settings, q_shape, is_causal, monkeypatch, seed):

@@ -251,6 +251,17 @@ leaderboard, 0.774 and 2.962 against 0.754 and 2.885 on one head. Under a sustai
 backward back to back for 4 s, every reading at the power cap, 1680-1725 MHz) forward and backward took 4.642 ms and
 3.23 J per call, cuDNN 4.594 ms and 3.21 J (K from shared memory; K from registers with dS^T from shared memory
 4.651 ms and 3.23 J there).
+
+The warpgroups taking turns to form each step's dQ (FUSED_TURNS, session 59, commit c9a6feb): in a step one of them
+formed the query tile's whole dQ over the program's 128 keys (one dQ product reading dS^T once, where FUSED_SPLIT's two
+each read it whole) and reduce-added it, while the other went on to the next step, waiting only before it overwrote
+its rows of a dS^T buffer not yet read (a second mbarrier per buffer). It compiled at d=64 without a spill and passed
+the float64 GPU test, and was 8-11% slower (2026-11-26, the H100, `--points leaderboard grid --head-dims 64 --seqs
+16384 32768 65536 --modes bwd fwd_bwd --repeats 3 --clock queued --variants default fused-turns sdpa_cudnn`, medians
+of 3): at the leaderboard the backward 3.242 ms against 2.982 (cuDNN 3.001), forward and backward 4.432 against 4.172
+(cuDNN 4.191); at one head of 32768 and 65536 tokens the backward 0.820 and 3.141 ms against 0.747 and 2.836. The
+warpgroup forming dQ holds the step's Q and dO tiles until its longer product is done, so the other waits for the
+ring's next tile all the same. Removed.
 """
 
 import contextlib
@@ -331,12 +342,6 @@ FUSED_MIN_PROGRAMS_PER_SM = 1.9
 # per query tile and program instead of two (half that traffic), and a dQ tile of half the registers. On the H100
 # as fast as FUSED_DQ at the leaderboard and 6% faster on one head from 32768 tokens (module docstring): on.
 FUSED_SPLIT = True
-# With FUSED_SPLIT at d=64, whether the warpgroups take turns instead: in a step, one of them (the first on even
-# steps) forms the query tile's whole dQ over the program's 128 keys and reduce-adds it, while the other goes on to
-# the next step, waiting only before it overwrites its rows of a dS^T buffer that the first has yet to read (a second
-# mbarrier per buffer). Each step's dQ product reads dS^T once instead of once per warpgroup, and the warpgroups no
-# longer wait for each other at every step. K is loaded once more as one tile of the program's keys.
-FUSED_TURNS = False
 # With FUSED_DQ and GROUPED_ORDER, heads per group of the dK/dV kernel's launch order (None: as without FUSED_DQ, by
 # the bytes of q and dO alone, 6 heads at the leaderboard, whose fp32 dQ then makes the group's streamed and reduced
 # tiles about 48 MB, L2's size). One head a group took FUSED_SPLIT's leaderboard backward from 3.24-3.34 ms to
@@ -422,12 +427,12 @@ class BackwardPlan:
     their arguments that are not tensors. A caller keeps it for later inputs of the same signature (shapes, strides,
     dtype, device, alignment, capture state): lmsys.attention.plans."""
 
-    __slots__ = ("qv", "kv", "vv", "dov", "ds_smem", "fused_dq", "turns", "concurrent", "is_causal", "split", "dkdv",
-                 "dq", "dkdv_scalars", "dq_scalars")
+    __slots__ = ("qv", "kv", "vv", "dov", "ds_smem", "fused_dq", "concurrent", "is_causal", "split", "dkdv", "dq",
+                 "dkdv_scalars", "dq_scalars")
 
-    def __init__(self, qv, kv, vv, dov, ds_smem, fused_dq, turns, concurrent):
+    def __init__(self, qv, kv, vv, dov, ds_smem, fused_dq, concurrent):
         self.qv, self.kv, self.vv, self.dov = qv, kv, vv, dov
-        self.ds_smem, self.fused_dq, self.turns, self.concurrent = ds_smem, fused_dq, turns, concurrent
+        self.ds_smem, self.fused_dq, self.concurrent = ds_smem, fused_dq, concurrent
         self.is_causal = self.split = self.dkdv = self.dq = self.dkdv_scalars = self.dq_scalars = None
 
 
@@ -443,9 +448,8 @@ def views(q, k, v, do, is_causal) -> BackwardPlan | None:
     if dov is None:
         return None
     fused_dq = fused(q.shape[-1], per_sm, k.shape[-2], is_causal)
-    turns = fused_dq and FUSED_SPLIT and FUSED_TURNS and q.shape[-1] == 64
-    ds_smem = fused_dq and FUSED_SPLIT and not turns and ds_from_shared(q.shape[-1], per_sm)
-    return BackwardPlan(*found, dov, ds_smem, fused_dq, turns, concurrent and not fused_dq)
+    ds_smem = fused_dq and FUSED_SPLIT and ds_from_shared(q.shape[-1], per_sm)
+    return BackwardPlan(*found, dov, ds_smem, fused_dq, concurrent and not fused_dq)
 
 
 @gluon.constexpr_function
@@ -468,11 +472,10 @@ def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, kc_desc, k_smem, v_smem, q_s
                    empty, k_row, k_col, v_row, v_col, q_row, q_col, do_row, do_col, n_tiles,
                    BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr):
     half: gl.constexpr = k_desc.block_type.shape[0]
-    if SPLIT:  # and K over the program's keys, in tiles of its columns (two halves; with TURNS one tile)
-        n_kc: gl.constexpr = k_desc.block_type.shape[1] // kc_desc.block_type.shape[1]
+    if SPLIT:  # and K's columns in two halves, each over the program's keys
         mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes
-                        + n_kc * kc_desc.block_type.nbytes)
-        for c in gl.static_range(n_kc):
+                        + 2 * kc_desc.block_type.nbytes)
+        for c in gl.static_range(2):
             tma.async_copy_global_to_shared(kc_desc, [k_row, k_col + c * kc_desc.block_type.shape[1]], kv_bar,
                                             kc_smem.index(c))
     else:
@@ -520,18 +523,17 @@ def _issue_dv_dk(p, dp_token, dv, dk, q_tile, do_tile, DELTA, stat_row, cols, de
 
 @gluon.jit
 def _dkdv_loop(dk, dv, k_w, k_op, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys, lo, hi,
-               qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, ds_free, BLOCK_M: gl.constexpr,
+               qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, BLOCK_M: gl.constexpr,
                NUM_STAGES: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr,
                PREFETCH: gl.constexpr, FUSED: gl.constexpr, SPLIT: gl.constexpr, WG: gl.constexpr,
-               DS_SMEM: gl.constexpr, TURNS: gl.constexpr):
+               DS_SMEM: gl.constexpr):
     """Query tiles [lo, hi) (counted from the first one the program visits, m_first) into dK, dV. Each tile's
     log-sum-exp and delta are loaded from global memory in its step, or with PREFETCH one step ahead
     (PREFETCH_STATS). With FUSED (FUSED_DQ) each tile's dQ = dS K over these keys too, through ds_smem (dS^T) and
     one of the two buffers of dq_smem, added into dq_desc's rows by TMA; with SPLIT (FUSED_SPLIT) the columns of dQ
     in kc_w's (this warpgroup's, WG, half of them) over both warpgroups' keys, their dS^T in one of ds_smem's two
-    buffers, each filled once both have arrived on its ds_bar; with TURNS (FUSED_TURNS) the whole of dQ over both
-    warpgroups' keys in kc_w, formed by warpgroup j % 2 alone, which then arrives on ds_free. k_op: S^T's A operand,
-    k_w or its registers (K_IN_REGISTERS)."""
+    buffers, each filled once both have arrived on its ds_bar. k_op: S^T's A operand, k_w or its registers
+    (K_IN_REGISTERS)."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     half: gl.constexpr = k_w.shape[0]
     # With DS_SMEM (SPLIT, `ds_from_shared`) dK's A operand dS^T is read from shared memory (where dQ's is stored
@@ -577,56 +579,30 @@ def _dkdv_loop(dk, dv, k_w, k_op, v_w, q_smem, do_smem, ready, empty, LSE, DELTA
                                                            cols, delta, ds_w, a_layout, PREFETCH, DS_SMEM)
         if FUSED:
             # dQ = dS K, its A operand dS^T from shared memory, transposed.
-            if TURNS:
-                # Warpgroup j % 2 forms this step's dQ. The other one last wrote this buffer two steps ago, and
-                # writes it again once that step's dQ product has read it (ds_free; the first round passes at once).
+            if SPLIT:
+                # This warpgroup's rows of the step's buffer: the other warpgroup last read it two steps ago, and
+                # has since arrived on the other buffer's barrier, after waiting for that product.
                 ds_all = ds_smem.index(j % 2)
-                mine = (j % 2) == WG
-                mbarrier.wait(ds_free.index(j % 2), ((j // 2) & 1) ^ 1, pred=(j % 2) != WG)
-                ds_all.slice(WG * half, half).store(ds)
-                fence_async_shared()
-                gl.thread_barrier()  # every thread's rows stored before the warpgroup's one arrival
+                if not DS_SMEM:  # else stored for dK already
+                    ds_all.slice(WG * half, half).store(ds)
+                    fence_async_shared()
+                    gl.thread_barrier()  # every thread's rows stored before the warpgroup's one arrival
                 mbarrier.arrive(ds_bar.index(j % 2))
-                if mine:
-                    mbarrier.wait(ds_bar.index(j % 2), (j // 2) & 1)
-                    dq_token = warpgroup_mma(ds_all.permute((1, 0)), kc_w, dq_zero, use_acc=False, is_async=True)
-                    dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op,
-                                                                          dq_token])
-                    mbarrier.arrive(ds_free.index(j % 2))
-                    mbarrier.arrive(empty.index(slot))
-                    # This warpgroup's reduction of two steps ago has read the buffer.
-                    tma.store_wait(0)
-                    dq_smem.index(0).store(dq * sm_scale)
-                    fence_async_shared()
-                    _tma_reduce_add(dq_desc, [stat_row + (m_first + j) * BLOCK_M, 0], dq_smem.index(0))
-                else:
-                    dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op])
-                    mbarrier.arrive(empty.index(slot))
-            else:
-                if SPLIT:
-                    # This warpgroup's rows of the step's buffer: the other warpgroup last read it two steps ago, and
-                    # has since arrived on the other buffer's barrier, after waiting for that product.
-                    ds_all = ds_smem.index(j % 2)
-                    if not DS_SMEM:  # else stored for dK already
-                        ds_all.slice(WG * half, half).store(ds)
-                        fence_async_shared()
-                        gl.thread_barrier()  # every thread's rows stored before the warpgroup's one arrival
-                    mbarrier.arrive(ds_bar.index(j % 2))
-                    mbarrier.wait(ds_bar.index(j % 2), (j // 2) & 1)
-                    dq_token = warpgroup_mma(ds_all.permute((1, 0)), kc_w, dq_zero, use_acc=False, is_async=True)
-                else:  # the buffer is free: last step's product was waited for
-                    ds_smem.store(ds)
-                    fence_async_shared()
-                    dq_token = warpgroup_mma(ds_smem.permute((1, 0)), k_w, dq_zero, use_acc=False, is_async=True)
-                dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op, dq_token])
-                mbarrier.arrive(empty.index(slot))
-                # The reduction issued from this buffer (one of two; at d=128 the only one) two steps (one) ago has read
-                # it.
-                dq_buffer = dq_smem.index(j % N_DQ)
-                tma.store_wait(N_DQ - 1)
-                dq_buffer.store(dq * sm_scale)
+                mbarrier.wait(ds_bar.index(j % 2), (j // 2) & 1)
+                dq_token = warpgroup_mma(ds_all.permute((1, 0)), kc_w, dq_zero, use_acc=False, is_async=True)
+            else:  # the buffer is free: last step's product was waited for
+                ds_smem.store(ds)
                 fence_async_shared()
-                _tma_reduce_add(dq_desc, [stat_row + (m_first + j) * BLOCK_M, WG * dq_cols if SPLIT else 0], dq_buffer)
+                dq_token = warpgroup_mma(ds_smem.permute((1, 0)), k_w, dq_zero, use_acc=False, is_async=True)
+            dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op, dq_token])
+            mbarrier.arrive(empty.index(slot))
+            # The reduction issued from this buffer (one of two; at d=128 the only one) two steps (one) ago has read
+            # it.
+            dq_buffer = dq_smem.index(j % N_DQ)
+            tma.store_wait(N_DQ - 1)
+            dq_buffer.store(dq * sm_scale)
+            fence_async_shared()
+            _tma_reduce_add(dq_desc, [stat_row + (m_first + j) * BLOCK_M, WG * dq_cols if SPLIT else 0], dq_buffer)
         else:
             dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op])
             mbarrier.arrive(empty.index(slot))
@@ -635,10 +611,10 @@ def _dkdv_loop(dk, dv, k_w, k_op, v_w, q_smem, do_smem, ready, empty, LSE, DELTA
 
 @gluon.jit
 def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, k_w, v_w, q_smem, do_smem, ds_smem, dq_smem, kc_w, ds_bar,
-                   ds_free, kv_bar, ready, empty, out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale,
-                   sm_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   NUM_STAGES: gl.constexpr, PREFETCH: gl.constexpr, FUSED: gl.constexpr, SPLIT: gl.constexpr,
-                   WG: gl.constexpr, DS_SMEM: gl.constexpr, K_REGS: gl.constexpr, TURNS: gl.constexpr):
+                   kv_bar, ready, empty, out_row, stat_row, key0, m_first, n_masked, n_tiles, qk_scale, sm_scale,
+                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   PREFETCH: gl.constexpr, FUSED: gl.constexpr, SPLIT: gl.constexpr, WG: gl.constexpr,
+                   DS_SMEM: gl.constexpr, K_REGS: gl.constexpr):
     half: gl.constexpr = k_w.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
@@ -654,15 +630,15 @@ def _dkdv_consumer(dk_desc, dv_desc, dq_desc, LSE, DELTA, k_w, v_w, q_smem, do_s
     if CAUSAL:
         # The query tiles that overlap the program's keys need the mask; those after them do not.
         dk, dv = _dkdv_loop(dk, dv, k_w, k_op, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
-                            0, n_masked, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, ds_free,
-                            BLOCK_M, NUM_STAGES, True, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG, DS_SMEM, TURNS)
+                            0, n_masked, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, BLOCK_M,
+                            NUM_STAGES, True, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG, DS_SMEM)
         dk, dv = _dkdv_loop(dk, dv, k_w, k_op, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
-                            n_masked, n_tiles, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, ds_free,
-                            BLOCK_M, NUM_STAGES, False, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG, DS_SMEM, TURNS)
+                            n_masked, n_tiles, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, BLOCK_M,
+                            NUM_STAGES, False, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG, DS_SMEM)
     else:
         dk, dv = _dkdv_loop(dk, dv, k_w, k_op, v_w, q_smem, do_smem, ready, empty, LSE, DELTA, stat_row, m_first, keys,
-                            0, n_tiles, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, ds_free,
-                            BLOCK_M, NUM_STAGES, False, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG, DS_SMEM, TURNS)
+                            0, n_tiles, qk_scale, sm_scale, ds_smem, dq_smem, dq_desc, kc_w, ds_bar, BLOCK_M,
+                            NUM_STAGES, False, s_layout, a_layout, PREFETCH, FUSED, SPLIT, WG, DS_SMEM)
     # Epilogue: through this warpgroup's K and V buffers (no longer read) and TMA stores; the wait covers the dQ
     # reductions too.
     k_w.store((dk * sm_scale).to(dk_desc.dtype))
@@ -681,7 +657,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, kc_
                  HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PREFETCH: gl.constexpr,
                  GROUPED: gl.constexpr, FUSED: gl.constexpr, SPLIT: gl.constexpr,
-                 DS_SMEM: gl.constexpr, K_REGS: gl.constexpr, TURNS: gl.constexpr):
+                 DS_SMEM: gl.constexpr, K_REGS: gl.constexpr):
     HALF: gl.constexpr = k_desc.block_type.shape[0]  # keys per consumer warpgroup
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
@@ -710,11 +686,10 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, kc_
     q_smem, ready, empty = ring(q_desc, NUM_STAGES, HEAD_DIM)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
     # Not read unless FUSED (and SPLIT):
-    ds_0, ds_1, dq_0, dq_1, kc_0, kc_1, kc_smem = k_smem, k_smem, k_smem, k_smem, k_smem, k_smem, k_smem
-    ds_bar, ds_free = kv_bar, kv_bar
-    if FUSED:  # per consumer warpgroup two fp32 dQ tiles (one may still be read by its reduction; d=128, TURNS: one)
+    ds_0, ds_1, dq_0, dq_1, kc_0, kc_1, kc_smem, ds_bar = k_smem, k_smem, k_smem, k_smem, k_smem, k_smem, k_smem, kv_bar
+    if FUSED:  # per consumer warpgroup two fp32 dQ tiles (one may still be read by its reduction; d=128: one)
         dq_cols: gl.constexpr = dq_desc.block_type.shape[1]
-        N_DQ: gl.constexpr = 1 if HEAD_DIM > 64 or TURNS else 2
+        N_DQ: gl.constexpr = 1 if HEAD_DIM > 64 else 2
         dq_0 = gl.allocate_shared_memory(gl.float32, [N_DQ, BLOCK_M, dq_cols], dq_desc.layout)
         dq_1 = gl.allocate_shared_memory(gl.float32, [N_DQ, BLOCK_M, dq_cols], dq_desc.layout)
         if SPLIT:  # two buffers of both warpgroups' dS^T, their barriers (an arrival each), K's two column halves
@@ -723,13 +698,8 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, kc_
             ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(2):
                 mbarrier.init(ds_bar.index(i), count=2)
-            N_KC: gl.constexpr = HEAD_DIM // dq_cols  # with TURNS one tile of all of K's columns
-            kc_smem = gl.allocate_shared_memory(dtype, [N_KC, 2 * HALF, dq_cols], kc_desc.layout)
-            kc_0, kc_1 = kc_smem.index(0), kc_smem.index(N_KC - 1)
-            if TURNS:  # a buffer's dS^T read by its dQ product: one arrival, the warpgroup that formed it
-                ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-                for i in gl.static_range(2):
-                    mbarrier.init(ds_free.index(i), count=1)
+            kc_smem = gl.allocate_shared_memory(dtype, [2, 2 * HALF, dq_cols], kc_desc.layout)
+            kc_0, kc_1 = kc_smem.index(0), kc_smem.index(1)
         else:  # per consumer warpgroup, dS^T
             ds_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_M], q_desc.layout)
             ds_0, ds_1 = ds_smem.index(0), ds_smem.index(1)
@@ -738,13 +708,13 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, kc_
     out_row = off_bh * N_K + key0  # dK and dV are contiguous: (B*H*N_K, D) views
     gl.warp_specialize([
         (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, k_smem.index(0), v_smem.index(0), q_smem, do_smem,
-                          ds_0, dq_0, kc_0, ds_bar, ds_free, kv_bar, ready, empty, out_row, stat_row, key0, m_first,
-                          n_masked, n_tiles, qk_scale, sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, PREFETCH,
-                          FUSED, SPLIT, 0, DS_SMEM, K_REGS, TURNS)),
+                          ds_0, dq_0, kc_0, ds_bar, kv_bar, ready, empty, out_row, stat_row, key0, m_first, n_masked,
+                          n_tiles, qk_scale, sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES, PREFETCH, FUSED, SPLIT,
+                          0, DS_SMEM, K_REGS)),
         (_dkdv_consumer, (dk_desc, dv_desc, dq_desc, LSE, DELTA, k_smem.index(1), v_smem.index(1), q_smem, do_smem,
-                          ds_1, dq_1, kc_1, ds_bar, ds_free, kv_bar, ready, empty, out_row + HALF, stat_row,
-                          key0 + HALF, m_first, n_masked, n_tiles, qk_scale, sm_scale, CAUSAL, BLOCK_M, HEAD_DIM,
-                          NUM_STAGES, PREFETCH, FUSED, SPLIT, 1, DS_SMEM, K_REGS, TURNS)),
+                          ds_1, dq_1, kc_1, ds_bar, kv_bar, ready, empty, out_row + HALF, stat_row, key0 + HALF,
+                          m_first, n_masked, n_tiles, qk_scale, sm_scale, CAUSAL, BLOCK_M, HEAD_DIM, NUM_STAGES,
+                          PREFETCH, FUSED, SPLIT, 1, DS_SMEM, K_REGS)),
         (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, kc_desc, k_smem, v_smem, q_smem, do_smem, kc_smem, kv_bar,
                           ready, empty, b * K_RB + h * K_RH + key0, b * K_CB + h * K_CH, b * V_RB + h * V_RH + key0,
                           b * V_CB + h * V_CH, b * Q_RB + h * Q_RH + m_first * BLOCK_M, b * Q_CB + h * Q_CH,
@@ -942,18 +912,17 @@ def _launches(q, k, v, do, dk, dv, dq_acc, is_causal, p: BackwardPlan):
     # views fix the descriptors' shapes and strides.
     key = (q.device, q.dtype, q.shape, k.shape, block_m, block_n, qv, kv, vv, dov)
     split = fused_dq and FUSED_SPLIT
-    turns = split and p.turns
-    dq_cols = d if turns or not split else d // 2
     if fused_dq and GROUPED_ORDER and FUSED_GROUP_HEADS is not None:  # in the launch's key: not set by the shapes
         groups = (max(1, min(bh, FUSED_GROUP_HEADS)), groups[1])
         key += (groups,)
     dq_desc = kc_desc = None
     if fused_dq:
-        dq_desc = flash_hopper.tma_descriptor(dq_acc, [bh * n_q, d], [d, 1], [block_m, dq_cols], DQ_ACC_LAYOUT)
-    if split:  # K's tiles of the program's keys and half of d (TURNS: all of d), in the layout their MMA reads
+        dq_desc = flash_hopper.tma_descriptor(dq_acc, [bh * n_q, d], [d, 1], [block_m, d // 2 if split else d],
+                                              DQ_ACC_LAYOUT)
+    if split:  # K's tiles of the program's keys and half of d, in the layout their MMA reads
         (n_rows, n_cols), stride = kv[:2]
-        layout = flash_hopper._smem_layout(BLOCK_KEYS, dq_cols, flash_hopper._gl_dtype(k.dtype))
-        kc_desc = flash_hopper.tma_descriptor(k, [n_rows, n_cols], [stride, 1], [BLOCK_KEYS, dq_cols], layout)
+        layout = flash_hopper._smem_layout(BLOCK_KEYS, d // 2, flash_hopper._gl_dtype(k.dtype))
+        kc_desc = flash_hopper.tma_descriptor(k, [n_rows, n_cols], [stride, 1], [BLOCK_KEYS, d // 2], layout)
     p.split = split
     p.dkdv_scalars = (n_q, n_k, heads, bh, groups[0], qk_scale, sm_scale, *strides)
     p.dq_scalars = (n_q, n_k, heads, bh, groups[1], qk_scale, sm_scale, *strides)
@@ -965,7 +934,7 @@ def _launches(q, k, v, do, dk, dv, dq_acc, is_causal, p: BackwardPlan):
              desc(dk, flash_hopper._view(dk), half), desc(dv, flash_hopper._view(dv), half), dq_desc, kc_desc, lse,
              delta, *p.dkdv_scalars),
             ("dkdv", *key), PREFETCH=(is_causal, d) in PREFETCH_STATS, FUSED=fused_dq, SPLIT=split,
-            DS_SMEM=p.ds_smem, K_REGS=fused_dq and K_IN_REGISTERS and d == 64, TURNS=turns, **common,
+            DS_SMEM=p.ds_smem, K_REGS=fused_dq and K_IN_REGISTERS and d == 64, **common,
         )
 
     def dq_launch(dq, lse, delta):
