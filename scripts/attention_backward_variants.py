@@ -87,6 +87,8 @@ VARIANTS = {
     "hopper": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False}),
     "fwd64": ("flash_triton", FORWARD_64),
     "no-fwd64": ("flash_triton", {"FORWARD_64_MIN_KEYS": math.inf}),  # the Triton forward at d=64
+    # The Gluon forward at d=64 as fwd64, with three consumer warpgroups (192 query rows) a program
+    "fwd64-3wg": ("flash_triton", {**FORWARD_64, "CONSUMERS": {64: 3, 128: 2}}),
     "hopper-fwd64": ("flash_triton", {**GLUON, **FORWARD_64, "CONCURRENT_DQ": False}),
     "hopper-concurrent": ("flash_triton", {**GLUON, "CONCURRENT_DQ": True}),
     "hopper-dq128": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "TILES": {64: (64, 128), 128: (64, 128)}}),
@@ -129,6 +131,7 @@ DEFAULTS = {
     "K_IN_REGISTERS": (flash_hopper_bwd, flash_hopper_bwd.K_IN_REGISTERS),
     "FORWARD_64_MIN_KEYS": (flash_hopper, flash_hopper.FORWARD_64_MIN_KEYS),  # where the Gluon forward runs d=64
     "FORWARD_64_BELOW_PROGRAMS_PER_SM": (flash_hopper, flash_hopper.FORWARD_64_BELOW_PROGRAMS_PER_SM),
+    "CONSUMERS": (flash_hopper, flash_hopper.CONSUMERS),
 }
 
 

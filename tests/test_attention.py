@@ -539,10 +539,12 @@ def descriptor(rows):
     return f"tensordesc<bf16[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
 
 kernel = fh._flash_fwd_hopper_kernel
+consumers = int(sys.argv[4])
 constexprs = dict(HEAD_DIM=d, CAUSAL=sys.argv[1] == "causal", BLOCK_N=fh.BLOCK_N, NUM_STAGES=fh.NUM_STAGES,
-                  CONSUMER_REGS=fh.CONSUMER_REGS, PRODUCER_REGS=fh.PRODUCER_REGS)
-types = {"q_desc": descriptor(fh.BLOCK_M // 2), "k_desc": descriptor(fh.BLOCK_N), "v_desc": descriptor(fh.BLOCK_N),
-         "o_desc": descriptor(fh.BLOCK_M // 2), "LSE": "*fp32", "qk_scale": "fp32",
+                  CONSUMER_REGS=fh.CONSUMER_REGS_3 if consumers == 3 else fh.CONSUMER_REGS,
+                  PRODUCER_REGS=fh.PRODUCER_REGS, CONSUMERS=consumers)
+types = {"q_desc": descriptor(fh.WARPGROUP_ROWS), "k_desc": descriptor(fh.BLOCK_N), "v_desc": descriptor(fh.BLOCK_N),
+         "o_desc": descriptor(fh.WARPGROUP_ROWS), "LSE": "*fp32", "qk_scale": "fp32",
          **dict.fromkeys(constexprs, "constexpr")}
 names = kernel.arg_names
 source = GluonASTSource(kernel, {n: types.get(n, "i32") for n in names},
@@ -555,15 +557,15 @@ out = pathlib.Path(sys.argv[2])
 """
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim, consumers", [(64, 2), (64, 3), (128, 2)])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, head_dim, tmp_path):
+def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, head_dim, consumers, tmp_path):
     """On any machine: the Gluon forward compiles for sm_90 with the installed triton, fits shared memory, spills
     nothing, and waits for the score MMA while the P V MMA is still in flight (`wgmma.wait_group 1`), at both head dims
-    it runs."""
+    it runs, with two consumer warpgroups and (at d=64, flash_hopper.CONSUMERS) three."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
     args = [sys.executable, "-c", _COMPILE_HOPPER_FORWARD, "causal" if is_causal else "full", str(tmp_path),
-            str(head_dim)]
+            str(head_dim), str(consumers)]
     result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert int((tmp_path / "shared").read_text()) <= 227 * 1024
@@ -1013,14 +1015,31 @@ def test_hopper_forward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, mon
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("is_causal", [False, True])
-def test_hopper_forward_at_head_dim_64_gpu(gpu, is_causal, monkeypatch, seed):
-    """The Gluon forward at d=64 against float64 (on a problem smaller than those it runs at d=64: `plan`)."""
+@pytest.mark.parametrize("consumers", [2, 3])
+@pytest.mark.parametrize(
+    "q_shape, k_shape, is_causal, layout",
+    [
+        ((2, 3, 1024, 64), (2, 3, 1024, 64), False, "contiguous"),
+        ((2, 3, 1024, 64), (2, 3, 1024, 64), True, "contiguous"),  # 3 warpgroups: the last program's 2 past the rows
+        ((3, 384, 64), (3, 384, 64), True, "transposed"),  # 3 warpgroups: programs of whole rows
+        ((1, 2, 640, 64), (1, 2, 256, 64), False, "contiguous"),
+        ((2, 3, 512, 64), (2, 3, 512, 64), True, "packed"),
+    ],
+)
+def test_hopper_forward_at_head_dim_64_gpu(gpu, q_shape, k_shape, is_causal, layout, consumers, monkeypatch, seed):
+    """The Gluon forward at d=64 against float64 (on problems smaller than those it runs at d=64: `plan`), with two
+    consumer warpgroups per program and with three (flash_hopper.CONSUMERS), whose programs of 192 rows may end past
+    the queries of a head: the rows there must not be stored over the next head's."""
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon forward is for Hopper (compute capability 9.0)")
     monkeypatch.setattr(flash_hopper, "MIN_PROGRAMS_PER_SM", 0)
     monkeypatch.setattr(flash_hopper, "FORWARD_64_MIN_KEYS", 0)
-    q, k, v = make_inputs((2, 3, 1024, 64), (2, 3, 1024, 64), torch.bfloat16, gpu)
+    monkeypatch.setattr(flash_hopper, "CONSUMERS", {**flash_hopper.CONSUMERS, 64: consumers})
+    if layout == "packed":
+        q, k, v = _packed_qkv(q_shape[0], q_shape[1], q_shape[2], q_shape[3], torch.bfloat16, gpu)
+    else:
+        q = _strided(q_shape, layout, torch.bfloat16, gpu)
+        k, v = (_strided(k_shape, layout, torch.bfloat16, gpu) for _ in range(2))
     assert flash_hopper.applies(q, k, v)
     check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
 

@@ -39,6 +39,7 @@ import functools
 import math
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -52,7 +53,14 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from lmsys.attention import launch_order, launcher, plans
 
-BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
+BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64 (CONSUMERS)
+WARPGROUP_ROWS = 64
+# Consumer warpgroups per program, per head dim, and the registers each takes (setmaxnreg). Three (FA3's 192-row tile at
+# d=64) leave 160 registers a thread: 3 x 128 consumer threads at 160 and 128 producer threads at 24 (the one producer
+# warp is given a warpgroup's) fit the 64K. A program's last warpgroups may then fall past the queries (lengths
+# multiples of 128, not of 192): they run, and store nothing.
+CONSUMERS = {64: 2, 128: 2}
+CONSUMER_REGS_3 = 160
 BLOCK_N = 128  # keys per tile
 NUM_STAGES = 2  # K and V buffers per ring; 3 measured no faster on the H100
 HEAD_DIMS = (64, 128)  # what it compiles for; where it runs: `plan`
@@ -194,9 +202,10 @@ def _softmax_step(s, m_i, l_i, qk_scale, rows, j, BLOCK_N: gl.constexpr, MASK: g
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
               q_row, q_col, k_row, k_col, v_row, v_col, n_tiles, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               HALF_M: gl.constexpr):
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, q_col], q_bar, q_smem.index(1))
+    consumers: gl.constexpr = q_smem.shape[0]
+    mbarrier.expect(q_bar, consumers * q_desc.block_type.nbytes)
+    for w in gl.static_range(consumers):
+        tma.async_copy_global_to_shared(q_desc, [q_row + w * HALF_M, q_col], q_bar, q_smem.index(w))
     stream_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, k_row, k_col, v_row, v_col, n_tiles,
               BLOCK_N, NUM_STAGES)
 
@@ -247,8 +256,8 @@ def _consumer_loop(o, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_ready, k_emp
 
 
 @gluon.jit
-def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-              o_row, row0, lse_row, n_full, n_tiles, qk_scale,
+def _consumer(q_smem, o_desc, lse_ptr, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+              o_row, row0, lse_row, n_full, n_tiles, qk_scale, N_Q,
               CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
     rows_per_wg: gl.constexpr = q_smem.shape[0]
     warps: gl.constexpr = gl.num_warps()
@@ -294,24 +303,26 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, 
     mbarrier.arrive(v_empty.index(last))
 
     # Epilogue: O / l through this warpgroup's Q buffer (no longer read) and a TMA store; lse (natural log).
-    o = o / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
-    gl.store(lse_ptr + lse_row + gl.arange(0, rows_per_wg, layout=row_layout), (m_i + gl.log2(l_i)) * LN2)
-    q_smem.store(o.to(o_desc.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [o_row, 0], q_smem)
-    tma.store_wait(0)
+    # With three warpgroups, this one's rows may fall past the queries (then in the next head's rows, or none).
+    if row0 < N_Q:
+        o = o / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
+        gl.store(lse_ptr + lse_row + gl.arange(0, rows_per_wg, layout=row_layout), (m_i + gl.log2(l_i)) * LN2)
+        q_smem.store(o.to(o_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [o_row, 0], q_smem)
+        tma.store_wait(0)
 
 
 @gluon.jit
-def ring(desc, NUM_STAGES: gl.constexpr, HEAD_DIM: gl.constexpr):
+def ring(desc, NUM_STAGES: gl.constexpr, HEAD_DIM: gl.constexpr, CONSUMERS: gl.constexpr):
     """A ring of NUM_STAGES shared buffers for desc's tiles (rows x HEAD_DIM) and their mbarriers: "ready", one
-    arrival (the producer's TMA load), and "empty", two (one per consumer warpgroup, done reading)."""
+    arrival (the producer's TMA load), and "empty", one per consumer warpgroup (CONSUMERS), done reading."""
     smem = gl.allocate_shared_memory(desc.dtype, [NUM_STAGES, desc.block_type.shape[0], HEAD_DIM], desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
     return smem, ready, empty
 
 
@@ -319,9 +330,10 @@ def ring(desc, NUM_STAGES: gl.constexpr, HEAD_DIM: gl.constexpr):
 def _flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, N_Q, N_K, H, BH, GROUP_HEADS, qk_scale,
                              Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH,
                              HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-                             NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                             NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                             CONSUMERS: gl.constexpr):
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]  # rows per consumer warpgroup
-    BLOCK_M: gl.constexpr = 2 * HALF_M
+    BLOCK_M: gl.constexpr = CONSUMERS * HALF_M
     dtype: gl.constexpr = q_desc.dtype
     off_bh, start_m = launch_order.program_position(N_Q, BH, GROUP_HEADS, BLOCK_M, CAUSAL)
     b = off_bh // H
@@ -331,29 +343,47 @@ def _flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, N_Q, N_K, H, B
     o_row = off_bh * N_Q + start_m * BLOCK_M  # the output is contiguous: a (B*H*N, D) view
     if CAUSAL:
         n_full = (start_m * BLOCK_M) // BLOCK_N  # key tiles strictly below the diagonal block
-        n_tiles = ((start_m + 1) * BLOCK_M) // BLOCK_N
+        n_tiles = gl.minimum(gl.cdiv((start_m + 1) * BLOCK_M, BLOCK_N), N_K // BLOCK_N)
     else:
         n_full = N_K // BLOCK_N
         n_tiles = N_K // BLOCK_N
 
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, HALF_M, HEAD_DIM], q_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    k_smem, k_ready, k_empty = ring(k_desc, NUM_STAGES, HEAD_DIM)
-    v_smem, v_ready, v_empty = ring(v_desc, NUM_STAGES, HEAD_DIM)
+    k_smem, k_ready, k_empty = ring(k_desc, NUM_STAGES, HEAD_DIM, CONSUMERS)
+    v_smem, v_ready, v_empty = ring(v_desc, NUM_STAGES, HEAD_DIM, CONSUMERS)
 
     row0 = start_m * BLOCK_M
     lse_row = off_bh * N_Q + row0
-    gl.warp_specialize([
-        (_consumer, (o_desc, LSE, q_smem.index(0), k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                     o_row, row0, lse_row, n_full, n_tiles, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
-        (_consumer, (o_desc, LSE, q_smem.index(1), k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                     o_row + HALF_M, row0 + HALF_M, lse_row + HALF_M, n_full, n_tiles, qk_scale, CAUSAL, BLOCK_N,
-                     HEAD_DIM, NUM_STAGES)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                     q_row, b * Q_CB + h * Q_CH, b * K_RB + h * K_RH, b * K_CB + h * K_CH, b * V_RB + h * V_RH,
-                     b * V_CB + h * V_CH, n_tiles, BLOCK_N, NUM_STAGES, HALF_M)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    # Warpgroup w: the rows from row0 + w * HALF_M, in q_smem.index(w).
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (_consumer, (q_smem.index(0), o_desc, LSE, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                         o_row, row0, lse_row, n_full, n_tiles, qk_scale, N_Q, CAUSAL, BLOCK_N, HEAD_DIM,
+                         NUM_STAGES)),
+            (_consumer, (q_smem.index(1), o_desc, LSE, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                         o_row + HALF_M, row0 + HALF_M, lse_row + HALF_M, n_full, n_tiles, qk_scale, N_Q, CAUSAL,
+                         BLOCK_N, HEAD_DIM, NUM_STAGES)),
+            (_consumer, (q_smem.index(2), o_desc, LSE, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                         o_row + 2 * HALF_M, row0 + 2 * HALF_M, lse_row + 2 * HALF_M, n_full, n_tiles, qk_scale, N_Q,
+                         CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                         q_row, b * Q_CB + h * Q_CH, b * K_RB + h * K_RH, b * K_CB + h * K_CH, b * V_RB + h * V_RH,
+                         b * V_CB + h * V_CH, n_tiles, BLOCK_N, NUM_STAGES, HALF_M)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (q_smem.index(0), o_desc, LSE, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                         o_row, row0, lse_row, n_full, n_tiles, qk_scale, N_Q, CAUSAL, BLOCK_N, HEAD_DIM,
+                         NUM_STAGES)),
+            (_consumer, (q_smem.index(1), o_desc, LSE, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                         o_row + HALF_M, row0 + HALF_M, lse_row + HALF_M, n_full, n_tiles, qk_scale, N_Q, CAUSAL,
+                         BLOCK_N, HEAD_DIM, NUM_STAGES)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                         q_row, b * Q_CB + h * Q_CH, b * K_RB + h * K_RH, b * K_CB + h * K_CH, b * V_RB + h * V_RH,
+                         b * V_CB + h * V_CH, n_tiles, BLOCK_N, NUM_STAGES, HALF_M)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def _gl_dtype(dtype):
@@ -396,18 +426,21 @@ def forward(q, k, v, is_causal, forward_plan: ForwardPlan):
     d, n_q, n_k = q.shape[-1], q.shape[-2], k.shape[-2]
     heads = q.shape[1] if q.dim() == 4 else 1
     bh = q.numel() // (n_q * d)
-    # Tiles never cross a head: both lengths are multiples of the tiles.
+    # Key tiles never cross a head: the lengths are multiples of 128 (a program of 3 warpgroups may end past them).
     found = (*forward_plan.views, _view(o))
+    consumers = CONSUMERS[d]
+    block_m = consumers * WARPGROUP_ROWS
     scalars = (n_q, n_k, heads, bh, launch_order.group_heads(k, bh), LOG2E / math.sqrt(d), *found[0][2:],
                *found[1][2:], *found[2][2:])
     forward_plan.launch = launcher.launch(
-        _flash_fwd_hopper_kernel, (n_q // BLOCK_M * bh,),
-        (_descriptor(q, found[0], BLOCK_M // 2), _descriptor(k, found[1], BLOCK_N),
-         _descriptor(v, found[2], BLOCK_N), _descriptor(o, found[3], BLOCK_M // 2), lse, *scalars),
+        _flash_fwd_hopper_kernel, (triton.cdiv(n_q, block_m) * bh,),
+        (_descriptor(q, found[0], WARPGROUP_ROWS), _descriptor(k, found[1], BLOCK_N),
+         _descriptor(v, found[2], BLOCK_N), _descriptor(o, found[3], WARPGROUP_ROWS), lse, *scalars),
         # _view checked the alignment; o and lse are new. The views fix the descriptors' shapes and strides.
         (q.device, q.dtype, q.shape, n_k, *found),
-        HEAD_DIM=d, CAUSAL=is_causal, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
+        HEAD_DIM=d, CAUSAL=is_causal, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES,
+        CONSUMER_REGS=CONSUMER_REGS_3 if consumers == 3 else CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        CONSUMERS=consumers, num_warps=4,
     )
     forward_plan.is_causal, forward_plan.scalars = is_causal, scalars
     return o, lse
