@@ -63,13 +63,17 @@ POINTS = {
     "leaderboard": [(16, 1, 16384, 64)],
     "leaderboard-d128": [(16, 1, 16384, 128)],  # its shape at d=128
     "grid": [(1, 1, seq, d) for d in (64, 128) for seq in (8192, 16384, 32768, 65536)],
+    # d=64 problems of many heads (15.5 or 7.8 blocks of 128 rows per multiprocessor) at several lengths
+    "d64-heads": [(4, 16, 4096, 64), (2, 16, 8192, 64), (1, 8, 16384, 64), (1, 8, 32768, 64), (1, 4, 65536, 64)],
 }
 # name -> (provider, settings of lmsys.attention's modules for it: the Gluon backward, its defaults changed, the
 # Gluon forward at d=64 at any size from one block per multiprocessor, or never). The Gluon variants run its two
 # kernels (FUSED_DQ off) unless they name a way of accumulating dQ in the dK/dV kernel.
 GLUON = {"HOPPER_BACKWARD": True, "MIN_PROGRAMS_PER_SM": 0, "MIN_PROGRAMS_PER_SM_CONCURRENT": 0,  # any size
          "FUSED_DQ": False}
-FORWARD_64 = {"FORWARD_64_MIN_KEYS": 0, "FORWARD_64_BELOW_PROGRAMS_PER_SM": math.inf}  # from 1 block per SM
+# From 1 block per SM, with two consumer warpgroups a program
+FORWARD_64 = {"FORWARD_64_MIN_KEYS": 0, "FORWARD_64_BELOW_PROGRAMS_PER_SM": math.inf,
+              "FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM": math.inf}
 
 
 def _fused(split: bool, group_heads: int | None) -> dict:
@@ -86,9 +90,12 @@ VARIANTS = {
     "two-kernels": ("flash_triton", {"FUSED_DQ": False}),  # the default before 2026-11-26: never FUSED_DQ
     "hopper": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False}),
     "fwd64": ("flash_triton", FORWARD_64),
-    "no-fwd64": ("flash_triton", {"FORWARD_64_MIN_KEYS": math.inf}),  # the Triton forward at d=64
+    "no-fwd64": ("flash_triton", {"FORWARD_64_MIN_KEYS": math.inf,  # the Triton forward at d=64
+                                   "FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM": math.inf}),
     # The Gluon forward at d=64 as fwd64, with three consumer warpgroups (192 query rows) a program
-    "fwd64-3wg": ("flash_triton", {**FORWARD_64, "CONSUMERS": {64: 3, 128: 2}}),
+    "fwd64-3wg": ("flash_triton", {"FORWARD_64_WIDE_MIN_KEYS": 0, "FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM": 0}),
+    # The default before session 59: never three consumer warpgroups
+    "no-3wg": ("flash_triton", {"FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM": math.inf}),
     "hopper-fwd64": ("flash_triton", {**GLUON, **FORWARD_64, "CONCURRENT_DQ": False}),
     "hopper-concurrent": ("flash_triton", {**GLUON, "CONCURRENT_DQ": True}),
     "hopper-dq128": ("flash_triton", {**GLUON, "CONCURRENT_DQ": False, "TILES": {64: (64, 128), 128: (64, 128)}}),
@@ -131,7 +138,8 @@ DEFAULTS = {
     "K_IN_REGISTERS": (flash_hopper_bwd, flash_hopper_bwd.K_IN_REGISTERS),
     "FORWARD_64_MIN_KEYS": (flash_hopper, flash_hopper.FORWARD_64_MIN_KEYS),  # where the Gluon forward runs d=64
     "FORWARD_64_BELOW_PROGRAMS_PER_SM": (flash_hopper, flash_hopper.FORWARD_64_BELOW_PROGRAMS_PER_SM),
-    "CONSUMERS": (flash_hopper, flash_hopper.CONSUMERS),
+    "FORWARD_64_WIDE_MIN_KEYS": (flash_hopper, flash_hopper.FORWARD_64_WIDE_MIN_KEYS),
+    "FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM": (flash_hopper, flash_hopper.FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM),
 }
 
 

@@ -838,42 +838,44 @@ def test_hopper_backward_ds_from_shared_by_size(head_dim, per_sm, expected, expe
 @pytest.mark.parametrize(
     "head_dim, per_sm, keys, expected",
     [
-        (128, 0.5, 65536, False),  # below MIN_PROGRAMS_PER_SM: the Triton forward's
-        (128, 1, 4096, True),
-        (128, 15.5, 512, True),
-        (64, 1.94, 32768, True),  # one head of 32768 and 65536 tokens, where it was measured faster
-        (64, 3.9, 65536, True),
-        (64, 0.97, 16384, False),  # shorter, not timed
-        (64, 1.94, 512, False),  # the model's heads (large, batch 4, context 512)
-        (64, 15.5, 16384, False),  # the leaderboard: its forward and backward measured slower
-        (64, 4, 65536, False),  # from FORWARD_64_BELOW_PROGRAMS_PER_SM, not timed
-        (80, 4, 65536, False),  # a head dim it does not compile for
+        (128, 0.5, 65536, None),  # below MIN_PROGRAMS_PER_SM: the Triton forward's
+        (128, 1, 4096, 2),
+        (128, 15.5, 512, 2),
+        (64, 1.94, 32768, 2),  # one head of 32768 and 65536 tokens, where two warpgroups were measured faster
+        (64, 3.9, 65536, 2),
+        (64, 0.97, 16384, None),  # shorter, not timed
+        (64, 1.94, 512, None),  # the model's heads (large, batch 4, context 512)
+        (64, 15.5, 16384, 3),  # the leaderboard: three warpgroups measured faster
+        (64, 8, 16384, 3),  # from FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM
+        (64, 15.5, 8192, None),  # shorter, not timed
+        (64, 4, 65536, None),  # from FORWARD_64_BELOW_PROGRAMS_PER_SM to the wide window's start, not timed
+        (80, 4, 65536, None),  # a head dim it does not compile for
     ],
 )
 def test_hopper_forward_plan(head_dim, per_sm, keys, expected):
-    """Where the Gluon forward runs by default: d=128 from one query block per multiprocessor, d=64 on long problems of
-    few blocks (measured faster there than the Triton forward)."""
-    assert flash_hopper.plan(head_dim, per_sm, keys) is expected
+    """Where the Gluon forward runs by default, and with how many consumer warpgroups a program: d=128 from one query
+    block per multiprocessor, with two; d=64 on long problems of few blocks with two and on large problems of long
+    sequences with three (measured faster there than the Triton forward)."""
+    assert flash_hopper.plan(head_dim, per_sm, keys) == expected
 
 
 @pytest.mark.gpu
 def test_the_gluon_forward_at_head_dim_64_is_the_default_from_its_measured_sizes_gpu(gpu, monkeypatch, seed):
     """By default (`flash_hopper.plan`) a d=64 forward runs on the Gluon kernel for one head of about 32768 tokens
-    (two query blocks per multiprocessor), on the Triton kernel for one of about 16384 and for the leaderboard's
-    shape; its output against float32 SDPA."""
+    (two query blocks per multiprocessor) with two consumer warpgroups a program, and for the leaderboard's shape with
+    three, on the Triton kernel for one head of about 16384; its output against float32 SDPA."""
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon forward is for Hopper (compute capability 9.0)")
     assert flash_triton.HOPPER_FORWARD
     calls = []
     hopper_forward = flash_hopper.forward
-    monkeypatch.setattr(flash_hopper, "forward", lambda *a: calls.append(a) or hopper_forward(*a))
+    monkeypatch.setattr(flash_hopper, "forward", lambda *a: calls.append(a[-1].consumers) or hopper_forward(*a))
     sms = torch.cuda.get_device_properties(gpu).multi_processor_count
-    for shape in ((1, 1, 2 * sms * 128, 64), (1, 1, sms * 128, 64), (16, 1, 16384, 64)):
-        expected = shape[2] >= flash_hopper.FORWARD_64_MIN_KEYS and shape[0] == 1
+    for shape, expected in (((1, 1, 2 * sms * 128, 64), [2]), ((1, 1, sms * 128, 64), []), ((16, 1, 16384, 64), [3])):
         calls.clear()
         q, k, v = make_inputs(shape, shape, torch.bfloat16, gpu)
         out = flash_attention(q, k, v, is_causal=True, impl="triton")
-        assert len(calls) == expected, shape
+        assert calls == expected, shape
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
         assert (out.float() - ref).abs().max() <= 2e-2 * ref.abs().max()
 
@@ -1034,7 +1036,12 @@ def test_hopper_forward_at_head_dim_64_gpu(gpu, q_shape, k_shape, is_causal, lay
         pytest.skip("the Gluon forward is for Hopper (compute capability 9.0)")
     monkeypatch.setattr(flash_hopper, "MIN_PROGRAMS_PER_SM", 0)
     monkeypatch.setattr(flash_hopper, "FORWARD_64_MIN_KEYS", 0)
-    monkeypatch.setattr(flash_hopper, "CONSUMERS", {**flash_hopper.CONSUMERS, 64: consumers})
+    monkeypatch.setattr(flash_hopper, "FORWARD_64_BELOW_PROGRAMS_PER_SM", math.inf)
+    monkeypatch.setattr(flash_hopper, "FORWARD_64_WIDE_MIN_KEYS", 0)
+    monkeypatch.setattr(flash_hopper, "FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM", 0 if consumers == 3 else math.inf)
+    calls = []
+    hopper_forward = flash_hopper.forward
+    monkeypatch.setattr(flash_hopper, "forward", lambda *a: calls.append(a[-1].consumers) or hopper_forward(*a))
     if layout == "packed":
         q, k, v = _packed_qkv(q_shape[0], q_shape[1], q_shape[2], q_shape[3], torch.bfloat16, gpu)
     else:
@@ -1042,6 +1049,7 @@ def test_hopper_forward_at_head_dim_64_gpu(gpu, q_shape, k_shape, is_causal, lay
         k, v = (_strided(k_shape, layout, torch.bfloat16, gpu) for _ in range(2))
     assert flash_hopper.applies(q, k, v)
     check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
+    assert calls and set(calls) == {consumers}
 
 
 @pytest.mark.gpu

@@ -5,8 +5,9 @@ cuDNN's speed on the H100. Triton waits for the Q K^T product right after issuin
 while the tensor cores work. Gluon issues and waits for the warpgroup MMAs explicitly, which is what FA3 does
 (Shah et al., "FlashAttention-3", 2024):
 
-* A program owns 128 query rows, split over two consumer warpgroups of 64 rows each, plus a one-warp producer that
-  issues every TMA load (warp specialization). The producer streams K and V through rings of NUM_STAGES shared
+* A program owns 128 query rows, split over two consumer warpgroups of 64 rows each (at d=64 on large problems
+  192 rows over three, FA3's tile there: `plan`), plus a one-warp producer that issues every TMA load (warp
+  specialization). The producer streams K and V through rings of NUM_STAGES shared
   buffers guarded by "ready" and "empty" mbarriers (an empty barrier takes one arrival per consumer warpgroup).
 * A consumer's iteration j: issue S_j = Q K_j^T (async), scale O by alpha_{j-1}, issue O += P_{j-1} V_{j-1} (async,
   P from registers), wait for S_j only, release K_j, run the softmax of S_j while P_{j-1} V_{j-1} is still on the
@@ -25,7 +26,7 @@ without it in the same run): at the leaderboard's (16, 16384, 64) with this kern
 (forward and backward 4.196 against 4.178); on one head at d=64 0.3137 and 1.183 ms against 0.2924 and 1.114 at 32768
 and 65536 tokens, at d=128 0.3947 and 1.523 against 0.3875 and 1.499; at 8192 and 16384 tokens within 0.5%. Removed.
 
-Scope: CUDA tensors of compute capability 9.0, bf16 or fp16, head dim 128 (or 64 on long problems of few blocks:
+Scope: CUDA tensors of compute capability 9.0, bf16 or fp16, head dim 128 (or 64 on long sequences:
 `plan`), both lengths multiples of 128, enough query blocks to give every multiprocessor one (MIN_PROGRAMS_PER_SM), each
 of q, k and v either with its heads one after another (contiguous) or side by side in its rows (the (batch, heads, seq,
 d) view of a (batch, seq, heads, d) projection, which the model passes; `_view`). The output is contiguous. `applies()`
@@ -53,13 +54,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from lmsys.attention import launch_order, launcher, plans
 
-BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64 (CONSUMERS)
+BLOCK_M = 128  # query rows per program of two consumer warpgroups (three at d=64 on large problems: `plan`)
 WARPGROUP_ROWS = 64
-# Consumer warpgroups per program, per head dim, and the registers each takes (setmaxnreg). Three (FA3's 192-row tile at
-# d=64) leave 160 registers a thread: 3 x 128 consumer threads at 160 and 128 producer threads at 24 (the one producer
-# warp is given a warpgroup's) fit the 64K. A program's last warpgroups may then fall past the queries (lengths
-# multiples of 128, not of 192): they run, and store nothing.
-CONSUMERS = {64: 2, 128: 2}
+# The registers of each of three consumer warpgroups (FA3's 192-row tile at d=64): 3 x 128 consumer threads at 160 and
+# 128 producer threads at 24 (the one producer warp is given a warpgroup's) fit the 64K. A program's last warpgroups
+# may then fall past the queries (lengths are multiples of 128, not of 192): they run, and store nothing.
 CONSUMER_REGS_3 = 160
 BLOCK_N = 128  # keys per tile
 NUM_STAGES = 2  # K and V buffers per ring; 3 measured no faster on the H100
@@ -86,16 +85,29 @@ MIN_PROGRAMS_PER_SM = 1
 # (below 32768 keys, the model's among them, or from 4 programs per multiprocessor).
 FORWARD_64_MIN_KEYS = 32768
 FORWARD_64_BELOW_PROGRAMS_PER_SM = 4
+# And with three consumer warpgroups a program (192 query rows: FA3's tile at d=64) from FORWARD_64_WIDE_MIN_KEYS keys
+# and FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM blocks of 128 rows per multiprocessor (before the window above). On the H100
+# (2026-11-26, session 59, `--points leaderboard grid --head-dims 64 --seqs 16384 32768 65536 --modes fwd fwd_bwd
+# --repeats 3 --clock queued`, causal bf16, medians of 3, same run) at the leaderboard (15.5 blocks per
+# multiprocessor) the forward took 1.123 ms against the Triton forward's 1.181 and two warpgroups' 1.236 (cuDNN
+# 1.202), forward and backward 4.089 against 4.145 and 4.201 (cuDNN 4.189); on one head of 65536 tokens (3.9) 1.124
+# against two warpgroups' 1.128-1.138, and of 32768 (1.9) 0.397 against 0.320-0.325, where the last of 171 programs
+# on 132 multiprocessors make a second wave. The sizes between were not timed.
+FORWARD_64_WIDE_MIN_KEYS = 16384
+FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM = 8
 
 
-def plan(head_dim: int, programs_per_sm: float, keys: int) -> bool:
-    """Whether the forward runs here (else on the Triton kernel) for a problem of this head dim, `programs_per_sm`
-    query blocks per multiprocessor and `keys` keys, given that it takes the inputs (`views`)."""
+def plan(head_dim: int, programs_per_sm: float, keys: int) -> int | None:
+    """How many consumer warpgroups a program of the forward here has (2, or 3 of 64 query rows each), or None when
+    the Triton kernel runs it, for a problem of this head dim, `programs_per_sm` blocks of 128 query rows per
+    multiprocessor and `keys` keys, given that this kernel takes the inputs (`views`)."""
     if head_dim not in HEAD_DIMS or programs_per_sm < MIN_PROGRAMS_PER_SM:
-        return False
+        return None
     if head_dim == 64:
-        return keys >= FORWARD_64_MIN_KEYS and programs_per_sm < FORWARD_64_BELOW_PROGRAMS_PER_SM
-    return True
+        if keys >= FORWARD_64_WIDE_MIN_KEYS and programs_per_sm >= FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM:
+            return 3
+        return 2 if keys >= FORWARD_64_MIN_KEYS and programs_per_sm < FORWARD_64_BELOW_PROGRAMS_PER_SM else None
+    return 2
 
 
 @functools.cache
@@ -162,22 +174,24 @@ def blocks_per_sm(q, rows: int = BLOCK_M) -> float:
 
 
 class ForwardPlan:
-    """What `forward` needs beyond the tensors for inputs that this kernel takes: `views` (what `views()` found) and,
-    once it has launched, the launch (`launcher.Launch`) and its arguments that are not tensors. A caller keeps it
-    for later inputs of the same signature (shapes, strides, dtype, device, alignment): lmsys.attention.plans."""
+    """What `forward` needs beyond the tensors for inputs that this kernel takes: `views` (what `views()` found), the
+    consumer warpgroups a program has (`plan`) and, once it has launched, the launch (`launcher.Launch`) and its
+    arguments that are not tensors. A caller keeps it for later inputs of the same signature (shapes, strides, dtype,
+    device, alignment): lmsys.attention.plans."""
 
-    __slots__ = ("views", "is_causal", "launch", "scalars")
+    __slots__ = ("views", "consumers", "is_causal", "launch", "scalars")
 
-    def __init__(self, views):
-        self.views, self.is_causal, self.launch, self.scalars = views, None, None, None
+    def __init__(self, views, consumers):
+        self.views, self.consumers, self.is_causal, self.launch, self.scalars = views, consumers, None, None, None
 
 
 def forward_views(q, k, v) -> ForwardPlan | None:
     """A `ForwardPlan` when the forward runs these inputs here (`plan`, `views`), else None."""
-    if not q.is_cuda or not plan(q.shape[-1], blocks_per_sm(q), k.shape[-2]):
+    consumers = plan(q.shape[-1], blocks_per_sm(q), k.shape[-2]) if q.is_cuda else None
+    if consumers is None:
         return None
     found = views(q, k, v)
-    return None if found is None else ForwardPlan(found)
+    return None if found is None else ForwardPlan(found, consumers)
 
 
 def applies(q, k, v) -> bool:
@@ -428,7 +442,7 @@ def forward(q, k, v, is_causal, forward_plan: ForwardPlan):
     bh = q.numel() // (n_q * d)
     # Key tiles never cross a head: the lengths are multiples of 128 (a program of 3 warpgroups may end past them).
     found = (*forward_plan.views, _view(o))
-    consumers = CONSUMERS[d]
+    consumers = forward_plan.consumers
     block_m = consumers * WARPGROUP_ROWS
     scalars = (n_q, n_k, heads, bh, launch_order.group_heads(k, bh), LOG2E / math.sqrt(d), *found[0][2:],
                *found[1][2:], *found[2][2:])

@@ -683,7 +683,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, kc_
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     # Q and dO tiles share a ring's barriers: a tile's pair arrives, and is released, together.
-    q_smem, ready, empty = ring(q_desc, NUM_STAGES, HEAD_DIM)
+    q_smem, ready, empty = ring(q_desc, NUM_STAGES, HEAD_DIM, 2)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
     # Not read unless FUSED (and SPLIT):
     ds_0, ds_1, dq_0, dq_1, kc_0, kc_1, kc_smem, ds_bar = k_smem, k_smem, k_smem, k_smem, k_smem, k_smem, k_smem, kv_bar
@@ -827,8 +827,8 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, N_Q, N_K, H
     do_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], do_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    k_smem, k_ready, k_empty = ring(k_desc, NUM_STAGES, HEAD_DIM)
-    v_smem, v_ready, v_empty = ring(v_desc, NUM_STAGES, HEAD_DIM)
+    k_smem, k_ready, k_empty = ring(k_desc, NUM_STAGES, HEAD_DIM, 2)
+    v_smem, v_ready, v_empty = ring(v_desc, NUM_STAGES, HEAD_DIM, 2)
 
     stat_row = off_bh * N_Q
     out_row = off_bh * N_Q + row0  # dQ is contiguous: a (B*H*N_Q, D) view

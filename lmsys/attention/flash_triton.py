@@ -17,7 +17,7 @@ which it accumulates dQ over the key blocks it sees. Every gradient tile is owne
 there are no atomics; with a causal mask the two halves of a program's work add up to the same amount for
 every program, which keeps the launch balanced.
 
-On Hopper, 16-bit inputs with head dim 128 (or 64 on long problems of few blocks) and lengths that are multiples of 128
+On Hopper, 16-bit inputs with head dim 128 (or 64 on long sequences: `flash_hopper.plan`) and lengths multiples of 128
 take the Gluon forward of lmsys.attention.flash_hopper instead (FA3's pipeline, which Triton's compiler does not
 produce; `flash_hopper.plan`); such inputs at d=64 or 128, on problems of enough programs to fill the GPU
 (`flash_hopper_bwd.plan`), take the Gluon backward of lmsys.attention.flash_hopper_bwd (HOPPER_BACKWARD), every other
@@ -59,9 +59,9 @@ LN2 = tl.constexpr(0.6931471805599453)
 MASKED = tl.constexpr(-1.0e6)
 
 _INTERPRET = triton.knobs.runtime.interpret
-# Inputs that lmsys.attention.flash_hopper takes (Hopper, 16-bit, d=128, or d=64 on long problems of few blocks
-# (`flash_hopper.plan`), lengths multiples of 128) go to its Gluon forward, about 20% faster there than the forward
-# below; False sends everything to the Triton-language kernels.
+# Inputs that lmsys.attention.flash_hopper takes (Hopper, 16-bit, d=128, or d=64 on long sequences (`flash_hopper.plan`),
+# lengths multiples of 128) go to its Gluon forward, measured faster there than the forward below; False sends
+# everything to the Triton-language kernels.
 HOPPER_FORWARD = True
 # The inputs of the Gluon forward with head dim 64 or 128, on problems large enough, take the Gluon backward of
 # lmsys.attention.flash_hopper_bwd (measured faster there than the Triton backward below), unless
