@@ -87,14 +87,16 @@ FORWARD_64_MIN_KEYS = 32768
 FORWARD_64_BELOW_PROGRAMS_PER_SM = 4
 # And with three consumer warpgroups a program (192 query rows: FA3's tile at d=64) from FORWARD_64_WIDE_MIN_KEYS keys
 # and FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM blocks of 128 rows per multiprocessor (before the window above). On the H100
-# (2026-11-26, session 59, `--points leaderboard grid --head-dims 64 --seqs 16384 32768 65536 --modes fwd fwd_bwd
-# --repeats 3 --clock queued`, causal bf16, medians of 3, same run) at the leaderboard (15.5 blocks per
-# multiprocessor) the forward took 1.123 ms against the Triton forward's 1.181 and two warpgroups' 1.236 (cuDNN
-# 1.202), forward and backward 4.089 against 4.145 and 4.201 (cuDNN 4.189); on one head of 65536 tokens (3.9) 1.124
-# against two warpgroups' 1.128-1.138, and of 32768 (1.9) 0.397 against 0.320-0.325, where the last of 171 programs
-# on 132 multiprocessors make a second wave. The sizes between were not timed.
+# (2026-11-26, session 59, `scripts/attention_backward_variants.py --modes fwd --repeats 3 --clock queued`, causal bf16,
+# medians of 3, each list from one run), the forward with three warpgroups against the Triton forward's (cuDNN's in
+# brackets), at 15.5 blocks per multiprocessor: the leaderboard's (16, 16384) 1.123 ms against 1.181 (1.202), forward
+# and backward 4.089 against 4.145 (4.189); 8 heads of 32768 tokens 2.116 against 2.329 (2.325), 4 of 65536 4.104
+# against 4.623 (4.615); 16 heads of 8192 0.615 against 0.621 (0.627), of 4096 (batch 4) 0.360 against 0.340 (0.336).
+# At 7.8, 8 heads of 16384, 0.613 against 0.670 (0.653). Fewer: one head of 65536 tokens (3.9) 1.124 against two
+# warpgroups' 1.128-1.138, one of 32768 (1.9) 0.397 against 0.320-0.325, where the last of 171 programs on 132
+# multiprocessors make a second wave. The sizes between were not timed.
 FORWARD_64_WIDE_MIN_KEYS = 16384
-FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM = 8
+FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM = 7.5
 
 
 def plan(head_dim: int, programs_per_sm: float, keys: int) -> int | None:
