@@ -94,7 +94,9 @@ FORWARD_64_BELOW_PROGRAMS_PER_SM = 4
 # against 4.623 (4.615); 16 heads of 8192 0.615 against 0.621 (0.627), of 4096 (batch 4) 0.360 against 0.340 (0.336).
 # At 7.8, 8 heads of 16384, 0.613 against 0.670 (0.653). Fewer: one head of 65536 tokens (3.9) 1.124 against two
 # warpgroups' 1.128-1.138, one of 32768 (1.9) 0.397 against 0.320-0.325, where the last of 171 programs on 132
-# multiprocessors make a second wave. The sizes between were not timed.
+# multiprocessors make a second wave. The sizes between were not timed. Without the mask (the same start, --not-causal):
+# the leaderboard's shape 1.993 ms against 2.340 (cuDNN 2.197), 8 heads of 16384 tokens 1.080 against 1.189 (1.113), 8
+# of 32768 3.926 against 4.721 (4.351), 4 of 65536 7.729 against 9.260 (8.674).
 FORWARD_64_WIDE_MIN_KEYS = 16384
 FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM = 7.5
 
