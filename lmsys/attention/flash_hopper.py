@@ -274,10 +274,16 @@ def _consumer_loop(o, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_ready, k_emp
 
 
 @gluon.jit
-def _consumer(q_smem, o_desc, lse_ptr, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-              o_row, row0, lse_row, n_full, n_tiles, qk_scale, N_Q,
+def _consumer(q_all, WG: gl.constexpr, o_desc, lse_ptr, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+              o_block, lse_block, block0, n_full, n_tiles, qk_scale, N_Q,
               CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Consumer warpgroup WG of a program whose rows start at block0 (output row o_block, log-sum-exp lse_block): the
+    WG-th 64 of them, their Q tile in q_all.index(WG)."""
+    q_smem = q_all.index(WG)
     rows_per_wg: gl.constexpr = q_smem.shape[0]
+    o_row = o_block + WG * rows_per_wg
+    row0 = block0 + WG * rows_per_wg
+    lse_row = lse_block + WG * rows_per_wg
     warps: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -374,33 +380,28 @@ def _flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, N_Q, N_K, H, B
 
     row0 = start_m * BLOCK_M
     lse_row = off_bh * N_Q + row0
-    # Warpgroup w: the rows from row0 + w * HALF_M, in q_smem.index(w).
+    k_row, v_row = b * K_RB + h * K_RH, b * V_RB + h * V_RH
+    q_col, k_col, v_col = b * Q_CB + h * Q_CH, b * K_CB + h * K_CH, b * V_CB + h * V_CH
+    # Consumer warpgroup w (its second argument): the rows from row0 + w * HALF_M, in q_smem.index(w).
     if CONSUMERS == 3:
         gl.warp_specialize([
-            (_consumer, (q_smem.index(0), o_desc, LSE, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                         o_row, row0, lse_row, n_full, n_tiles, qk_scale, N_Q, CAUSAL, BLOCK_N, HEAD_DIM,
-                         NUM_STAGES)),
-            (_consumer, (q_smem.index(1), o_desc, LSE, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                         o_row + HALF_M, row0 + HALF_M, lse_row + HALF_M, n_full, n_tiles, qk_scale, N_Q, CAUSAL,
-                         BLOCK_N, HEAD_DIM, NUM_STAGES)),
-            (_consumer, (q_smem.index(2), o_desc, LSE, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                         o_row + 2 * HALF_M, row0 + 2 * HALF_M, lse_row + 2 * HALF_M, n_full, n_tiles, qk_scale, N_Q,
-                         CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+            (_consumer, (q_smem, 0, o_desc, LSE, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_row,
+                         lse_row, row0, n_full, n_tiles, qk_scale, N_Q, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+            (_consumer, (q_smem, 1, o_desc, LSE, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_row,
+                         lse_row, row0, n_full, n_tiles, qk_scale, N_Q, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+            (_consumer, (q_smem, 2, o_desc, LSE, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_row,
+                         lse_row, row0, n_full, n_tiles, qk_scale, N_Q, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                         q_row, b * Q_CB + h * Q_CH, b * K_RB + h * K_RH, b * K_CB + h * K_CH, b * V_RB + h * V_RH,
-                         b * V_CB + h * V_CH, n_tiles, BLOCK_N, NUM_STAGES, HALF_M)),
+                         q_row, q_col, k_row, k_col, v_row, v_col, n_tiles, BLOCK_N, NUM_STAGES, HALF_M)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
-    else:
+    else:  # the same without the third consumer
         gl.warp_specialize([
-            (_consumer, (q_smem.index(0), o_desc, LSE, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                         o_row, row0, lse_row, n_full, n_tiles, qk_scale, N_Q, CAUSAL, BLOCK_N, HEAD_DIM,
-                         NUM_STAGES)),
-            (_consumer, (q_smem.index(1), o_desc, LSE, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                         o_row + HALF_M, row0 + HALF_M, lse_row + HALF_M, n_full, n_tiles, qk_scale, N_Q, CAUSAL,
-                         BLOCK_N, HEAD_DIM, NUM_STAGES)),
+            (_consumer, (q_smem, 0, o_desc, LSE, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_row,
+                         lse_row, row0, n_full, n_tiles, qk_scale, N_Q, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+            (_consumer, (q_smem, 1, o_desc, LSE, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_row,
+                         lse_row, row0, n_full, n_tiles, qk_scale, N_Q, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                         q_row, b * Q_CB + h * Q_CH, b * K_RB + h * K_RH, b * K_CB + h * K_CH, b * V_RB + h * V_RH,
-                         b * V_CB + h * V_CH, n_tiles, BLOCK_N, NUM_STAGES, HALF_M)),
+                         q_row, q_col, k_row, k_col, v_row, v_col, n_tiles, BLOCK_N, NUM_STAGES, HALF_M)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
