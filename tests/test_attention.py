@@ -562,7 +562,7 @@ out = pathlib.Path(sys.argv[2])
 def test_hopper_forward_compiles_with_softmax_under_the_mma(is_causal, head_dim, consumers, tmp_path):
     """On any machine: the Gluon forward compiles for sm_90 with the installed triton, fits shared memory, spills
     nothing, and waits for the score MMA while the P V MMA is still in flight (`wgmma.wait_group 1`), at both head dims
-    it runs, with two consumer warpgroups and (at d=64, flash_hopper.CONSUMERS) three."""
+    it runs, with two consumer warpgroups and (at d=64, `flash_hopper.plan`) three."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
     args = [sys.executable, "-c", _COMPILE_HOPPER_FORWARD, "causal" if is_causal else "full", str(tmp_path),
             str(head_dim), str(consumers)]
@@ -1030,7 +1030,7 @@ def test_hopper_forward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, mon
 )
 def test_hopper_forward_at_head_dim_64_gpu(gpu, q_shape, k_shape, is_causal, layout, consumers, monkeypatch, seed):
     """The Gluon forward at d=64 against float64 (on problems smaller than those it runs at d=64: `plan`), with two
-    consumer warpgroups per program and with three (flash_hopper.CONSUMERS), whose programs of 192 rows may end past
+    consumer warpgroups per program and with three (`flash_hopper.plan`), whose programs of 192 rows may end past
     the queries of a head: the rows there must not be stored over the next head's."""
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon forward is for Hopper (compute capability 9.0)")
