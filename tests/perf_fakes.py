@@ -14,8 +14,6 @@ from lmsys.perf.backend import MemoryReading
 
 # What the fake device holds before a benchmarked call (inputs, other tests' leftovers).
 ALLOCATED_BEFORE = 512 * 2**20
-# The CPU probe's time on the fake at full CPU speed.
-PROBE_SECONDS = 1e-4
 
 INNER_CONFTEST = """
 import os
@@ -66,7 +64,7 @@ class FakeGpu:
         self.hosting = False
         self.captures = 0
         self.held = 0
-        # How many times slower the CPU runs than at full speed: launch costs and the CPU probe take this much longer.
+        # How many times slower the CPU runs than at full speed: launch costs take this much longer.
         self.cpu_slowdown = cpu_slowdown
         # Seconds of launch cost that the short device-side sleep before a round (time_call without a lead) hides, as
         # on a GPU; time_launch hides none.
@@ -121,10 +119,6 @@ class FakeGpu:
         finally:
             self.hosting = False
         return self.now - start
-
-    def time_probe(self) -> float:
-        self.now += PROBE_SECONDS * self.cpu_slowdown
-        return PROBE_SECONDS * self.cpu_slowdown
 
     def make_l2_flush(self):
         def flush():

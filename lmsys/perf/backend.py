@@ -25,13 +25,6 @@ from lmsys.perf import machine, timing
 
 # About 0.5 ms on a GPU clocked near 2 GHz: longer than the launch latency of a Python call into a few kernels.
 SLEEP_CYCLES = 1_000_000
-# The CPU probe (time_probe), timed before each round whose time is the CPU's (host timing, the eager rounds of graph
-# mode): this many launches of a one-element add (the CPU's path through Python, the dispatcher and the launch), then
-# a one-element forward and backward through autograd (its engine, and on a GPU the hand-over to the device's
-# autograd thread and back: what a call's backward adds). On the lent H100 the launch costs of fresh processes moved
-# by 1.09-1.24x (max/min of 8) as a ratio to the adds alone, 1.06-1.15x as a ratio to both
-# (scripts/host_timing_study.py). timing.PROBE_KIND names it in the saved JSON: times of another probe are not mixed.
-PROBE_LAUNCHES = 10
 # make_work (the detection's injected regression): below this a wait, since a launch of the tensor-core kernel alone
 # takes a few microseconds; WORK_PROBE_ITERATIONS (about 0.3 ms on the H100) give the first estimate of a count.
 MIN_WORK_SECONDS = 20e-6
@@ -104,7 +97,6 @@ class Backend(Protocol):
     def time_call(self, call: Callable[[], Any], lead: Callable[[], None] | None = None) -> float: ...
     def time_host(self, call: Callable[[], Any], lead: Callable[[], None] | None = None) -> float: ...
     def time_launch(self, call: Callable[[], Any]) -> float: ...
-    def time_probe(self) -> float: ...
     def make_l2_flush(self) -> Callable[[], None]: ...
     def measure_memory(self, call: Callable[[], Any]) -> tuple[Any, MemoryReading | None]: ...
     def release_memory(self) -> None: ...
@@ -126,22 +118,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown"
-
-
-def _probe_tensors(device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    with torch.inference_mode(False):  # normal tensors, even when first probed under inference mode
-        return (torch.ones(1, device=device), torch.empty(1, device=device),
-                torch.ones(1, device=device, requires_grad=True))
-
-
-def _time_probe(clock: Callable[[], float], tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> float:
-    x, out, leaf = tensors
-    with torch.inference_mode(False), torch.enable_grad():  # the same work under a test's no_grad or inference_mode
-        start = clock()
-        for _ in range(PROBE_LAUNCHES):
-            torch.add(x, x, out=out)
-        torch.autograd.grad((leaf * 2).sin().sum(), (leaf,))
-        return clock() - start
 
 
 class CpuBackend:
@@ -179,15 +155,6 @@ class CpuBackend:
     def time_launch(self, call: Callable[[], Any]) -> float:
         """On the CPU the call's time: nothing is queued ahead of it."""
         return self.time_call(call)
-
-    def time_probe(self) -> float:
-        """Seconds the CPU probe takes (PROBE_LAUNCHES one-element adds and a one-element autograd backward, here on
-        the CPU)."""
-        return _time_probe(self.clock, self._probe_tensors)
-
-    @cached_property
-    def _probe_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _probe_tensors("cpu")
 
     def make_l2_flush(self) -> Callable[[], None]:
         """No cache flush on the CPU: cold_l2 is ignored there."""
@@ -317,16 +284,6 @@ class CudaBackend:
         elapsed = time.perf_counter() - start
         torch.cuda.synchronize(self.index)
         return elapsed
-
-    def time_probe(self) -> float:
-        """Seconds the CPU takes to launch PROBE_LAUNCHES one-element adds on the device and to run a one-element
-        backward through autograd: how fast the CPU runs now, measured next to a round whose time is the CPU's (the
-        device runs the kernels after whatever is queued; nothing waits for it)."""
-        return _time_probe(time.perf_counter, self._probe_tensors)
-
-    @cached_property
-    def _probe_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _probe_tensors(self.index)
 
     def make_l2_flush(self) -> Callable[[], None]:
         """A function that evicts the L2 cache by writing a buffer twice its size; the buffer lives as long as it."""

@@ -25,8 +25,7 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from lmsys.perf import compare
-from lmsys.perf.timing import EAGER, GRAPH, HOST, LAUNCH, PROBE_KIND, QUEUED
+from lmsys.perf.timing import EAGER, GRAPH, HOST, LAUNCH, QUEUED
 
 try:
     import fcntl
@@ -45,18 +44,13 @@ MEMORY_KEY = "peak_allocated_above_start_bytes"
 REQUESTED_KEY = "peak_requested_above_start_bytes"
 # The peaks the gate compares, in order of preference, and what each measures.
 PEAK_KEYS = ((REQUESTED_KEY, "requested"), (MEMORY_KEY, "allocated"))
-# The eager rounds of a benchmark timed in a CUDA graph or queued (its stats are the replays or queued rounds), and
-# how they were timed: EAGER_TIMING_KEY: LAUNCH (from an idle device, timing.py); a baseline without it timed them
-# behind a short device-side sleep that hid up to 0.5 ms of the launch cost, and they are not compared.
+# The LAUNCH rounds beside a benchmark timed in a CUDA graph or queued (its stats are the replays or queued rounds),
+# and how they were timed (EAGER_TIMING_KEY: LAUNCH, from an idle device); rounds saved without it are not compared.
 EAGER_KEY = "eager_data"
 EAGER_TIMING_KEY = "eager_timing"
-# The CPU probe's time before each round whose time is the CPU's (timing.py): the host-timed rounds (PROBE_KEY, beside
-# the stats' data) and the eager rounds of a graph- or queued-timed benchmark (EAGER_PROBE_KEY, beside EAGER_KEY).
+# Per-round CPU probe times that files saved by earlier versions hold; they are validated and left unused.
 PROBE_KEY = "cpu_probe_data"
 EAGER_PROBE_KEY = "eager_cpu_probe_data"
-# Which probe (timing.PROBE_KIND) those times are of; a file without it was probed with the adds alone.
-PROBE_KIND_KEY = "cpu_probe"
-OLD_PROBE_KIND = "adds"
 TIMINGS = (EAGER, GRAPH, QUEUED, HOST)
 FORBIDDEN_NAME_CHARACTERS = '\\/:*?<>|'
 
@@ -256,57 +250,6 @@ def samples(bench: dict, timed: str = EAGER) -> list[float] | None:
     if timed == LAUNCH and info.get(EAGER_TIMING_KEY) == LAUNCH:
         return info.get(EAGER_KEY)
     return None
-
-
-def eager_timed_behind_sleep(bench: dict) -> bool:
-    """Whether a graph- or queued-timed baseline keeps eager rounds timed the old way, behind a short device-side
-    sleep (saved before they were timed from an idle device): they cannot gate today's eager rounds."""
-    info = bench.get("extra_info") or {}
-    return info.get(EAGER_KEY) is not None and info.get(EAGER_TIMING_KEY) != LAUNCH
-
-
-def probe_kind(bench: dict) -> str:
-    """The kind of CPU probe a baseline benchmark's probe times are of (timing.PROBE_KIND when saved now)."""
-    return (bench.get("extra_info") or {}).get(PROBE_KIND_KEY, OLD_PROBE_KIND)
-
-
-def _probe_times(bench: dict, timed: str) -> list[float] | None:
-    """The CPU probe's times beside a baseline benchmark's rounds timed `timed`, one per sample, whatever their kind."""
-    info = bench.get("extra_info") or {}
-    key = PROBE_KEY if timing(bench) == timed == HOST else EAGER_PROBE_KEY if timed == LAUNCH else None
-    times, rounds = info.get(key), samples(bench, timed)
-    if not times or rounds is None or len(times) != len(rounds):
-        return None
-    return times
-
-
-def probes(bench: dict, timed: str = EAGER) -> list[float] | None:
-    """The CPU probe's times before a baseline benchmark's rounds timed `timed` (host-timed rounds, or LAUNCH: the
-    eager rounds of a graph- or queued-timed benchmark), one per sample; None when it has none for them (saved before
-    the probe, or without its rounds) or they are of another kind than this version's probe (timing.PROBE_KIND)."""
-    return _probe_times(bench, timed) if probe_kind(bench) == PROBE_KIND else None
-
-
-def stale_probe_kind(bench: dict, timed: str) -> str | None:
-    """The kind of CPU probe a baseline benchmark's rounds timed `timed` were probed with when it is not this version's
-    (those rounds are then judged on raw times); None when they were probed with it, or not at all."""
-    kind = probe_kind(bench)
-    return kind if kind != PROBE_KIND and _probe_times(bench, timed) is not None else None
-
-
-def device_time(bench: dict) -> float:
-    """The device's time of a baseline benchmark's call where its stats are the device's (graph replays, queued
-    rounds): the part of its eager rounds that is not the CPU's; 0 otherwise."""
-    return float(bench["stats"]["median"]) if timing(bench) in (GRAPH, QUEUED) else 0.0
-
-
-def at_cpu_speed(bench: dict, timed: str, speed: float) -> list[float] | None:
-    """A baseline benchmark's rounds timed `timed` with their CPU's part taken at `speed` (the CPU probe's time
-    there; compare.at_cpu_speed above its device_time), or None when it kept no probe times for them."""
-    times = probes(bench, timed)
-    if times is None:
-        return None
-    return compare.at_cpu_speed(samples(bench, timed), times, speed, device_time(bench))
 
 
 def allocated_peak(extra_info: dict) -> int | None:

@@ -1,4 +1,4 @@
-"""Per-benchmark noise: how far a benchmark's median moves between fresh processes, and the tolerance that gives.
+"""Per-benchmark noise: how far a benchmark's median moves between fresh processes, which raises its tolerance.
 
 Pure (no pytest, no torch). `pytest perf_tests --benchmark-calibrate=N` reruns the selected benchmarks N times in
 fresh processes (reruns.py); `noise` turns those runs' pytest-benchmark JSON into one entry per benchmark, and
@@ -8,23 +8,16 @@ fresh processes (reruns.py); `noise` turns those runs' pytest-benchmark JSON int
         {"machine_id": ..., "benchmarks": {fullname: {"runs": 20, "timing": "graph", "medians": [...],
          "spread": 0.004, "eager_medians": [...], "eager_spread": 0.02, "peaks": [...]}}}
 
-`peaks` are the requested bytes above start where every run read them, else the allocated ones. Where every run kept
-the CPU probe's times beside its rounds (host timing, the eager rounds of graph mode: timing.py), the medians of those
-rounds are taken at one CPU speed (the first run's probe median; baselines.at_cpu_speed), as the gate judges them, and
-the entry says "cpu_speed": "probed (KIND)" (or "eager_cpu_speed"; KIND: timing.PROBE_KIND, runs probed otherwise
-count on their raw medians). Eager rounds count only where every run timed them from
-an idle device ("eager_timing": "launch"); an entry without it gives the eager rounds no tolerance.
+`spread` is the relative standard deviation of the N medians (what one run's median is uncertain by, from one
+process to the next); verdict.time_tolerance raises a device time's tolerance to SIGMAS * sqrt(2) * spread where
+that is above the floor of its case. `eager_spread` is that of the LAUNCH rounds beside graph or queued ones, kept
+for the report (host-set times are gated only at a tolerance their test names). `peaks` are the requested bytes
+above start where every run read them, else the allocated ones; the memory floor grows by their range (zero for a
+deterministic peak).
 
 The runs can also be ones measured before, in fresh processes: `python -m lmsys.perf.calibration FOLDER RUN.json...`
 calibrates from their JSON (the references and A/A runs a detection kept, --benchmark-json files, saved baselines of
 that GPU), `-k SUBSTRING` only the benchmarks whose name holds it.
-
-`spread` is the relative standard deviation of the N medians (what one run's median is uncertain by, from one
-process to the next). The time tolerance it gives is max(FLOOR, SIGMAS * sqrt(2) * spread): the difference of two
-runs' medians (the baseline's and now) has sqrt(2) times one run's spread, and SIGMAS of those standard deviations
-leave a false alarm in about 700 verdicts when the spread is normal. FLOOR covers what a calibration made on one
-machine cannot see: the offset between two machines of the same GPU model. The memory floor grows by the range of
-the peaks seen (zero for a deterministic peak).
 """
 
 import argparse
@@ -32,19 +25,13 @@ import json
 import math
 import sys
 from pathlib import Path
-from statistics import mean, median, stdev
+from statistics import mean, stdev
 
-from lmsys.perf import baselines
-from lmsys.perf.compare import format_bytes
-from lmsys.perf.timing import LAUNCH, PROBE_KIND
+from lmsys.perf import baselines, verdict
+from lmsys.perf.timing import HOST, LAUNCH
+from lmsys.perf.verdict import format_bytes
 
 FILE_NAME = "calibration.json"
-SIGMAS = 3.0
-# Measured on two starts of the lent H100 (2026-11-22): the medians of the same ms-scale eager kernels (the
-# (4,16,8192,128) attention forwards, a 4096^3 bf16 matmul) differed by +1.2% to +1.6% between the machines while
-# each machine's own runs spread by 0.1-0.3%. A 1% floor failed 14 of 54 unchanged verdicts against the other
-# machine's baseline; 2.5% failed none and still caught +3% and +5% (README, "Measuring the gate").
-FLOOR = 0.025
 MIN_RUNS = 2
 TIMINGS = baselines.TIMINGS
 
@@ -55,16 +42,6 @@ class CalibrationError(ValueError):
 
 def _spread(medians: list[float]) -> float:
     return stdev(medians) / mean(medians)
-
-
-def _at_one_cpu_speed(runs: list[dict], timed: str) -> list[float] | None:
-    """The runs' medians of their rounds timed `timed`, each taken at the first run's CPU speed, or None when a run
-    kept no probe times for them."""
-    first = baselines.probes(runs[0], timed)
-    if first is None:
-        return None
-    rounds = [baselines.at_cpu_speed(bench, timed, median(first)) for bench in runs]
-    return None if any(at_speed is None for at_speed in rounds) else [median(at_speed) for at_speed in rounds]
 
 
 def noise(docs: list[dict]) -> dict[str, dict]:
@@ -84,19 +61,12 @@ def noise(docs: list[dict]) -> dict[str, dict]:
             continue
         timed = timings.pop()
         medians = [float(bench["stats"]["median"]) for bench in runs]
-        entry = {"runs": len(runs), "timing": timed, "medians": medians}
-        probed = _at_one_cpu_speed(runs, timed) if timed == baselines.HOST else None
-        entry["spread"] = _spread(probed or medians)
-        if probed:
-            entry["cpu_speed"] = f"probed ({PROBE_KIND})"
+        entry = {"runs": len(runs), "timing": timed, "medians": medians, "spread": _spread(medians)}
         eager = [info.get("eager_median") for info in infos]
         if all(isinstance(value, (int, float)) for value in eager) and all(
             info.get(baselines.EAGER_TIMING_KEY) == LAUNCH for info in infos
         ):
-            probed = _at_one_cpu_speed(runs, LAUNCH)
-            entry.update(eager_medians=eager, eager_spread=_spread(probed or eager), eager_timing=LAUNCH)
-            if probed:
-                entry["eager_cpu_speed"] = f"probed ({PROBE_KIND})"
+            entry.update(eager_medians=eager, eager_spread=_spread(eager), eager_timing=LAUNCH)
         for key, _ in baselines.PEAK_KEYS:  # the peaks the gate compares, where every run has them
             peaks = [info.get(key) for info in infos]
             if all(isinstance(value, int) for value in peaks):
@@ -106,15 +76,10 @@ def noise(docs: list[dict]) -> dict[str, dict]:
     return entries
 
 
-def time_tolerance(entry: dict, timing: str) -> float | None:
-    """The time tolerance a calibration entry gives for samples of `timing` (a TIMINGS value, or LAUNCH: the eager
-    rounds of a graph- or queued-timed benchmark), or None when the entry did not measure those (eager rounds
-    calibrated before they were timed from an idle device, timing.py, do not count)."""
-    if entry["timing"] == timing:
-        spread = entry["spread"]
-    else:
-        spread = entry.get("eager_spread") if timing == LAUNCH and entry.get("eager_timing") == LAUNCH else None
-    return None if spread is None else max(FLOOR, SIGMAS * math.sqrt(2) * spread)
+def device_spread(entry: dict) -> float | None:
+    """The spread of a benchmark's device time across the calibration's runs, or None for a host-timed one (its time
+    is the CPU's)."""
+    return None if entry["timing"] == HOST else entry["spread"]
 
 
 def memory_range(entry: dict) -> int:
@@ -190,10 +155,13 @@ def update(folder: Path, machine_id: str, entries: dict[str, dict]) -> tuple[Pat
 
 def describe(fullname: str, entry: dict) -> str:
     """One line of what a calibration entry measured and the time tolerance it gives."""
-    line = (f"  {fullname}: {entry['timing']} median spread {entry['spread']:.2%} over {entry['runs']} runs -> "
-            f"time tolerance {time_tolerance(entry, entry['timing']):.2%}")
+    line = f"  {fullname}: {entry['timing']} median spread {entry['spread']:.2%} over {entry['runs']} runs"
+    spread = device_spread(entry)
+    if spread is not None:
+        tolerance = verdict.time_tolerance(same_start=True, spread=spread, runs=entry["runs"])
+        line += f" -> time tolerance {tolerance.value:.2%} ({tolerance.source})"
     if "eager_spread" in entry:
-        line += f"; eager spread {entry['eager_spread']:.2%}"
+        line += f"; launch spread {entry['eager_spread']:.2%}"
     if memory_range(entry):
         line += f"; peak memory moved by {format_bytes(memory_range(entry))}"
     return line

@@ -42,7 +42,7 @@ from typing import NamedTuple
 import pandas as pd
 
 from lmsys.perf import baselines, calibration, report, reruns
-from lmsys.perf.compare import MORE_MEMORY, Verdict, format_bytes
+from lmsys.perf.verdict import MORE_MEMORY, Verdict, format_bytes
 from lmsys.perf.timing import INJECT_CASES, INJECT_DELAY, INJECT_MEMORY, INJECTED_CASES_KEY
 
 UNCHANGED = {INJECT_DELAY: "0", INJECT_MEMORY: "0"}
@@ -55,7 +55,7 @@ def failed(label: str | None) -> bool:
 
 
 def slower(label: str | None) -> bool:
-    """Whether a verdict label says SLOWER or SLOWER-EAGER (the caught delays of runs that also hold memory)."""
+    """Whether a verdict label says SLOWER or SLOWER-HOST (the caught delays of runs that also hold memory)."""
     return label is not None and any(part.startswith("SLOWER") for part in label.split("+"))
 
 
@@ -338,8 +338,8 @@ def _table_of_kept(folders: list[Path]) -> tuple[pd.DataFrame, dict[Path, list[s
 
 
 def false_alarms(results: list[tuple[str, list[dict], Callable[[str | None], bool]]]) -> list[str]:
-    """A line per A/A verdict that failed: the benchmark, the verdict, the change against its tolerance (the eager
-    rounds' where they failed it) and the throttle reasons NVML gave after the measurement, so that an alarm the
+    """A line per A/A verdict that failed: the benchmark, the verdict, the change against its tolerance (the host-set
+    time's where it failed it) and the throttle reasons NVML gave after the measurement, so that an alarm the
     machine raised (a GPU slowed by its temperature) can be told from one of the gate."""
     lines = []
     for column, docs, counted in results:
@@ -350,8 +350,9 @@ def false_alarms(results: list[tuple[str, list[dict], Callable[[str | None], boo
                 info = bench.get("extra_info") or {}
                 if info.get("verdict") in (None, "NEW") or not counted(info["verdict"]):
                     continue
-                key = "eager_" if info["verdict"].endswith("EAGER") else "time_"
-                change, tolerance = info.get(f"{key}change"), info.get(f"{key}tolerance")
+                host = info["verdict"].endswith("HOST")
+                change = info.get("host_change" if host else "time_change")
+                tolerance = None if host else info.get("time_tolerance")
                 measured = "" if change is None or tolerance is None else f", {change:+.2%} against {tolerance:.2%}"
                 throttle = ((info.get("machine") or {}).get("after") or {}).get("throttle")
                 throttled = f"; throttled after: {', '.join(throttle)}" if throttle else ""

@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from lmsys.perf import baselines, providers
-from lmsys.perf.compare import format_bytes, format_seconds
+from lmsys.perf.verdict import format_bytes, format_seconds
 from lmsys.perf.report import markdown_table
 
 

@@ -4,31 +4,31 @@ with a memory high-water mark, throughput against the device's peak, and a verdi
     result = gpu_benchmark(fn, *args, flops=None, bytes=None, cold_l2=False, warmup_rounds=None, precision=None,
                            graph=False, host=False, **kwargs)
 
-What one call measures and how it is judged is written once, in the README ("How a regression is decided");
-timing.py holds the loop (warmup, adaptive rounds, CUDA-graph replays, the re-measurement of a SLOWER), this module
-the tolerances it is judged with and the record it leaves: the samples go into pytest-benchmark's stats (its
-table, JSON and --benchmark-save see them); extra_info gets the timing ('eager', 'graph', 'queued' or 'host', with
-the eager rounds of a graph-mode call), the wall-clock seconds per round, the memory readings, the machine's state,
-the tolerance and its source, TFLOP/s and GB/s from `flops`/`bytes` (the work of ONE call) and their fraction of
-the device's peak in `precision` ('bf16', 'fp16', 'tf32', 'fp32'; by default the dtype of the first floating-point
-tensor argument, or bf16 when there is none). The plugin fails the test after its body has run when the verdict is
-SLOWER, SLOWER-EAGER or MORE-MEMORY.
+One call: check the arguments, measure (timing.py: samples, memory), decide (verdict.py, with the tolerances
+session.py picks; a gated SLOWER measured once more), record. The samples go into pytest-benchmark's stats (its
+table, JSON and --benchmark-save see them); extra_info gets the timing ('eager', 'graph', 'queued' or 'host', and the
+LAUNCH rounds beside graph or queued ones), the wall-clock seconds per round, the memory readings, the machine's
+state, the tolerance, its source and the resolution, TFLOP/s and GB/s from `flops`/`bytes` (the work of ONE call) and
+their fraction of the device's peak in `precision` ('bf16', 'fp16', 'tf32', 'fp32'; by default the dtype of the
+first floating-point tensor argument, or bf16 when there is none). The plugin fails the test after its body has run
+when the verdict fails (verdict.FAILING).
 """
 
 import dataclasses
 import functools
 import re
+import time
 from statistics import median
-from typing import Any
 
 import pytest
 import torch
 from pytest_benchmark.fixture import FixtureAlreadyUsed
 
 from lmsys import flops as flops_formulas
-from lmsys.perf import baselines, compare, machine, multirank, timing
+from lmsys.perf import baselines, machine, multirank, timing, verdict
 from lmsys.perf.backend import CudaBackend
-from lmsys.perf.session import RECORD_KEY, SESSION_KEY, Record, Tolerance
+from lmsys.perf.session import RECORD_KEY, SESSION_KEY, Record
+from lmsys.perf.verdict import Tolerance
 
 
 def _is_count(value) -> bool:
@@ -93,15 +93,6 @@ class GpuBenchmark:
         marker = self._node.get_closest_marker("perf_tolerance")
         return marker.kwargs if marker else {}
 
-    def _tolerance(self, timed: str, eager: bool = False) -> Tolerance:
-        return self._session.time_tolerance_for(self._benchmark.fullname, timed, self._marker(), eager)
-
-    def _baseline_temperature(self) -> float | None:
-        """The GPU's temperature before the baseline's rounds (None without a baseline or its readings)."""
-        baseline = self._session.baseline(self._benchmark.fullname)
-        info = {} if baseline is None else baseline.get("extra_info") or {}
-        return ((info.get("machine") or {}).get("before") or {}).get("temperature_c")
-
     def _claim(self) -> None:
         # pytest-benchmark's fixture is single-use; taking its (private) mode makes a second call of either fail loudly.
         bench = self._benchmark
@@ -109,24 +100,33 @@ class GpuBenchmark:
             raise FixtureAlreadyUsed(f"Fixture can only be used once. Previously it was used in {bench._mode} mode.")
         bench._mode = "gpu_benchmark(...)"
 
-    def _reference(self, timed: str, tolerance: Tolerance) -> compare.Reference | None:
-        """What rounds timed `timed` are judged against (None without a baseline of them): the baseline's samples
-        timed alike and, where they were probed (timing.py), its CPU speed (the median of its probe times) and its
-        samples taken at that speed."""
-        baseline = self._session.baseline(self._benchmark.fullname)
-        reference = None if baseline is None else baselines.samples(baseline, timed)
-        if reference is None:
-            return None
-        reference_probes = baselines.probes(baseline, timed)
-        speed = median(reference_probes) if reference_probes else None
-        at_speed = None if speed is None else baselines.at_cpu_speed(baseline, timed, speed)
-        return compare.Reference(reference, tolerance.value, tolerance.source, speed, at_speed)
+    def _precisions(self) -> tuple[timing.Precision, timing.Precision]:
+        """How precisely the benchmark's own rounds and the LAUNCH rounds beside them are timed: to a share of the
+        tolerance each is judged with (the planned rounds only for an ungated host-set time)."""
+        session, marker = self._session, self._marker()
+        host = session.host_gate(marker)
+        device = session.tolerance_for(self._benchmark.fullname, marker)
+        return session.precision(device), (timing.Precision() if host is None else session.precision(host))
 
-    def _judge(self, timed: str, tolerance: Tolerance) -> timing.Judge:
-        """samples timed `timed` -> their comparison with the baseline's samples timed alike (None without one):
-        compare.Reference.judge."""
-        reference = self._reference(timed, tolerance)
-        return (lambda samples, probes, device_time: None) if reference is None else reference.judge
+    def _measured(self, measure) -> tuple[timing.Measurement, verdict.Verdict | None, bool]:
+        """measure() once, judged; a gated SLOWER is measured once more (after a thermally throttled GPU cooled) and
+        the second measurement decides. Returns the measurement, its verdict and whether it was re-measured."""
+        measurement = measure()
+        decided = self._verdict(measurement)
+        if decided is None or not decided.slower:
+            return measurement, decided, False
+        note = machine.cool_down(self._session.backend.machine_state, self._baseline_temperature(), time.sleep,
+                                 machine.COOL_WAIT_SECONDS, machine.COOL_POLL_SECONDS)
+        measurement = measure()
+        if note is not None:
+            measurement.notes.append(note)
+        return measurement, self._verdict(measurement), True
+
+    def _baseline_temperature(self) -> float | None:
+        """The GPU's temperature before the baseline's rounds (None without a baseline or its readings)."""
+        baseline = self._session.baseline(self._benchmark.fullname)
+        info = {} if baseline is None else baseline.get("extra_info") or {}
+        return ((info.get("machine") or {}).get("before") or {}).get("temperature_c")
 
     def __call__(
         self, fn, *args, flops=None, bytes=None, cold_l2=False, warmup_rounds=None, precision=None, graph=False,
@@ -139,37 +139,21 @@ class GpuBenchmark:
         if self._benchmark.disabled:
             return call()
         session, backend = self._session, self._session.backend
-        primary = timing.GRAPH if graph else timing.HOST if host else timing.EAGER
-        # Graph mode's eager rounds: on a GPU timed from an idle device (timing.LAUNCH), on the CPU eager rounds.
-        eager_timed = timing.LAUNCH if backend.is_gpu else timing.EAGER
-        time_tolerance = self._tolerance(primary, eager=host)
-        eager_tolerance = self._tolerance(eager_timed, eager=True) if graph else time_tolerance
-        queued_tolerance = self._tolerance(timing.QUEUED)
         flush = backend.make_l2_flush() if cold_l2 else None
+        own, beside = self._precisions()
 
-        def measure(delay: float, extra_memory: int) -> timing.Measurement:
+        def measure(delay: float = session.injected_delay, extra_memory: int = session.injected_memory):
             with timing.gc_paused(session.disable_gc):
                 return timing.run(
                     backend, call, flush=flush, max_time=session.max_time, min_rounds=session.min_rounds,
-                    warmup_rounds=warmup_rounds, judge=self._judge(primary, time_tolerance),
-                    precision=session.precision(time_tolerance), graph=graph,
-                    eager_judge=self._judge(eager_timed, eager_tolerance),
-                    eager_precision=session.precision(eager_tolerance), delay=delay, extra_memory=extra_memory,
-                    queued_judge=self._judge(timing.QUEUED, queued_tolerance),
-                    queued_precision=session.precision(queued_tolerance), host=host,
-                    baseline_c=self._baseline_temperature(),
+                    warmup_rounds=warmup_rounds, precision=beside if host else own, launch_precision=beside,
+                    graph=graph, host=host, delay=delay, extra_memory=extra_memory,
                 )
 
-        measurement = measure(session.injected_delay, session.injected_memory)
+        measurement, decided, remeasured = self._measured(measure)
         measurement.extra_info["cold_l2"] = bool(cold_l2)
-        if graph and measurement.timing == timing.EAGER:
-            # The capture failed on the CPU: the eager rounds are the benchmark's time, judged as eager rounds.
-            time_tolerance = eager_tolerance
-        elif measurement.timing == timing.QUEUED:
-            time_tolerance = queued_tolerance
-        self._record(measurement, flops, bytes, precision or infer_precision(args, kwargs), time_tolerance)
+        self._record(measurement, decided, remeasured, flops, bytes, precision or infer_precision(args, kwargs))
         self._measure_injected_cases(measure)
-        del flush
         return measurement.result
 
     def _measure_injected_cases(self, measure) -> None:
@@ -180,9 +164,9 @@ class GpuBenchmark:
             return
         cases = []
         for delay, held in session.injected_cases:
-            verdict = self._verdict(measure(delay, held))
-            cases.append({"delay": delay, "memory": held, "verdict": None if verdict is None else verdict.label,
-                          "time_change": None if verdict is None or verdict.time is None else verdict.time.change})
+            _, decided, _ = self._measured(lambda: measure(delay, held))
+            cases.append({"delay": delay, "memory": held, "verdict": None if decided is None else decided.label,
+                          "time_change": None if decided is None or decided.time is None else decided.time.change})
         bench.extra_info[timing.INJECTED_CASES_KEY] = cases
         self._node.stash[RECORD_KEY].notes.append("injected: " + "; ".join(
             f"{timing.injected_case_label(case['delay'], case['memory'])}: {case['verdict']}" for case in cases))
@@ -211,7 +195,7 @@ class GpuBenchmark:
         2(n-1)/n * S), reported as GB/s with no fraction of a peak (the device table has memory bandwidths, not
         link bandwidths). A rank that fails fails the test with that rank's traceback; ranks still running after
         `timeout` seconds are killed and the test fails. `graph=True` captures each rank's step in a CUDA graph and
-        times the replays (device time even for a step whose CPU time exceeds its device time), with the eager rounds
+        times the replays (device time even for a step whose CPU time exceeds its device time), with LAUNCH rounds
         beside; when a rank cannot capture its step, queued rounds on a GPU, eager ones on the CPU, with a note.
         """
         _check_arguments(flops, bytes, warmup_rounds, precision, graph)
@@ -234,13 +218,7 @@ class GpuBenchmark:
                     f"this run uses {(world_size, transport)}: name them in the test id so each has its own baseline",
                     pytrace=False,
                 )
-        # On a GPU the rounds are queued (device time) and the eager rounds, timed from an idle device, are the
-        # CPU's part, as in graph mode; on the CPU the eager rounds are the benchmark's time.
-        queued = backend.is_gpu
-        timed = timing.QUEUED if queued else timing.EAGER
-        tolerance = self._tolerance(timed)
-        eager_tolerance = self._tolerance(timing.LAUNCH, eager=True)
-        graph_tolerance = self._tolerance(timing.GRAPH)
+        own, beside = self._precisions()
         settings = multirank.Settings(
             setup=setup,
             setup_kwargs=setup_kwargs,
@@ -250,82 +228,80 @@ class GpuBenchmark:
             min_rounds=session.min_rounds,
             warmup_rounds=warmup_rounds,
             disable_gc=session.disable_gc,
-            reference=self._reference(timed, tolerance),
-            precision=session.precision(tolerance),
+            precision=own,
+            launch_precision=beside,
+            # On a GPU the rounds are queued (device time) with LAUNCH rounds beside, as in graph mode.
+            queued=backend.is_gpu,
+            graph=graph,
             delay=session.injected_delay,
             extra_memory=session.injected_memory,
-            queued=queued,
-            eager_reference=self._reference(timing.LAUNCH, eager_tolerance),
-            eager_precision=session.precision(eager_tolerance),
-            graph=graph,
-            graph_reference=self._reference(timing.GRAPH, graph_tolerance),
-            graph_precision=session.precision(graph_tolerance),
-            baseline_c=self._baseline_temperature(),
         )
+
+        def measure(delay: float = session.injected_delay, extra_memory: int = session.injected_memory):
+            return multirank.measure(
+                dataclasses.replace(settings, delay=delay, extra_memory=extra_memory), world_size, timeout)
+
         try:
             if self._benchmark.disabled:
                 return multirank.run_once(settings, world_size, timeout)
-            measurement = multirank.measure(settings, world_size, timeout)
+            measurement, decided, remeasured = self._measured(measure)
         except RuntimeError as exc:
             if "CUDA out of memory" in str(exc):
                 pytest.skip(oom_reason(str(exc), backend.name) + f" on one of {world_size} ranks")
             raise
-        if measurement.timing == timing.GRAPH:
-            tolerance = graph_tolerance
-        self._record(
-            measurement, flops, bytes, precision or infer_precision((), {}), tolerance, memory_bandwidth=False
-        )
-        self._measure_injected_cases(lambda delay, extra_memory: multirank.measure(
-            dataclasses.replace(settings, delay=delay, extra_memory=extra_memory), world_size, timeout))
+        self._record(measurement, decided, remeasured, flops, bytes, precision or infer_precision((), {}),
+                     memory_bandwidth=False)
+        self._measure_injected_cases(measure)
         return measurement.result
 
-    def _verdict(self, measurement: timing.Measurement) -> compare.Verdict | None:
-        """The verdict on a measurement against the baseline (None when not comparing): its time comparisons, made
-        while it was timed, and its memory, compared here."""
-        session, bench = self._session, self._benchmark
+    def _verdict(self, measurement: timing.Measurement) -> verdict.Verdict | None:
+        """The verdict on a measurement against the baseline (verdict.judge; None when not comparing): the device
+        time, the host-set time (a host-timed benchmark's, or the LAUNCH rounds beside graph or queued ones) and the
+        memory, each with the tolerance session.py picks for it."""
+        session, bench, marker = self._session, self._benchmark, self._marker()
         if not session.comparing:
             return None
         baseline = session.baseline(bench.fullname)
-        memory = measurement.memory
-        peaks = None
-        if memory is not None and baseline is not None:
-            peaks = baselines.gated_peaks(memory.as_extra_info(), baseline.get("extra_info") or {})
-        memory_comparison = None
-        if peaks is not None:
-            memory_tolerance, floor, source = session.memory_allowance(bench.fullname, self._marker())
-            now_peak, baseline_peak, measure = peaks
-            memory_comparison = compare.compare_memory(
-                now_peak, baseline_peak, memory_tolerance, floor, source, measure
-            )
-        uncompared = None
-        if baseline is not None and measurement.time_comparison is None:
+        if baseline is None:
+            return verdict.judge(None, None)
+        host_gate = session.host_gate(marker)
+        reference = baselines.samples(baseline, measurement.timing)
+        device = host = uncompared = None
+        if reference is None:
             uncompared = f"the baseline was timed {baselines.timing(baseline)}, this run {measurement.timing}"
-        elif measurement.eager_samples is not None and baseline is not None and measurement.eager_comparison is None:
-            uncompared = "the baseline has no eager rounds"
-            if baselines.eager_timed_behind_sleep(baseline):
-                uncompared = ("the baseline's eager rounds were timed behind a device-side sleep that hid up to 0.5 ms "
-                              "of the launch cost, this run's from an idle device")
-        return compare.judge(measurement.time_comparison, memory_comparison, measurement.eager_comparison, uncompared)
+        elif measurement.timing == timing.HOST:
+            host = _compare(measurement.samples, reference, host_gate)
+        else:
+            tolerance = session.tolerance_for(bench.fullname, marker)
+            device = verdict.compare_time(measurement.samples, reference, tolerance.value, source=tolerance.source)
+        launch_reference = baselines.samples(baseline, timing.LAUNCH)
+        if measurement.launch_samples is not None and launch_reference is not None:
+            host = _compare(measurement.launch_samples, launch_reference, host_gate)
+        elif measurement.launch_samples is not None and host_gate is not None and uncompared is None:
+            uncompared = "the baseline has no LAUNCH rounds (the host-set time this test gates)"
+        memory = None
+        peaks = None if measurement.memory is None else baselines.gated_peaks(
+            measurement.memory.as_extra_info(), baseline.get("extra_info") or {})
+        if peaks is not None:
+            tolerance, floor, source = session.memory_allowance(bench.fullname, marker)
+            memory = verdict.compare_memory(peaks[0], peaks[1], tolerance, floor, source, peaks[2])
+        return verdict.judge(device, memory, host, uncompared, host_gated=host_gate is not None)
 
     def _record(
         self,
         measurement: timing.Measurement,
+        decided: verdict.Verdict | None,
+        remeasured: bool,
         flops,
         nbytes,
         precision,
-        tolerance: Tolerance | None = None,
         memory_bandwidth: bool = True,
     ):
-        """Judges the memory, combines the verdict and stores the record (summary, plugin) and the stats (JSON).
-        `memory_bandwidth=False`: the bytes did not go through device memory, so GB/s has no fraction of its peak."""
+        """Stores the record (summary, plugin) and the stats and extra_info (JSON). `memory_bandwidth=False`: the
+        bytes did not go through device memory, so GB/s has no fraction of its peak."""
         session, bench = self._session, self._benchmark
-        tolerance = tolerance or self._tolerance(measurement.timing)
-        if measurement.time_comparison is not None:  # as judged: a CPU's part may have been given more (judge)
-            tolerance = Tolerance(measurement.time_comparison.tolerance, measurement.time_comparison.source)
         baseline = session.baseline(bench.fullname)
         memory = measurement.memory
-        verdict = self._verdict(measurement)
-
         # Private pytest-benchmark API, the same in 5.2 and 5.3: the stats object its own timing loop would fill.
         stats = bench._make_stats(1)
         for sample in measurement.samples:
@@ -335,8 +311,9 @@ class GpuBenchmark:
         if not memory_bandwidth:
             rates.pop("peak_gbps", None)
             rates.pop("fraction_of_peak_gbps", None)
-        eager = measurement.eager_samples
+        launch = measurement.launch_samples
         baseline_info = {} if baseline is None else baseline.get("extra_info") or {}
+        baseline_launch = None if baseline is None else baselines.samples(baseline, timing.LAUNCH)
         record = Record(
             name=bench.name,
             fullname=bench.fullname,
@@ -346,84 +323,56 @@ class GpuBenchmark:
             rates=rates,
             baseline_median=None if baseline is None else float(baseline["stats"]["median"]),
             baseline_peak=baselines.allocated_peak(baseline_info),
-            verdict=verdict,
-            remeasured=measurement.remeasured,
+            verdict=decided,
+            remeasured=remeasured,
             timing=measurement.timing,
-            tolerance=tolerance,
-            eager_median=None if eager is None else median(eager),
-            baseline_eager_median=_eager_median(baseline),
+            launch_median=None if launch is None else median(launch),
+            baseline_launch_median=None if baseline_launch is None else median(baseline_launch),
             notes=list(measurement.notes),
         )
         readings = measurement.machine or {}
         record.notes += machine.problems(
             readings.get("before"), readings.get("after"), (baseline_info.get("machine") or {}).get("after")
         )
-        record.notes += _cpu_speed_notes(measurement, baseline)
+        if decided is not None:
+            note = verdict.host_note(decided.host, decided.host_gated)
+            if note is not None:
+                record.notes.append(note)
         if measurement.machine is None and session.backend.machine_note:
             session.note(f"no machine readings (clocks, throttling, other processes): {session.backend.machine_note}")
+        tolerance = None if decided is None else decided.time
         bench.extra_info.update(
             device=session.backend.name, timer=session.backend.timer_name, warmup_rounds=measurement.warmup_rounds,
-            wall_seconds_per_round=measurement.wall_seconds_per_round, remeasured=measurement.remeasured,
-            timing=measurement.timing, time_tolerance=tolerance.value, time_tolerance_source=tolerance.source,
-            **measurement.extra_info, **record.rates,
+            wall_seconds_per_round=measurement.wall_seconds_per_round, remeasured=remeasured,
+            timing=measurement.timing, **measurement.extra_info, **record.rates,
         )
-        if eager is not None:
-            bench.extra_info.update({baselines.EAGER_KEY: eager, "eager_median": record.eager_median,
+        if tolerance is not None:
+            bench.extra_info.update(time_tolerance=tolerance.tolerance, time_tolerance_source=tolerance.source,
+                                    time_resolution=tolerance.resolution)
+        if launch is not None:
+            bench.extra_info.update({baselines.EAGER_KEY: launch, "eager_median": record.launch_median,
                                      baselines.EAGER_TIMING_KEY: timing.LAUNCH})
-        for key, probes in ((baselines.PROBE_KEY, measurement.probes),
-                            (baselines.EAGER_PROBE_KEY, measurement.eager_probes)):
-            if probes is not None:
-                bench.extra_info[key] = probes
-                bench.extra_info[baselines.PROBE_KIND_KEY] = timing.PROBE_KIND
         if measurement.machine is not None:
             bench.extra_info["machine"] = measurement.machine
         if record.notes:
             bench.extra_info["notes"] = record.notes
         if memory is not None:
             bench.extra_info.update(memory.as_extra_info())
-        if verdict is not None:
-            bench.extra_info["verdict"] = verdict.label
-            if verdict.time is not None:
-                bench.extra_info["time_change"] = verdict.time.change
-            if verdict.eager is not None:  # what a SLOWER-EAGER (or an IMPROVED of the launch cost) was judged on
-                bench.extra_info.update(eager_change=verdict.eager.change, eager_tolerance=verdict.eager.tolerance,
-                                        eager_tolerance_source=verdict.eager.source)
+        if decided is not None:
+            bench.extra_info["verdict"] = decided.label
+            if decided.time is not None:
+                bench.extra_info["time_change"] = decided.time.change
+            if decided.host is not None:
+                bench.extra_info["host_change"] = decided.host.change
         session.records.append(record)
         self._node.stash[RECORD_KEY] = record
 
 
-# A CPU probe this much slower or faster than the baseline's is noted beside the verdict.
-CPU_SPEED_NOTE = 0.2
-
-
-def _cpu_speed_notes(measurement: timing.Measurement, baseline: dict | None) -> list[str]:
-    """A note when the CPU probe ran far from the baseline's (the CPU's part was judged at the baseline's speed)."""
-    if baseline is None:
-        return []
-    notes = []
-    for timed, what, probes in ((timing.HOST, "host", measurement.probes),
-                                (timing.LAUNCH, "eager", measurement.eager_probes)):
-        reference = baselines.probes(baseline, timed)
-        stale = baselines.stale_probe_kind(baseline, timed)
-        if probes and stale:
-            notes.append(f"the baseline's CPU probe ({stale}) is not this version's ({timing.PROBE_KIND}): the {what} "
-                         "time was judged on raw times; save a baseline again")
-        elif probes and not reference and baselines.samples(baseline, timed) is not None:
-            notes.append(f"the baseline's {what} rounds were not probed (saved before they were): the {what} time "
-                         "was judged on raw times; save a baseline again")
-        if probes and reference:
-            change = median(probes) / median(reference) - 1
-            if abs(change) > CPU_SPEED_NOTE:
-                notes.append(f"the CPU probe took {change:+.0%} against the baseline's: the CPU's part of the {what} "
-                             "time was judged at the baseline's CPU speed")
-    return notes
-
-
-def _eager_median(baseline: dict | None) -> float | None:
-    if baseline is None:
-        return None
-    eager = baselines.samples(baseline, timing.LAUNCH)
-    return None if eager is None else median(eager)
+def _compare(samples: list[float], reference: list[float], gate: Tolerance | None) -> verdict.TimeComparison:
+    """A host-set time against the baseline's: at the test's gate when it has one, else at verdict.HOST_NOTE (then
+    reported only)."""
+    tolerance = gate or Tolerance(verdict.HOST_NOTE, "not gated")
+    return verdict.compare_time(samples, reference, tolerance.value, source=tolerance.source)
 
 
 @pytest.fixture

@@ -10,20 +10,18 @@ traceback), NCCL on GPUs and gloo on the CPU. On every rank:
     round follows it on every rank, a regression of known size as in a single-device benchmark)
     graph=True: every rank captures its step in a CUDA graph (a step that synchronizes or reads a value back
         cannot be captured: when any rank fails, every rank times its step as below, and the note names the rank
-        and the error); the replays are timed as queued rounds are, the graph released before the eager rounds
+        and the error); the replays are timed as queued rounds are, the graph released before the LAUNCH rounds
     timed rounds: all ranks meet at a barrier, then each times the round on its own clock (CUDA events); on a GPU
         the rounds are queued (timing.py: every rank's step behind the same device-side lead, LEAD_FACTOR times the
-        slowest rank's round, so the span holds device time) and eager rounds from an idle device follow, the
-        CPU's launch cost included, judged as the CPU's part (the eager tolerance; as timing.py does, each round is
-        probed, on every rank, and judged at the baseline's CPU speed by the probe of the rank slowest in it). A
-        step whose CPU time exceeds its device time (thousands of small kernels: the bf16 step of a large model)
-        drains any lead and is the CPU's time even when queued: graph mode is for those
+        slowest rank's round, so the span holds device time) and LAUNCH rounds from an idle device follow, the
+        CPU's launch cost included (the host-set time). A step whose CPU time exceeds its device time (thousands of
+        small kernels: the bf16 step of a large model) drains any lead and is the CPU's time even when queued: graph
+        mode is for those
     rank 0 gathers the samples: a round's time is the maximum over the ranks
-    with a baseline, every rank compares the gathered samples; when that says SLOWER every rank times the rounds
-        once more (a GPU that reads thermally throttled cools first: timing.cooler), and that decides
     one more call per rank under reset peak memory statistics
 
-Back in the test process the result is a timing.Measurement, recorded and judged by the fixture like any other:
+Back in the test process the result is a timing.Measurement, judged and recorded by the fixture like any other (a
+gated SLOWER spawns the ranks once more to re-measure):
 the memory the gate checks is the largest rank's peak; every rank's readings, the world size, the transport and
 the named spans of the step (`ctx.span("comm_wait")`: median over rounds of the slowest rank's span, and its share
 of the round) go into extra_info.
@@ -43,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from lmsys.distributed.launch import init_process_group, launch
-from lmsys.perf import compare, timing
+from lmsys.perf import timing
 
 
 @dataclass
@@ -99,9 +97,8 @@ class RankContext:
 
 @dataclass(frozen=True)
 class Settings:
-    """What the test process hands every rank: the subject, the round budget, and what each series of rounds is
-    judged against (the queued or eager rounds, the eager rounds beside them, a graph's replays: None without a
-    baseline of them)."""
+    """What the test process hands every rank: the subject, the round budget and how precisely to time the rounds
+    (the step's own, the LAUNCH rounds beside), and the regression injected to measure the gate (detection.py)."""
 
     setup: Callable
     setup_kwargs: dict
@@ -111,18 +108,13 @@ class Settings:
     min_rounds: int
     warmup_rounds: int | None
     disable_gc: bool
-    reference: compare.Reference | None = None
     precision: timing.Precision = timing.Precision()
+    launch_precision: timing.Precision = timing.Precision()
     once: bool = False
     delay: float = 0.0
     extra_memory: int = 0
     queued: bool = False
-    eager_reference: compare.Reference | None = None
-    eager_precision: timing.Precision = timing.Precision()
     graph: bool = False
-    graph_reference: compare.Reference | None = None
-    graph_precision: timing.Precision = timing.Precision()
-    baseline_c: float | None = None
 
 
 def _barrier(ctx: RankContext) -> None:
@@ -132,17 +124,14 @@ def _barrier(ctx: RankContext) -> None:
         dist.barrier()
 
 
-def _time_rounds(ctx: RankContext, step: Callable[[], Any], rounds: int, timer=None, probes: list | None = None
+def _time_rounds(ctx: RankContext, step: Callable[[], Any], rounds: int, timer=None
                  ) -> tuple[list[float], list[dict], float]:
     """This rank's per-round seconds and spans, each round started at a barrier and timed by `timer` (default the
-    backend's time_call); and the wall seconds per round. With a `probes` list the CPU probe (backend.time_probe)
-    runs before each round's barrier and its time is appended there."""
+    backend's time_call); and the wall seconds per round."""
     timer = timer or ctx.backend.time_call
     samples, spans = [], []
     start = time.perf_counter()
     for _ in range(rounds):
-        if probes is not None:
-            probes.append(ctx.backend.time_probe())
         _barrier(ctx)
         samples.append(timer(step))
         spans.append(ctx._take_spans())
@@ -183,14 +172,6 @@ def _gather(value) -> list:
 def _slowest(per_rank: list[list[float]]) -> list[float]:
     """Per round, the slowest rank's time."""
     return [max(times) for times in zip(*per_rank, strict=True)]
-
-
-def _slowest_probes(per_rank: list[list[float]], per_rank_probes: list[list[float]]) -> list[float]:
-    """Per round, the CPU probe's time on the rank whose round was the slowest (the round the gate judges)."""
-    return [
-        probes[max(range(len(times)), key=times.__getitem__)]
-        for times, probes in zip(zip(*per_rank, strict=True), zip(*per_rank_probes, strict=True), strict=True)
-    ]
 
 
 def _span_summary(per_rank_spans: list[list[dict]], round_times: list[float]) -> dict[str, dict[str, float]]:
@@ -234,7 +215,6 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
         # Queued timing (graph replays too): every rank's rounds behind the same device-side lead, long enough for the
         # slowest rank's CPU to queue its whole step, so that the rounds hold the device's time.
         notes = [] if note is None else [note]
-        cool = timing.cooler(backend, settings.baseline_c, notes)
         timer = backend.time_call
         if settings.queued or captured is not None:
             lead = backend.make_delay(min(timing.MAX_LEAD, timing.LEAD_FACTOR * max(walls)))
@@ -243,48 +223,28 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
             delay = _delay(ctx, timed, settings.delay, timer)
             timed, step = timing.followed_by(timed, delay), timing.followed_by(step, delay)
 
-        def series(subject, timer, precision, reference, probed=False, device_time=0.0):
-            """The judged rounds of `subject` on every rank: gathered, each round the slowest rank's; with probed=True
-            (the eager rounds beside: the CPU's part) each round probed on every rank and judged with the probe of
-            the rank that was slowest in it (compare.Reference.judge, device_time its device's part)."""
-            def measure_all():
-                per_rank_spans, probes = [], [] if probed else None
+        def series(subject, timer, precision):
+            """The rounds of `subject` on every rank, gathered: each round the slowest rank's. Every rank holds the
+            same gathered samples, so every rank takes the same decision to add rounds (timing.adapt)."""
+            per_rank_spans = []
 
-                def timed_rounds(rounds):
-                    own = [] if probed else None
-                    samples, spans, wall = _time_rounds(ctx, subject, rounds, timer, own)
-                    gathered = _gather((samples, spans, wall, own))
-                    per_rank_spans.append([g[1] for g in gathered])
-                    if probed:
-                        probes.extend(_slowest_probes([g[0] for g in gathered], [g[3] for g in gathered]))
-                    return _slowest([g[0] for g in gathered]), max(g[2] for g in gathered) * rounds
+            def timed_rounds(rounds):
+                samples, spans, wall = _time_rounds(ctx, subject, rounds, timer)
+                gathered = _gather((samples, spans, wall))
+                per_rank_spans.append([g[1] for g in gathered])
+                return _slowest([g[0] for g in gathered]), max(g[2] for g in gathered) * rounds
 
-                # Every rank holds the same gathered samples and times, so every rank takes the same decision.
-                width = functools.partial(timing.probed_width, probes=probes, device_time=device_time)
-                samples, wall = timing.adapt(timed_rounds, plan.rounds, precision, width)
-                spans = [sum(batch, []) for batch in zip(*per_rank_spans, strict=True)]
-                return samples, spans, wall, probes
+            samples, wall = timing.adapt(timed_rounds, plan.rounds, precision)
+            return samples, [sum(batch, []) for batch in zip(*per_rank_spans, strict=True)], wall
 
-            def judge(measured):
-                return None if reference is None else reference.judge(measured[0], measured[3], device_time)
-
-            # Every rank judges the same gathered samples, so every rank re-measures, or none does (each after its
-            # own GPU cooled, if it reads thermally throttled: the next rounds start at a barrier).
-            return timing.judged(measure_all, judge, cool)
-
-        if captured is not None:
-            try:
-                (samples, spans, wall, _), comparison, remeasured = series(
-                    timed, timer, settings.graph_precision, settings.graph_reference)
-            finally:
+        try:
+            samples, spans, wall = series(timed, timer, settings.precision)
+        finally:
+            if captured is not None:
                 captured[1]()
-        else:
-            (samples, spans, wall, _), comparison, remeasured = series(
-                timed, timer, settings.precision, settings.reference)
-        eager = None
-        if settings.queued or captured is not None:  # the eager rounds beside, launch cost included (idle device)
-            eager = series(step, backend.time_launch, settings.eager_precision, settings.eager_reference,
-                           probed=True, device_time=median(samples))
+        launch = None
+        if settings.queued or captured is not None:  # the LAUNCH rounds beside, launch cost included (idle device)
+            launch = series(step, backend.time_launch, settings.launch_precision)
         _barrier(ctx)
         result, memory = backend.measure_memory(step)
         readings = _gather((memory, dict(ctx.marks)))
@@ -298,19 +258,16 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
         "samples": samples,
         "wall": wall,
         "warmup_rounds": plan.warmup_rounds,
-        "comparison": comparison,
-        "remeasured": remeasured,
         "readings": readings,
         "spans": _span_summary(spans, samples),
         "timing": timing.GRAPH if captured is not None else timing.QUEUED if settings.queued else timing.EAGER,
         "notes": notes,
     }
-    if eager is not None:
-        (eager_samples, eager_spans, eager_wall, eager_probes), eager_comparison, eager_remeasured = eager
-        out.update(eager_samples=eager_samples, eager_wall=eager_wall, eager_comparison=eager_comparison,
-                   eager_probes=eager_probes, remeasured=remeasured or eager_remeasured)
-        if not out["spans"]:  # a captured step's spans are not timed: the eager rounds' are
-            out["spans"] = _span_summary(eager_spans, eager_samples)
+    if launch is not None:
+        launch_samples, launch_spans, launch_wall = launch
+        out.update(launch_samples=launch_samples, launch_wall=launch_wall)
+        if not out["spans"]:  # a captured step's spans are not timed: the LAUNCH rounds' are
+            out["spans"] = _span_summary(launch_spans, launch_samples)
     return result, out
 
 
@@ -348,20 +305,16 @@ def measure(settings: Settings, world_size: int, timeout: float) -> timing.Measu
         extra["injected_delay"] = settings.delay
     if settings.extra_memory:
         extra["injected_memory"] = settings.extra_memory
-    if "eager_samples" in gathered:
-        extra["eager_wall_seconds_per_round"] = gathered["eager_wall"]
+    if "launch_samples" in gathered:
+        extra["eager_wall_seconds_per_round"] = gathered["launch_wall"]
     return timing.Measurement(
         samples=gathered["samples"],
         wall_seconds_per_round=gathered["wall"],
         warmup_rounds=gathered["warmup_rounds"],
         memory=_largest(gathered["readings"]),
         result=results,
-        time_comparison=gathered["comparison"],
-        remeasured=gathered["remeasured"],
         extra_info=extra,
         timing=gathered["timing"],
-        eager_samples=gathered.get("eager_samples"),
-        eager_comparison=gathered.get("eager_comparison"),
-        eager_probes=gathered.get("eager_probes"),
+        launch_samples=gathered.get("launch_samples"),
         notes=gathered["notes"],
     )

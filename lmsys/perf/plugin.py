@@ -23,7 +23,7 @@ import torch
 from pytest_benchmark.storage.file import FileStorage
 from pytest_benchmark.utils import load_timer
 
-from lmsys.perf import baselines, calibration, compare, hookspecs, reruns
+from lmsys.perf import baselines, calibration, hookspecs, reruns, verdict
 from lmsys.perf.backend import detect_backend
 from lmsys.perf.environment import COMMIT_VARIABLE
 from lmsys.perf.fixture import gpu_benchmark, oom_reason
@@ -37,13 +37,7 @@ from lmsys.perf.report import (
     write_memory_report,
     write_new_file,
 )
-from lmsys.perf.session import (
-    DEFAULT_EAGER_TOLERANCE,
-    DEFAULT_TIME_TOLERANCE,
-    RECORD_KEY,
-    SESSION_KEY,
-    PerfSession,
-)
+from lmsys.perf.session import RECORD_KEY, SESSION_KEY, PerfSession
 from lmsys.perf.timing import INJECT_CASES, INJECT_DELAY, INJECT_MEMORY
 
 __all__ = ["gpu_benchmark"]
@@ -166,14 +160,16 @@ def pytest_addoption(parser):
     group = parser.getgroup("lmsys perf", "lmsys perf regression gate (on top of pytest-benchmark)")
     group.addoption(
         "--perf-time-tolerance", type=_fraction, default=None, metavar="FRACTION",
-        help="SLOWER only when the median is slower than the baseline by more than this fraction, with confidence "
-        f"(see README, 'How a regression is decided'). Default: the benchmark's noise calibration, else "
-        f"{DEFAULT_TIME_TOLERANCE}",
+        help="SLOWER only when the device time's median is slower than the baseline's by more than this fraction, "
+        "with confidence (README, 'How a regression is decided'). Default: "
+        f"{verdict.SAME_START:.1%} against a baseline saved in this machine start, {verdict.OTHER_START:.0%} against "
+        "one from another start, or more where a calibration measured more noise",
     )
     group.addoption(
-        "--perf-eager-tolerance", type=_fraction, default=None, metavar="FRACTION",
-        help="The same for the eager time (CPU launch cost included) of a benchmark timed in a CUDA graph "
-        f"(graph=True). Default: its calibration, else {DEFAULT_EAGER_TOLERANCE}",
+        "--perf-host-tolerance", type=_fraction, default=None, metavar="FRACTION",
+        help="Gate the times the host's speed sets (host=True benchmarks, the launch cost beside graph replays) at "
+        "this fraction. Default: they are reported and saved but fail no test, unless the test's "
+        "@pytest.mark.perf_tolerance(host=...) gates them",
     )
     group.addoption(
         "--perf-max-time", type=_seconds, default=10.0, metavar="SECONDS",
@@ -319,7 +315,8 @@ def pytest_perf_backend(config):
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     # Runs before pytest-benchmark's pytest_configure (trylast), which loads --benchmark-compare at once.
-    config.addinivalue_line("markers", "perf_tolerance(time=None, memory=None): per-test regression tolerances")
+    config.addinivalue_line("markers", "perf_tolerance(time=None, memory=None, host=None): per-test "
+                            "regression tolerances; host= gates the host-set time")
     config.addinivalue_line("markers", "full_grid: a point of a full perf grid; runs only with --full-grid")
     report = config.getoption("gpu_mem_report")
     if isinstance(report, str) and Path(report).suffix not in MEMORY_REPORT_SUFFIXES:
@@ -350,7 +347,7 @@ def pytest_configure(config):
         backend=config.hook.pytest_perf_backend(config=config),
         rootpath=config.rootpath,
         time_tolerance=config.getoption("perf_time_tolerance"),
-        eager_tolerance=config.getoption("perf_eager_tolerance"),
+        host_tolerance=config.getoption("perf_host_tolerance"),
         time_cap=config.getoption("perf_max_time"),
         injected_delay=delay,
         injected_memory=held,
@@ -539,7 +536,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         for marker in item.iter_markers("perf_tolerance"):
             try:
-                compare.check_tolerances(marker.args, marker.kwargs)
+                verdict.check_tolerances(marker.args, marker.kwargs)
             except ValueError as exc:
                 raise pytest.UsageError(f"{item.nodeid}: bad @pytest.mark.perf_tolerance: {exc}") from None
         if not full_grid and item.get_closest_marker("full_grid"):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from lmsys.perf.compare import Verdict, format_bytes, format_seconds
+from lmsys.perf.verdict import Verdict, format_bytes, format_seconds
 from lmsys.perf.session import PerfSession, Record
 
 MEMORY_REPORT_SUFFIXES = (".csv", ".json")
@@ -36,26 +36,29 @@ def _change(now: float | None, then: float | None) -> str:
 
 
 def results_frame(records: list[Record], comparing: bool) -> pd.DataFrame:
-    """One row per benchmark: time and memory, with baseline, change, tolerance and verdict columns when comparing;
-    benchmarks timed in a CUDA graph also show their eager time (CPU launch cost included)."""
-    graphs = any(record.eager_median is not None for record in records)
+    """One row per benchmark: time and memory, with baseline, change, tolerance, resolution (the smallest slowdown the
+    comparison could catch) and verdict columns when comparing; benchmarks timed in a CUDA graph also show their
+    LAUNCH rounds' time (CPU launch cost included: reported, gated only where the test asks)."""
+    graphs = any(record.launch_median is not None for record in records)
     rows = []
     for record in records:
         peak = None if record.memory is None else record.memory.peak_allocated_above_start
         row = {"benchmark": record.name}
         now = format_seconds(record.median) + ("" if record.timing == "eager" else f" ({record.timing})")
-        eager = "" if record.eager_median is None else format_seconds(record.eager_median)
+        launch = "" if record.launch_median is None else format_seconds(record.launch_median)
         if comparing:
             label = record.verdict.label if record.verdict else ""
-            tolerance = record.tolerance
+            compared = record.verdict.time if record.verdict else None
             row.update({
                 "baseline": "" if record.baseline_median is None else format_seconds(record.baseline_median),
                 "now": now,
                 "time": _change(record.median, record.baseline_median),
-                "tolerance": "" if tolerance is None else f"{tolerance.value * 100:.3g}% {tolerance.source}",
+                "tolerance": "" if compared is None else f"{compared.tolerance * 100:.3g}% {compared.source}",
+                "catches": "" if compared is None else f">{compared.resolution:.1%}",
             })
             if graphs:
-                row.update({"eager": eager, "eager change": _change(record.eager_median, record.baseline_eager_median)})
+                row.update({"launch": launch,
+                            "launch change": _change(record.launch_median, record.baseline_launch_median)})
             now_peak, base_peak = record.compared_peaks()
             row.update({
                 "baseline mem": "" if base_peak is None else format_bytes(base_peak),
@@ -66,7 +69,7 @@ def results_frame(records: list[Record], comparing: bool) -> pd.DataFrame:
         else:
             row.update({"median": now, "rounds": record.rounds})
             if graphs:
-                row["eager"] = eager
+                row["launch"] = launch
             row["peak mem"] = "n/a (no GPU)" if peak is None else format_bytes(peak)
         row.update(_rate(record))
         rows.append(row)

@@ -17,28 +17,13 @@ import pytest
 
 from lmsys.perf import baselines, calibration, environment
 from lmsys.perf.backend import MemoryReading
-from lmsys.perf.compare import SLOWER, Verdict, format_bytes
+from lmsys.perf import verdict
+from lmsys.perf.verdict import Tolerance, Verdict, format_bytes
 from lmsys.perf.storage import BaselineStorage
 from lmsys.perf.timing import Precision, injected_case_label
 
-# Time tolerances when neither a marker, an option nor a calibration gives one: the device (or eager) time, and
-# the eager time of a benchmark timed in a CUDA graph (CPU launch cost included, so noisier).
-DEFAULT_TIME_TOLERANCE = 0.05
-DEFAULT_EAGER_TOLERANCE = 0.15
-# The CPU's part against a baseline from another machine start (or one that does not say): between starts of the
-# lent H100 the same code's eager and host-timed medians ranged from -57% to +124% (README, "Measuring the gate"), so
-# there only a change past 2.5x fails: a lost CUDA graph or compilation, not a slower launch path.
-CROSS_START_EAGER_TOLERANCE = 1.5
 # The adaptive rounds aim at a median known to within this share of the tolerance (95% interval, half-width).
 PRECISION_SHARE = 0.25
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """A tolerance and where it came from ('default', 'marker', 'calibrated from 20 runs', an option's name)."""
-
-    value: float
-    source: str
 
 
 class PerfWarning(pytest.PytestWarning):
@@ -60,9 +45,9 @@ class Record:
     verdict: Verdict | None = None
     remeasured: bool = False
     timing: str = "eager"
-    tolerance: Tolerance | None = None
-    eager_median: float | None = None
-    baseline_eager_median: float | None = None
+    # the median of the LAUNCH rounds beside graph or queued ones (the host-set time), and the baseline's
+    launch_median: float | None = None
+    baseline_launch_median: float | None = None
     # what the summary says beside the verdict: the machine's state, a timing the baseline lacks, a failed capture
     notes: list[str] = field(default_factory=list)
 
@@ -78,8 +63,7 @@ class Record:
         """What the failing test reports: the verdict's message, whether a re-measurement confirmed it, and the
         machine's state when it was not clean (a SLOWER taken under throttling says so)."""
         message = self.verdict.message(self.name)
-        slower = [t for t in (self.verdict.time, self.verdict.eager) if t is not None and t.verdict == SLOWER]
-        if self.remeasured and slower:
+        if self.remeasured and self.verdict.slower:
             message += "\n(confirmed: the time was re-measured once and was SLOWER again)"
         if self.notes:
             message += f"\n(measured with: {'; '.join(self.notes)})"
@@ -104,8 +88,8 @@ class PerfSession:
     disable_gc: bool = False
     max_time: float = 1.0
     min_rounds: int = 5
-    # None: DEFAULT_EAGER_TOLERANCE unless calibrated
-    eager_tolerance: float | None = None
+    # --perf-host-tolerance: gates every host-set time (None: reported, not gated, unless a marker gates it)
+    host_tolerance: float | None = None
     # seconds of timed rounds a benchmark may spend on adaptive rounds (0: the planned rounds only)
     time_cap: float = 0.0
     # LMSYS_INJECT_DELAY: a device-side delay after every benchmarked call, as a fraction of its time
@@ -164,38 +148,24 @@ class PerfSession:
         if text not in self.notes:
             self.notes.append(text)
 
-    def time_tolerance_for(self, fullname: str, timed: str, marker: dict, eager: bool = False) -> Tolerance:
-        """The time tolerance of a benchmark's samples timed `timed` ('eager', 'graph', 'queued' or 'host'; eager=True:
-        the CPU's part, the eager rounds of a graph-mode benchmark or host timing, judged with the eager tolerance): the
-        marker's, else the option's when given, else its calibration's (for the CPU's part, not below the default),
-        else the default; the CPU's part against a baseline from another machine start, at least
-        CROSS_START_EAGER_TOLERANCE."""
-        key, option, name, default = (
-            ("eager", self.eager_tolerance, "--perf-eager-tolerance", DEFAULT_EAGER_TOLERANCE) if eager
-            else ("time", self.time_tolerance, "--perf-time-tolerance", DEFAULT_TIME_TOLERANCE)
-        )
-        if key in marker:
-            return Tolerance(float(marker[key]), "marker")
-        if option is not None:
-            return Tolerance(option, name)
+    def tolerance_for(self, fullname: str, marker: dict) -> Tolerance:
+        """The device-time tolerance of a benchmark (verdict.time_tolerance): the marker's, the option's, else the
+        floor of its case (its baseline saved in this machine start or not) raised by its calibrated noise."""
         entry = self.calibration.get(fullname)
-        value = None if entry is None else calibration.time_tolerance(entry, timed)
-        if value is None:
-            tolerance = Tolerance(default, "default")
-        elif eager and value < default:
-            # The CPU's part moves between processes by more than the runs of one calibration show (README, "Noise
-            # calibration"): its calibration may widen the default, never narrow it.
-            tolerance = Tolerance(default, f"default: the CPU's part is never judged tighter; calibrated {value:.2%} "
-                                           f"from {entry['runs']} runs")
-        else:
-            tolerance = Tolerance(value, f"calibrated from {entry['runs']} runs")
-        if eager and tolerance.value < CROSS_START_EAGER_TOLERANCE and self.other_start(fullname):
-            return Tolerance(CROSS_START_EAGER_TOLERANCE, "the baseline is from another machine start")
-        return tolerance
+        spread = None if entry is None else calibration.device_spread(entry)
+        return verdict.time_tolerance(
+            same_start=not self.other_start(fullname), marker=marker.get("time"), option=self.time_tolerance,
+            spread=spread, runs=None if entry is None else entry["runs"],
+        )
+
+    def host_gate(self, marker: dict) -> Tolerance | None:
+        """The tolerance a benchmark's host-set time is gated with (the marker's host=, else --perf-host-tolerance),
+        or None: not gated (verdict.host_tolerance)."""
+        return verdict.host_tolerance(marker.get("host"), self.host_tolerance)
 
     def other_start(self, fullname: str) -> bool:
         """Whether a benchmark has a baseline and it was not recorded on this start of this machine (or does not say);
-        a benchmark without one (NEW) keeps its own tolerance, which also sets how precisely its rounds are timed."""
+        a benchmark without one (NEW) is timed as precisely as a comparison in this start needs."""
         if fullname not in self.baseline_starts:
             return False
         start = self.baseline_starts[fullname]
@@ -322,10 +292,13 @@ class PerfSession:
     def header_lines(self) -> list[str]:
         """Printed after collection: where baselines are, the tolerances, and the files compared with."""
         if self.time_tolerance is None:
-            time = f"calibrated, else {DEFAULT_TIME_TOLERANCE:.0%}"
+            time = (f"{verdict.SAME_START:.1%} against a baseline of this machine start, {verdict.OTHER_START:.0%} "
+                    "of another (or calibrated)")
         else:
             time = f"{self.time_tolerance * 100:.3g}%"
-        tolerances = f"time {time}, memory {self.memory_tolerance:.0%} and {format_bytes(self.memory_floor)}"
+        host = "not gated" if self.host_tolerance is None else f"{self.host_tolerance * 100:.3g}%"
+        tolerances = (f"time {time}; host-set times {host}; memory {self.memory_tolerance:.0%} and "
+                      f"{format_bytes(self.memory_floor)}")
         lines = [f"lmsys perf: baselines in {self.folder or self.storage_path}; tolerances: {tolerances}"]
         if self.calibration:
             lines.append(

@@ -1,10 +1,24 @@
-"""Verdicts: per-round samples and memory high-water marks of a run against its baseline -> PASS, SLOWER, ...
+"""The rule: a benchmark's samples and memory peak against its baseline -> PASS, IMPROVED, SLOWER, MORE-MEMORY, NEW.
 
-Pure (numpy only, no pytest, no torch) so the rule can be tested with plain numbers. The rule itself is written
-once, in the README ("How a regression is decided"); this module implements it: `compare_time` (a bootstrap bound on
-the ratio of the medians against a tolerance), `compare_memory` (growth against a floor and a fraction), `judge`
-(the label), `median_interval` (how precisely a run knows its own median, for the adaptive rounds). The bootstrap's
-seed is fixed, so the same numbers always give the same verdict.
+Everything that decides whether a perf test fails is here, pure (numpy only: no pytest, no torch), so it can be
+tested with plain numbers:
+
+- **What fails.** The device time (per-round samples: CUDA events around a call or a CUDA graph's replay) and the
+  device memory (the peak of bytes requested above the start). A time that the host's speed sets (host=True timing,
+  the eager rounds beside graph replays: launch cost included) is compared and reported, and fails only where the
+  test gates it (``@pytest.mark.perf_tolerance(host=...)`` or ``--perf-host-tolerance``).
+- **The comparison.** SLOWER when the one-sided 95% bootstrap lower bound of (median now / median then) exceeds
+  1 + tolerance; MORE-MEMORY when the peak grew by more than max(memory tolerance x baseline, memory floor). A
+  SLOWER is measured once more, and the second measurement decides (the fixture does that).
+- **The tolerance** (`time_tolerance`): the marker's or the option's when given; else a floor for the case the
+  comparison is in, raised by the benchmark's own noise where a calibration measured it. The case: a baseline saved
+  in this start of this machine (the same boot) is compared at SAME_START; one saved on another start, or that does
+  not say, at OTHER_START, because kernels at the power cap drift between machine starts by more than within one.
+- **Resolution.** Every time comparison carries the smallest change it could have caught (`resolution`): its
+  tolerance plus what the rounds' own spread took off the ratio's lower bound. The verdict line prints it.
+
+The bootstrap's seed is fixed, so the same numbers always give the same verdict. docs/gate.md says where the
+constants come from.
 """
 
 import math
@@ -20,15 +34,30 @@ SEED = 0
 # Bounds the bootstrap's working memory: resamples are drawn in chunks of at most this many values.
 _CHUNK_VALUES = 4_000_000
 
-TOLERANCE_KEYS = ("time", "memory", "eager")
+# Time tolerances without a marker, an option or a calibration (docs/gate.md, "Where the numbers come from").
+SAME_START = 0.025
+OTHER_START = 0.06
+# A calibrated tolerance: SIGMAS standard deviations of the difference of two runs' medians (sqrt(2) x one run's).
+SIGMAS = 3.0
+# What a host-set time is labelled against when it is not gated: a change past this is noted beside the verdict.
+HOST_NOTE = 0.25
 
 PASS, IMPROVED, SLOWER, MORE_MEMORY, NEW = "PASS", "IMPROVED", "SLOWER", "MORE-MEMORY", "NEW"
-# The eager time (CPU launch cost included) of a benchmark timed in a CUDA graph, slower beyond its own tolerance.
-SLOWER_EAGER = "SLOWER-EAGER"
+# A host-set time (launch cost) slower beyond the tolerance its test gates it with.
+SLOWER_HOST = "SLOWER-HOST"
 # A baseline exists but its time cannot be compared with this run's (timed another way): a gate that passed here
 # would pass without having compared.
 UNCOMPARED = "UNCOMPARED"
-FAILING = (SLOWER, SLOWER_EAGER, MORE_MEMORY, UNCOMPARED)
+FAILING = (SLOWER, SLOWER_HOST, MORE_MEMORY, UNCOMPARED)
+TOLERANCE_KEYS = ("time", "memory", "host")
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """A tolerance and where it came from ('same machine start', 'marker', 'calibrated from 20 runs', ...)."""
+
+    value: float
+    source: str
 
 
 @dataclass(frozen=True)
@@ -42,13 +71,18 @@ class TimeComparison:
     ratio_high: float
     tolerance: float
     verdict: str
-    # where the tolerance came from: "default", "--perf-time-tolerance", "marker", "calibrated from 20 runs", ...
     source: str = "default"
 
     @property
     def change(self) -> float:
         """Relative change of the median (+0.2 is 20% slower)."""
         return self.ratio - 1.0
+
+    @property
+    def resolution(self) -> float:
+        """The smallest slowdown this comparison could have caught: the tolerance plus the distance from the ratio to
+        its lower bound (what the rounds' spread costs)."""
+        return self.tolerance + max(self.ratio - self.ratio_low, 0.0)
 
 
 @dataclass(frozen=True)
@@ -61,7 +95,7 @@ class MemoryComparison:
     floor: int
     verdict: str
     source: str = "default"
-    # Which peaks: 'requested' (the bytes asked for) or 'allocated' (the allocator's blocks: baselines.gated_peaks).
+    # Which peaks: 'requested' (the bytes asked for) or 'allocated' (the allocator's blocks).
     measure: str = "requested"
 
     @property
@@ -72,26 +106,33 @@ class MemoryComparison:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The outcome for one benchmark: a label (PASS, IMPROVED, SLOWER, SLOWER-EAGER, MORE-MEMORY, UNCOMPARED, NEW,
-    or several joined by '+'), the time comparison (the graph replays' time in graph mode), the memory comparison, in
-    graph mode the comparison of the eager time, and why the time could not be compared (UNCOMPARED)."""
+    """The outcome for one benchmark: a label (PASS, IMPROVED, SLOWER, SLOWER-HOST, MORE-MEMORY, UNCOMPARED, NEW, or
+    several joined by '+'), the device-time comparison, the memory comparison, the host-set time's comparison (the
+    eager rounds beside graph replays, or a host-timed benchmark's time), whether the test gates that, and why the
+    time could not be compared (UNCOMPARED)."""
 
     label: str
     time: TimeComparison | None = None
     memory: MemoryComparison | None = None
-    eager: TimeComparison | None = None
+    host: TimeComparison | None = None
+    host_gated: bool = False
     uncompared: str | None = None
 
     @property
     def failed(self) -> bool:
-        """True when the benchmark's test must fail (SLOWER, SLOWER-EAGER and/or MORE-MEMORY)."""
+        """True when the benchmark's test must fail."""
         return any(part in FAILING for part in self.label.split("+"))
+
+    @property
+    def slower(self) -> bool:
+        """True when a gated time was SLOWER (what the one re-measurement is for)."""
+        return any(part in (SLOWER, SLOWER_HOST) for part in self.label.split("+"))
 
     def message(self, name: str) -> str:
         """The failure message naming the benchmark and each change, e.g. 'SLOWER: test_x median 1.23 ms vs ...'."""
         lines = []
-        for label, what, t in ((SLOWER, "median", self.time), (SLOWER_EAGER, "eager median", self.eager)):
-            if t is not None and t.verdict == SLOWER:
+        for label, what, t in ((SLOWER, "median", self.time), (SLOWER_HOST, "host time", self.host)):
+            if t is not None and t.verdict == SLOWER and (label == SLOWER or self.host_gated):
                 lines.append(
                     f"{label}: {name} {what} {format_seconds(t.median)} vs baseline "
                     f"{format_seconds(t.baseline_median)} ({t.change:+.1%}, tolerance {format_tolerance(t)}; "
@@ -113,34 +154,37 @@ class Verdict:
         return "\n".join(lines) if lines else f"{self.label}: {name}"
 
 
-def at_cpu_speed(samples: Sequence[float], probes: Sequence[float], speed: float, device_time: float = 0.0
-                 ) -> list[float]:
-    """The samples as if the CPU had run at `speed` (the CPU probe's time at that speed): the part of each sample
-    above device_time (the CPU's part: all of a host-timed round, what an eager round adds to the device's time) is
-    scaled by speed over the probe's time before that round. A round without a positive probe time stays as it is."""
-    return [
-        device_time + max(sample - device_time, 0.0) * speed / probe if probe > 0 else sample
-        for sample, probe in zip(samples, probes, strict=True)
-    ]
+def time_tolerance(
+    *, same_start: bool, marker: float | None = None, option: float | None = None, spread: float | None = None,
+    runs: int | None = None,
+) -> Tolerance:
+    """The device-time tolerance of one comparison: the marker's, else the option's, else the floor of its case
+    (SAME_START when the baseline was saved in this machine start, else OTHER_START) raised to SIGMAS x sqrt(2) x
+    the benchmark's calibrated spread (the relative standard deviation of its median across fresh processes) when a
+    calibration of `runs` runs measured one."""
+    if marker is not None:
+        return Tolerance(float(marker), "marker")
+    if option is not None:
+        return Tolerance(float(option), "--perf-time-tolerance")
+    floor = Tolerance(SAME_START, "same machine start") if same_start else Tolerance(
+        OTHER_START, "baseline from another machine start")
+    if spread is not None and SIGMAS * math.sqrt(2) * spread > floor.value:
+        return Tolerance(SIGMAS * math.sqrt(2) * spread, f"calibrated from {runs} runs")
+    return floor
 
 
-# How much wider the CPU's part is judged per unit of |ln(probe now / probe at the baseline)| (cpu_speed_allowance).
-CPU_SPEED_SLACK = 0.5
-
-
-def cpu_speed_allowance(probe: float, baseline_probe: float) -> float:
-    """What the tolerance of a CPU's part judged at the baseline's CPU speed (at_cpu_speed) gains when the CPU ran at
-    another speed: CPU_SPEED_SLACK * |ln(probe / baseline_probe)| (medians of the probe's times), 0 when either is
-    not positive. The probe's scaling is a proxy: on the H100 the CPU's part of launch-bound calls moved more than
-    the probe, by up to half the log of the probes' ratio (a CPU probe +97% slower than the baseline's left an eager
-    time +26% after scaling, one -36% a host time -23%), and the gate must not call that a regression."""
-    if probe <= 0 or baseline_probe <= 0:
-        return 0.0
-    return CPU_SPEED_SLACK * abs(math.log(probe / baseline_probe))
+def host_tolerance(marker: float | None = None, option: float | None = None) -> Tolerance | None:
+    """The tolerance of a host-set time when the test gates it (the marker's host=, else --perf-host-tolerance), or
+    None: then it is compared against HOST_NOTE and reported, never failing."""
+    if marker is not None:
+        return Tolerance(float(marker), "marker")
+    if option is not None:
+        return Tolerance(float(option), "--perf-host-tolerance")
+    return None
 
 
 def format_tolerance(comparison: TimeComparison) -> str:
-    """'5% (default)', '2.1% (calibrated from 20 runs)': a time tolerance and where it came from."""
+    """'2.5% (same machine start)': a time tolerance and where it came from."""
     return f"{comparison.tolerance * 100:.3g}% ({comparison.source})"
 
 
@@ -216,35 +260,6 @@ def compare_time(
     return TimeComparison(median, base_median, median / base_median, low, high, tolerance, verdict, source)
 
 
-@dataclass(frozen=True)
-class Reference:
-    """What a series of rounds is judged against: the baseline's samples timed alike, the tolerance and where it came
-    from, and, where the baseline's rounds were probed (the CPU's part of a round: timing.py), the median of its probe
-    times (`speed`) and its samples taken at that speed (`at_speed`). Picklable: a multi-rank benchmark hands it to
-    its ranks, which judge their gathered rounds."""
-
-    samples: list[float]
-    tolerance: float
-    source: str = "default"
-    speed: float | None = None
-    at_speed: list[float] | None = None
-
-    def judge(self, samples: Sequence[float], probes: Sequence[float] | None = None, device_time: float = 0.0
-              ) -> TimeComparison:
-        """compare_time of the samples with the baseline's. Where both were probed, the CPU's part of every round
-        (above device_time) is taken at the baseline's CPU speed first (at_cpu_speed), and the tolerance gains
-        cpu_speed_allowance for the distance between the CPU speeds (the source says so)."""
-        now, then, value, source = samples, self.samples, self.tolerance, self.source
-        if probes and self.speed is not None and self.at_speed is not None:
-            now, then = at_cpu_speed(samples, probes, self.speed, device_time), self.at_speed
-            probe = float(np.median(np.asarray(probes, dtype=np.float64)))
-            allowance = cpu_speed_allowance(probe, self.speed)
-            if allowance >= 0.001:
-                value += allowance
-                source += f"; +{allowance:.1%} for the CPU probe's {probe / self.speed - 1:+.0%}"
-        return compare_time(now, then, value, source=source)
-
-
 def compare_memory(
     peak: int, baseline_peak: int, tolerance: float, floor: int, source: str = "default", measure: str = "requested"
 ) -> MemoryComparison:
@@ -266,17 +281,19 @@ def compare_memory(
 def judge(
     time: TimeComparison | None,
     memory: MemoryComparison | None,
-    eager: TimeComparison | None = None,
+    host: TimeComparison | None = None,
     uncompared: str | None = None,
+    host_gated: bool = False,
 ) -> Verdict:
-    """Combine the comparisons (any may be absent) into one verdict; none present is NEW. `eager` is the eager time
-    of a benchmark timed in a CUDA graph: its SLOWER is labelled SLOWER-EAGER. `uncompared` says why a benchmark that
-    has a baseline got no time comparison: UNCOMPARED, which fails."""
-    if time is None and memory is None and eager is None and uncompared is None:
+    """Combine the comparisons (any may be absent) into one verdict; none present is NEW. `host` is the host-set time
+    (the eager rounds beside graph replays, or a host-timed benchmark's time): its SLOWER is SLOWER-HOST and fails
+    only with host_gated. `uncompared` says why a benchmark that has a baseline got no time comparison: UNCOMPARED,
+    which fails."""
+    if time is None and memory is None and host is None and uncompared is None:
         return Verdict(NEW)
     parts = [c.verdict for c in (time, memory) if c is not None]
-    if eager is not None:
-        parts.append(SLOWER_EAGER if eager.verdict == SLOWER else eager.verdict)
+    if host is not None and host_gated:
+        parts.append(SLOWER_HOST if host.verdict == SLOWER else host.verdict)
     if uncompared is not None:
         parts.append(UNCOMPARED)
     failing = [p for p in parts if p in FAILING]
@@ -286,16 +303,24 @@ def judge(
         label = IMPROVED
     else:
         label = PASS
-    return Verdict(label, time, memory, eager, uncompared)
+    return Verdict(label, time, memory, host, host_gated, uncompared)
+
+
+def host_note(host: TimeComparison | None, gated: bool) -> str | None:
+    """The line said beside a verdict about an ungated host-set time that moved past HOST_NOTE, else None."""
+    if host is None or gated or abs(host.change) <= HOST_NOTE:
+        return None
+    return (f"host time {format_seconds(host.median)} vs baseline {format_seconds(host.baseline_median)} "
+            f"({host.change:+.0%}; the host's speed sets it: reported, not gated)")
 
 
 def check_tolerances(args: tuple, kwargs: dict) -> dict[str, float]:
-    """Validates the arguments of a perf_tolerance marker: keywords time=, memory= and/or eager=, non-negative
-    finite fractions."""
+    """Validates the arguments of a perf_tolerance marker: keywords time=, memory= and/or host=, non-negative finite
+    fractions."""
     if args:
-        raise ValueError(f"takes keyword arguments only (time=..., memory=..., eager=...), got positional {args!r}")
+        raise ValueError(f"takes keyword arguments only (time=..., memory=..., host=...), got positional {args!r}")
     if not kwargs:
-        raise ValueError("needs time=, memory= and/or eager=")
+        raise ValueError("needs time=, memory= and/or host=")
     unknown = sorted(set(kwargs) - set(TOLERANCE_KEYS))
     if unknown:
         raise ValueError(f"unknown key(s) {', '.join(unknown)}; allowed: {', '.join(TOLERANCE_KEYS)}")

@@ -1,4 +1,4 @@
-"""The verdict rule of lmsys.perf.compare, with plain numbers."""
+"""The verdict rule of lmsys.perf.verdict, with plain numbers."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmsys.perf import compare
+from lmsys.perf import verdict as compare
 
 
 def rounds(median_ms: float, noise: float, n: int = 30, seed: int = 0) -> list[float]:
@@ -177,51 +177,50 @@ def test_format_bytes(nbytes, text):
     assert compare.format_bytes(nbytes) == text
 
 
-def test_at_cpu_speed_scales_the_cpus_part_of_each_round_by_its_probe():
-    # Rounds of 1 ms device time plus a CPU part; probes of 0.1 ms at the wanted speed, 0.2 ms on a CPU half as fast.
-    samples, probes = [1.4e-3, 1.2e-3, 0.9e-3, 2e-3], [0.2e-3, 0.1e-3, 0.1e-3, 0.0]
-    assert compare.at_cpu_speed(samples, probes, 0.1e-3, device_time=1e-3) == pytest.approx(
-        [1.2e-3, 1.2e-3, 1e-3, 2e-3]  # a round under the device time stays at it; one without a probe as it is
-    )
-    assert compare.at_cpu_speed([0.4e-3], [0.2e-3], 0.1e-3) == pytest.approx([0.2e-3])
-    with pytest.raises(ValueError):
-        compare.at_cpu_speed([1e-3, 2e-3], [1e-4], 1e-4)
+def test_the_tolerance_follows_the_case_the_comparison_is_in():
+    same = compare.time_tolerance(same_start=True)
+    other = compare.time_tolerance(same_start=False)
+    assert (same.value, same.source) == (compare.SAME_START, "same machine start")
+    assert (other.value, other.source) == (compare.OTHER_START, "baseline from another machine start")
+    assert same.value < other.value
 
 
-@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
-def test_the_cpu_probe_runs_its_autograd_backward_under_a_tests_no_grad_or_inference_mode(mode):
-    # The probe's second half is a one-element backward through autograd: a benchmark called under no_grad or
-    # inference_mode (its first probe too, which makes the probe's tensors) must still probe the same work.
-    import torch
-
-    from lmsys.perf.backend import CpuBackend
-
-    backend = CpuBackend()
-    with getattr(torch, mode)():
-        times = [backend.time_probe() for _ in range(3)]
-    assert all(t > 0 for t in times)
-    assert backend.time_probe() > 0
+def test_a_calibrated_spread_raises_the_floor_but_never_lowers_it():
+    quiet = compare.time_tolerance(same_start=True, spread=0.001, runs=10)
+    noisy = compare.time_tolerance(same_start=True, spread=0.02, runs=10)
+    assert quiet.value == compare.SAME_START
+    assert noisy.value == pytest.approx(compare.SIGMAS * math.sqrt(2) * 0.02)
+    assert noisy.source == "calibrated from 10 runs"
+    assert compare.time_tolerance(same_start=False, spread=0.01, runs=3).value == compare.OTHER_START
 
 
-def test_the_cpus_part_gains_tolerance_with_the_log_of_the_probes_ratio_either_way():
-    assert compare.cpu_speed_allowance(1e-4, 1e-4) == 0.0
-    assert compare.cpu_speed_allowance(2e-4, 1e-4) == pytest.approx(0.5 * math.log(2))
-    assert compare.cpu_speed_allowance(0.5e-4, 1e-4) == pytest.approx(0.5 * math.log(2))  # a faster CPU too
-    assert compare.cpu_speed_allowance(0.0, 1e-4) == compare.cpu_speed_allowance(1e-4, 0.0) == 0.0
+def test_a_marker_or_an_option_overrides_the_case():
+    assert compare.time_tolerance(same_start=False, marker=0.01, option=0.2) == compare.Tolerance(0.01, "marker")
+    assert compare.time_tolerance(same_start=False, option=0.2, spread=0.5) == compare.Tolerance(
+        0.2, "--perf-time-tolerance")
 
 
-def test_a_reference_judges_the_cpus_part_at_the_baselines_speed_with_the_allowance_named():
-    rng = np.random.default_rng()
-    base = list(1e-3 + 2e-3 * (1 + 0.01 * rng.standard_normal(21)))  # 1 ms of device time, 2 ms of the CPU's
-    reference = compare.Reference(base, 0.15, "default", speed=1e-4, at_speed=base)
-    # Unprobed rounds (or a baseline without probes) are compared raw.
-    slow = [1e-3 + 1.5 * (s - 1e-3) for s in base]  # the CPU 1.5 times slower: +33% raw
-    assert reference.judge(slow).verdict == compare.SLOWER
-    assert compare.Reference(base, 0.15).judge(slow, [1.5e-4] * 21, 1e-3).verdict == compare.SLOWER
-    judged = reference.judge(slow, [1.5e-4] * 21, 1e-3)
-    assert judged.verdict == compare.PASS and judged.change == pytest.approx(0.0, abs=1e-12)
-    assert judged.tolerance == pytest.approx(0.15 + 0.5 * math.log(1.5))
-    assert judged.source == "default; +20.3% for the CPU probe's +50%"
-    # Twice the CPU work at the slower speed: caught at the baseline's speed (+67%).
-    slower_path = [1e-3 + 2 * 1.5 * (s - 1e-3) for s in base]
-    assert reference.judge(slower_path, [1.5e-4] * 21, 1e-3).verdict == compare.SLOWER
+def test_a_host_set_time_is_gated_only_when_asked():
+    assert compare.host_tolerance() is None
+    assert compare.host_tolerance(marker=0.5, option=0.1) == compare.Tolerance(0.5, "marker")
+    assert compare.host_tolerance(option=0.1) == compare.Tolerance(0.1, "--perf-host-tolerance")
+    base = [1e-3] * 11
+    twice = compare.compare_time([2e-3] * 11, base, compare.HOST_NOTE)
+    assert twice.verdict == compare.SLOWER
+    ungated = compare.judge(compare.compare_time(base, base, 0.025), None, host=twice)
+    assert (ungated.label, ungated.failed) == (compare.PASS, False)
+    assert "not gated" in compare.host_note(twice, gated=False)
+    gated = compare.judge(compare.compare_time(base, base, 0.025), None, host=twice, host_gated=True)
+    assert (gated.label, gated.failed, gated.slower) == (compare.SLOWER_HOST, True, True)
+    assert "SLOWER-HOST: t host time 2 ms" in gated.message("t")
+    assert compare.host_note(twice, gated=True) is None
+
+
+def test_the_resolution_is_the_tolerance_plus_what_the_spread_costs():
+    rng = np.random.default_rng(0)
+    base = list(1e-3 * (1 + 0.001 * rng.standard_normal(200)))
+    tight = compare.compare_time(list(1e-3 * (1 + 0.001 * rng.standard_normal(200))), base, 0.025)
+    loose = compare.compare_time(list(1e-3 * (1 + 0.05 * rng.standard_normal(200))), base, 0.025)
+    assert 0.025 <= tight.resolution < 0.027
+    assert loose.resolution > tight.resolution + 0.002
+    assert tight.resolution == pytest.approx(0.025 + tight.ratio - tight.ratio_low)
