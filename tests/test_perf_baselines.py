@@ -106,33 +106,12 @@ def test_read_baseline_rejects_malformed_cpu_probe_times(tmp_path, key):
         baselines.read_baseline(path)
 
 
-def test_cpu_probe_times_count_only_beside_the_rounds_they_were_taken_with():
-    host = bench(data=(2e-4, 3e-4))
-    host["extra_info"].update(timing="host", cpu_probe_data=[1e-4, 1e-4], cpu_probe=baselines.PROBE_KIND)
-    assert baselines.probes(host, "host") == [1e-4, 1e-4]
-    del host["extra_info"]["cpu_probe"]  # saved with the old probe (the adds alone): its times are another measure
-    assert baselines.probe_kind(host) == "adds" and baselines.probes(host, "host") is None
-    host["extra_info"]["cpu_probe"] = baselines.PROBE_KIND
-    assert baselines.device_time(host) == 0.0
-    host["extra_info"]["cpu_probe_data"] = [1e-4]  # not one per round: not used
-    assert baselines.probes(host, "host") is None
+def test_launch_rounds_are_handed_out_only_where_they_were_timed_from_an_idle_device():
     graph = bench(data=(1e-3,))
-    graph["extra_info"].update(timing="graph", eager_data=[3e-3, 3e-3], eager_cpu_probe_data=[1e-4, 2e-4],
-                               eager_timing="launch", cpu_probe=baselines.PROBE_KIND)
-    assert baselines.probes(graph, "launch") == [1e-4, 2e-4]
-    assert baselines.probes(graph, "graph") is None
-    assert baselines.device_time(graph) == 1e-3
-
-
-def test_eager_rounds_timed_behind_the_old_sleep_are_not_handed_out():
-    graph = bench(data=(1e-3,))
-    graph["extra_info"].update(timing="graph", eager_data=[3e-3, 4e-3], eager_cpu_probe_data=[1e-4, 2e-4],
-                               cpu_probe=baselines.PROBE_KIND)
-    assert baselines.eager_timed_behind_sleep(graph)
-    assert baselines.samples(graph, "launch") is None and baselines.probes(graph, "launch") is None
+    graph["extra_info"].update(timing="graph", eager_data=[3e-3, 4e-3])
+    assert baselines.samples(graph, "launch") is None
     assert baselines.samples(graph, "eager") is None  # nor as eager rounds of another kind
     graph["extra_info"]["eager_timing"] = "launch"
-    assert not baselines.eager_timed_behind_sleep(graph)
     assert baselines.samples(graph, "launch") == [3e-3, 4e-3]
     assert baselines.samples(bench(data=(1.0, 2.0)), "launch") is None  # an eager-timed baseline has no such rounds
 
@@ -349,12 +328,3 @@ def test_output_problem_protects_baselines_and_existing_files(tmp_path):
     assert "is a folder" in baselines.output_problem(tmp_path, True, [])
 
 
-def test_a_baseline_probed_with_another_kind_of_probe_is_named_so():
-    host = bench(data=(2e-4, 3e-4))
-    host["extra_info"].update(timing="host", cpu_probe_data=[1e-4, 1e-4])  # no kind: the adds alone
-    assert baselines.stale_probe_kind(host, "host") == "adds"
-    host["extra_info"]["cpu_probe"] = baselines.PROBE_KIND
-    assert baselines.stale_probe_kind(host, "host") is None
-    unprobed = bench(data=(2e-4, 3e-4))
-    unprobed["extra_info"].update(timing="host")
-    assert baselines.stale_probe_kind(unprobed, "host") is None

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 from perf_fakes import INNER_CONFTEST, GPU, MACHINE, run, save_baseline
 
-from lmsys.perf import calibration, reruns
-from lmsys.perf.timing import PROBE_KIND
+from lmsys.perf import calibration, reruns, verdict
 
 pytest_plugins = ["pytester"]
 
@@ -40,8 +39,8 @@ def test_noise_is_the_relative_spread_of_the_medians_of_benchmarks_every_run_mea
     assert entry["runs"] == 3 and entry["timing"] == "eager"
     assert entry["spread"] == pytest.approx(0.02)
     assert calibration.memory_range(entry) == 2
-    assert calibration.time_tolerance(entry, "eager") == pytest.approx(3 * math.sqrt(2) * 0.02)
-    assert calibration.time_tolerance(entry, "graph") is None
+    assert calibration.device_spread(entry) == pytest.approx(0.02)
+    assert verdict.time_tolerance(same_start=True, spread=0.02, runs=3).value == pytest.approx(3 * math.sqrt(2) * 0.02)
     with pytest.raises(ValueError, match="at least 2 runs"):
         calibration.noise(docs[:1])
 
@@ -50,52 +49,20 @@ def test_a_tiny_spread_gives_the_floor_and_graph_entries_keep_their_eager_spread
     docs = [run_doc({"t::a": 1e-3}, timing="graph", eager=e) for e in (3.0e-3, 3.3e-3, 2.7e-3)]
     entry = calibration.noise(docs)["t::a"]
     assert entry["spread"] == 0
-    assert calibration.time_tolerance(entry, "graph") == calibration.FLOOR
-    # The eager rounds beside the replays (or the queued rounds, when the capture fails) take the eager spread.
-    assert calibration.time_tolerance(entry, "launch") == pytest.approx(3 * math.sqrt(2) * 0.1)
-    assert calibration.time_tolerance(entry, "eager") is None
+    assert verdict.time_tolerance(same_start=True, spread=calibration.device_spread(entry)).value == verdict.SAME_START
+    # The LAUNCH rounds beside the replays (or the queued rounds, when the capture fails) keep their own spread.
+    assert entry["eager_spread"] == pytest.approx(0.1)
 
 
 def test_eager_rounds_timed_behind_the_old_sleep_give_no_eager_tolerance():
     docs = [run_doc({"t::a": 1e-3}, timing="graph", eager=e, eager_timing=None) for e in (3.0e-3, 3.3e-3)]
     entry = calibration.noise(docs)["t::a"]
-    assert "eager_spread" not in entry and calibration.time_tolerance(entry, "launch") is None
-    old_file_entry = {**entry, "eager_medians": [3.0e-3, 3.3e-3], "eager_spread": 0.07}  # written before the change
-    assert calibration.time_tolerance(old_file_entry, "launch") is None
-    assert calibration.time_tolerance(old_file_entry, "graph") == calibration.FLOOR
+    assert "eager_spread" not in entry
 
 
-def _probed(speed: float, device: float = 0.0) -> dict:
-    """A benchmark whose CPU ran `speed` times slower than at full speed: its host rounds, or its eager rounds above
-    `device` seconds of device time (graph timing), and the CPU probe's times beside them."""
-    cpu = [0.2e-3 * speed * (1 + k / 100) for k in (-1, 0, 1)]
-    probes = [1e-4 * speed] * 3
-    if not device:
-        return {"fullname": "t::a", "name": "t::a", "stats": {"median": cpu[1], "data": cpu},
-                "extra_info": {"timing": "host", "cpu_probe_data": probes, "cpu_probe": PROBE_KIND}}
-    eager = [device + x for x in cpu]
-    return {"fullname": "t::a", "name": "t::a", "stats": {"median": device, "data": [device] * 3},
-            "extra_info": {"timing": "graph", "eager_data": eager, "eager_median": eager[1],
-                           "eager_cpu_probe_data": probes, "eager_timing": "launch", "cpu_probe": PROBE_KIND}}
-
-
-@pytest.mark.parametrize("device", [0.0, 1e-3], ids=["host", "graph-eager"])
-def test_the_cpus_part_is_calibrated_at_one_cpu_speed(device):
-    # Three runs whose CPU ran at full, half and two-thirds speed: the raw medians spread widely, the medians at the
-    # first run's CPU speed do not (the same code), as the gate will judge them.
-    docs = [{"benchmarks": [_probed(speed, device)]} for speed in (1.0, 2.0, 1.5)]
-    entry = calibration.noise(docs)["t::a"]
-    key, flag = ("spread", "cpu_speed") if not device else ("eager_spread", "eager_cpu_speed")
-    assert entry[key] == pytest.approx(0.0, abs=1e-9)
-    assert entry[flag] == f"probed ({PROBE_KIND})"
-    docs[1]["benchmarks"][0]["extra_info"]["cpu_probe"] = "adds"  # one run probed otherwise: the raw medians' spread
-    entry = calibration.noise(docs)["t::a"]
-    assert entry[key] > 0.05 and flag not in entry
-    docs[1]["benchmarks"][0]["extra_info"]["cpu_probe"] = PROBE_KIND
-    for doc in docs[1:]:  # without the probe times of one run, the raw medians' spread
-        doc["benchmarks"][0]["extra_info"].pop("cpu_probe_data" if not device else "eager_cpu_probe_data")
-        entry = calibration.noise(docs)["t::a"]
-        assert entry[key] > 0.05 and flag not in entry
+def test_a_host_timed_entry_raises_no_device_tolerance():
+    entry = calibration.noise([run_doc({"t::a": m}, timing="host") for m in (1e-3, 1.5e-3)])["t::a"]
+    assert entry["spread"] > 0.1 and calibration.device_spread(entry) is None
 
 
 def test_mixed_timings_are_not_calibrated():
@@ -188,20 +155,20 @@ def test_calibrate_reruns_in_fresh_processes_and_the_next_compare_uses_it(pytest
         "lmsys perf: calibration run 1 of 2 done (exit 0)",
         "lmsys perf: calibration run 2 of 2 done (exit 0); calibration.json holds these 2 runs",
         f"calibration of 1 benchmark(s) written to {path}",
-        "  test_suite.py::test_a: eager median spread *% over 2 runs -> time tolerance *%",
+        "  test_suite.py::test_a: eager median spread *% over 2 runs -> time tolerance *% (*)",
     ])
     entry = calibration.read(path.parent)["test_suite.py::test_a"]
     assert entry["runs"] == 2 and len(set(entry["medians"])) == 2
-    tolerance = calibration.time_tolerance(entry, "eager")
-    assert tolerance < 0.05
-    # 4% slower: the default 5% would pass it; the calibrated tolerance does not.
+    tolerance = verdict.time_tolerance(same_start=True, spread=calibration.device_spread(entry), runs=2)
+    assert tolerance.value < 0.04
+    # 4% slower: beyond the tolerance the calibration leaves.
     pytester.makeconftest(INNER_CONFTEST.format(name=GPU))
     pytester.makepyfile(test_suite="def test_a(gpu_benchmark, fake):\n"
                                    "    gpu_benchmark(fake.work(1.04, noise=0.001, memory=64 * 2**20))\n")
     result = run(pytester, "--benchmark-compare")
     result.stdout.fnmatch_lines([
         "lmsys perf: noise calibration of 1 benchmark(s) in *calibration.json",
-        f"*SLOWER: test_a median * (+*%, tolerance {tolerance * 100:.3g}% (calibrated from 2 runs)*",
+        f"*SLOWER: test_a median * (+*%, tolerance {tolerance.value * 100:.3g}% ({tolerance.source})*",
     ])
     result.assert_outcomes(failed=1)
 
