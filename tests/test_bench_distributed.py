@@ -94,7 +94,7 @@ def fake_launch(fail_first_with: str):
 
 def test_a_rank_out_of_memory_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch):
     launch, calls = fake_launch(OOM_DETAILS)
-    monkeypatch.setattr(ranks, "launch", launch)
+    monkeypatch.setattr(ranks, "launch_ranks", launch)
     assert main(["allreduce", "--sizes", "1GiB", "1MiB", *ROUNDS, "-o", str(tmp_path / "ar.csv")]) == 0
     assert [kwargs["nbytes"] for kwargs in calls] == [2**30, 2**20]
     table = pd.read_csv(tmp_path / "ar.csv").set_index("size")
@@ -106,7 +106,7 @@ def test_a_rank_out_of_memory_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch
 
 def test_any_other_rank_failure_ends_the_run(monkeypatch):
     launch, _ = fake_launch("Traceback (most recent call last):\nValueError: no such wrapper")
-    monkeypatch.setattr(ranks, "launch", launch)
+    monkeypatch.setattr(ranks, "launch_ranks", launch)
     with pytest.raises(RankError, match="no such wrapper"):
         main(["ddp", "--wrappers", "torch-ddp", *ROUNDS])
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lmsys.distributed.ddp import DDPBucketed, DDPFlat, DDPIndividualParameters, DDPNaive
-from lmsys.distributed.launch import init_process_group, launch
+from lmsys.distributed.launch import init_process_group, launch_ranks
 from lmsys.distributed.sharded_optimizer import ShardedOptimizer
 from lmsys.distributed.steps import build_train_step
 from lmsys.model import SIZES, TransformerLM
@@ -131,7 +131,7 @@ def _optimizer(variant: str, params) -> torch.optim.Optimizer:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_variant_trains_the_lm_like_a_single_process(seed, backend):
-    counts = launch(_train_like_single_process, 2, seed, "lm", list(VARIANTS), backend=backend, timeout=120)
+    counts = launch_ranks(_train_like_single_process, 2, seed, "lm", list(VARIANTS), backend=backend, timeout=120)
     assert counts[0] == counts[1]
     trainable = len(list(TransformerLM(SIZES["tiny"]).parameters()))
     assert counts[0]["bucketed_per_parameter"] == counts[0]["naive"] == counts[0]["individual"] == trainable
@@ -141,7 +141,7 @@ def test_every_variant_trains_the_lm_like_a_single_process(seed, backend):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_tied_frozen_and_unused_parameters_like_a_single_process(seed, world_size):
-    counts = launch(_train_like_single_process, world_size, seed, "tied_frozen", list(VARIANTS), timeout=120)
+    counts = launch_ranks(_train_like_single_process, world_size, seed, "tied_frozen", list(VARIANTS), timeout=120)
     assert counts[0]["bucketed_per_parameter"] == 5  # embedding (= head), unused, hidden weight and bias, extra
     assert counts[0]["bucketed_one"] == 1
 
@@ -158,7 +158,7 @@ def _backward_twice() -> str:
 
 
 def test_second_backward_without_synchronization_is_an_error():
-    messages = launch(_backward_twice, 2, timeout=60)
+    messages = launch_ranks(_backward_twice, 2, timeout=60)
     assert all("became ready twice without finish_gradient_synchronization()" in m for m in messages), messages
 
 
@@ -207,7 +207,7 @@ def test_the_captured_step_trains_like_the_eager_one(wrapper, compute):
     # Graph mode of the DDP benchmarks times replays: they must be the step (backward, synchronization, optimizer),
     # not a part of it. A replay that skipped the update or applied it twice would leave the copies a third apart.
     world_size = 1 if wrapper == "single" else 2
-    results = launch(_captured_against_eager, world_size, wrapper, compute, backend="nccl", timeout=300)
+    results = launch_ranks(_captured_against_eager, world_size, wrapper, compute, backend="nccl", timeout=300)
     for rank, apart in enumerate(results):
         assert apart < 0.02, f"rank {rank}: the captured step's parameters end {apart:.1%} from the eager step's"
 
@@ -227,5 +227,5 @@ def _refused_then_stepped() -> str:
 def test_torch_ddp_refuses_the_capture_before_recording_anything():
     # torch's DistributedDataParallel fails a capture midway (its reducer), which left a rank out of memory: the
     # benchmarked step refuses it at once, so graph mode times it queued, and the rank goes on as before.
-    (message,) = launch(_refused_then_stepped, 1, backend="nccl", timeout=300)
+    (message,) = launch_ranks(_refused_then_stepped, 1, backend="nccl", timeout=300)
     assert "DistributedDataParallel" in message

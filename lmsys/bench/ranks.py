@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from lmsys.bench import sweep
-from lmsys.distributed.launch import RankError, init_process_group, launch
+from lmsys.distributed.launch import RankError, init_process_group, launch_ranks
 from lmsys.perf import multirank
 from lmsys.perf.backend import CpuBackend, CudaBackend
 from lmsys.perf.fixture import oom_reason
@@ -149,7 +149,7 @@ def measure(world: World, setup: Callable, setup_kwargs: dict, args: argparse.Na
     )
     if world.torchrun:
         return measure_on_rank(settings)
-    return launch(measure_on_rank, world_size or world.size, settings, backend=world.transport,
+    return launch_ranks(measure_on_rank, world_size or world.size, settings, backend=world.transport,
                   timeout=args.timeout)[0]
 
 
