@@ -1,7 +1,7 @@
 """Run a function on N ranks in fresh processes, with a timeout and the failing rank's traceback.
 
-`launch_ranks(fn, world_size, *args)` starts `world_size` processes, initializes `torch.distributed` in each (gloo on the
-CPU, NCCL when there is a GPU per rank) and returns what `fn(*args)` returned on each rank, in rank order. The ranks
+`launch_ranks(fn, world_size, *args)` starts `world_size` processes, initializes `torch.distributed` in each (gloo on
+the CPU, NCCL when there is a GPU per rank) and returns what `fn(*args)` returned on each rank, in rank order. The ranks
 see the environment torchrun sets (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), so rank
 code that starts with `init_process_group()` runs unchanged under `torchrun --nproc-per-node=N` on more GPUs or nodes.
 We add no transport: torch.distributed is the engine.
