@@ -36,7 +36,7 @@ from lmsys.flops import attention_flops
 
 PROVIDERS = ("naive", "naive_compiled", "flash_torch_compiled", "flash_triton", "sdpa_flash", "sdpa_cudnn")
 # Up to this length the fused kernels are launch-bound on an H100 (the CPU's launch path costs more than the
-# kernels): on a GPU they are timed as CUDA-graph replays, their eager time kept beside (README, "Graph mode").
+# kernels): on a GPU they are timed as CUDA-graph replays, their eager time kept beside (docs/gate.md, "Graph mode").
 GRAPH_PROVIDERS = ("flash_triton", "sdpa_flash", "sdpa_cudnn")
 GRAPH_MAX_SEQ = 4096
 MODES = ("fwd", "bwd", "fwd_bwd")
@@ -181,7 +181,7 @@ def test_attention_leaderboard(gpu_benchmark, fresh_compiler, device, seed, prov
     run_case(gpu_benchmark, device, provider, shape, True, torch.bfloat16, "fwd_bwd", compile_all=True)
 
 
-# The CPU's cost of one call (host timing: README, "Launch cost (host timing)"), at a size where the GPU's work (about
+# The CPU's cost of one call (host timing: docs/gate.md, "Launch cost (host timing)"), at a size where the GPU's work (about
 # 0.1 ms of forward + backward on an H100) is less than it: what a model with many small attention layers pays per
 # layer.
 # `sdpa` is the plain call, SDPA picking its backend; the restricted backends pay for sdpa_kernel's context too.

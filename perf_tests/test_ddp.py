@@ -3,7 +3,7 @@ and the same step on one device for the scaling ratio, each on ranks spawned by 
 
 Per benchmark: the step time (each round the slowest rank's; on GPUs device time, each rank's step replayed as a
 CUDA graph, or queued when a rank cannot capture it, with the eager rounds, launch cost included, beside as the CPU's
-part: README, "Several ranks"), the share of it spent waiting for gradient communication after backward (extra_info
+part: docs/gate.md, "Several ranks"), the share of it spent waiting for gradient communication after backward (extra_info
 spans.comm_wait, from the eager rounds; torch DDP waits inside backward, so it has none), each rank's memory
 (extra_info per_rank_memory: after initialization, before and after the optimizer step); the gate judges the time
 and the largest rank's peak. Weak-scaling efficiency = single-device step / N-rank step.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A part of the gate's detection measured on a lent GPU machine whose calls last at most 10 minutes and whose copy of
-# the tree is synced again at every call (README, "Measuring the gate"): the job runs in the background from a frozen
+# the tree is synced again at every call (docs/gate-measurements.md): the job runs in the background from a frozen
 # copy of the tree, and each later call waits for it a while.
 #
 #   bash scripts/detection_on_device.sh start PART GATE COMMIT [RUNS]   PART: attention or rest; GATE: the folder

@@ -1,5 +1,5 @@
 """How a launch cost (host timing) moves between fresh processes, by clock and by CPU probe: the numbers behind
-the gate's choice of what to judge for host-timed benchmarks (README, "Launch cost (host timing)").
+the gate's choice of what to judge for host-timed benchmarks (docs/gate.md, "Launch cost (host timing)").
 
     PYTHONPATH=. python scripts/host_timing_study.py OUT.csv [--processes 8] [--rounds 200] [--pin CPU]
 

@@ -1,6 +1,7 @@
 """`lmsys-bench allreduce` and `lmsys-bench ddp` on the CPU: two gloo ranks spawned by the command (small tensors, the
-tiny model, few rounds), the columns and the files written; an out-of-memory rank as a row (a fake launch); the
-usage errors; and allreduce under torchrun."""
+tiny model, few rounds), the columns and the files written; ddp's --graph option down to every rank (on the CPU the
+capture fails on every rank and the note says so) and into the gate's settings (a fake launch); an out-of-memory
+rank as a row (a fake launch); the usage errors; and allreduce under torchrun."""
 
 import json
 import os
@@ -77,6 +78,43 @@ def test_ddp_rows_per_wrapper_with_scaling_efficiency_against_single(tmp_path):
     else:  # no memory reading on the CPU, and no peak to take a fraction of
         assert table["peak_memory_gib"].isna().all() and table["mfu"].isna().all()
     assert len(json.loads(js.read_text())) == 4
+    if not GPU:  # eager by default on the CPU: no eager rounds beside, no capture to note
+        assert (table["timing"] == "eager").all() and table["eager_ms"].isna().all() and table["note"].isna().all()
+
+
+def test_ddp_graph_option_captures_the_step_on_every_rank_or_notes_why_not(tmp_path, capsys):
+    csv = tmp_path / "ddp.csv"
+    status = main(["ddp", "--world-size", "2", "--size", "tiny", "--context", "32", "--batch", "2",
+                   "--wrappers", "bucketed-1mb", "--graph", *ROUNDS, "-o", str(csv)])
+    assert status == 0
+    (row,) = pd.read_csv(csv).to_dict("records")
+    printed = capsys.readouterr().out
+    assert row["status"] == "ok" and row["median_ms"] > 0
+    if GPU:  # replays timed, the eager rounds beside
+        assert row["timing"] == "graph" and row["eager_ms"] > 0 and pd.isna(row["note"])
+        assert "CUDA graphs, eager rounds beside" in printed
+    else:  # each rank tried the capture; the CPU has no CUDA graphs, so the rounds are eager and the note says why
+        assert row["timing"] == "eager" and pd.isna(row["eager_ms"])
+        assert row["note"] == ("timed eagerly: the CUDA graph capture failed on rank 0 "
+                               "(RuntimeError: CUDA graphs need a CUDA device)")
+        assert "eager (no CUDA graphs on the CPU)" in printed
+        assert f"note: fp32-bucketed-1mb-ws2: {row['note']}" in printed
+    assert (row["comm_wait_share"] > 0) and (row["comm_wait_share"] < 1)
+
+
+@pytest.mark.parametrize("arguments, graph", [([], GPU), (["--graph"], True), (["--no-graph"], False)])
+def test_ddp_graph_option_reaches_every_case_as_the_gate_sets_it(arguments, graph, monkeypatch):
+    seen = []
+
+    def launch(fn, world_size, settings, backend, timeout):
+        seen.append(settings)
+        return [{"samples": [1e-3], "readings": [(None, {})] * world_size, "spans": {}}, None]
+
+    monkeypatch.setattr(ranks, "launch_ranks", launch)
+    assert main(["ddp", "--dtypes", "fp32", "--wrappers", "single", "fsdp", *arguments, *ROUNDS]) == 0
+    assert [(s.setup_kwargs["wrapper"], s.graph) for s in seen] == [("single", graph), ("fsdp", graph)]
+    # Graph mode is the gate's: a step that cannot be captured is timed queued on a GPU, as perf_tests time it.
+    assert all(s.queued == (graph and GPU) for s in seen)
 
 
 def fake_launch(fail_first_with: str):
@@ -94,7 +132,7 @@ def fake_launch(fail_first_with: str):
 
 def test_a_rank_out_of_memory_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch):
     launch, calls = fake_launch(OOM_DETAILS)
-    monkeypatch.setattr(ranks, "launch", launch)
+    monkeypatch.setattr(ranks, "launch_ranks", launch)
     assert main(["allreduce", "--sizes", "1GiB", "1MiB", *ROUNDS, "-o", str(tmp_path / "ar.csv")]) == 0
     assert [kwargs["nbytes"] for kwargs in calls] == [2**30, 2**20]
     table = pd.read_csv(tmp_path / "ar.csv").set_index("size")
@@ -106,7 +144,7 @@ def test_a_rank_out_of_memory_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch
 
 def test_any_other_rank_failure_ends_the_run(monkeypatch):
     launch, _ = fake_launch("Traceback (most recent call last):\nValueError: no such wrapper")
-    monkeypatch.setattr(ranks, "launch", launch)
+    monkeypatch.setattr(ranks, "launch_ranks", launch)
     with pytest.raises(RankError, match="no such wrapper"):
         main(["ddp", "--wrappers", "torch-ddp", *ROUNDS])
 

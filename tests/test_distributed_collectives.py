@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from lmsys.distributed.collectives import ALL_REDUCE_SIZES, all_reduce_tensor, broadcast_coalesced, bus_bandwidth
-from lmsys.distributed.launch import launch
+from lmsys.distributed.launch import launch_ranks
 
 
 def test_bus_bandwidth_is_the_ring_all_reduce_traffic_per_second():
@@ -51,4 +51,4 @@ def _broadcast_from_each_rank(seed: int) -> None:
 
 
 def test_broadcast_coalesced_delivers_every_tensor_from_every_source(seed):
-    launch(_broadcast_from_each_rank, 3, seed, timeout=60)
+    launch_ranks(_broadcast_from_each_rank, 3, seed, timeout=60)

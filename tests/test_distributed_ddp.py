@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lmsys.distributed.ddp import DDPBucketed, DDPFlat, DDPIndividualParameters, DDPNaive
-from lmsys.distributed.launch import init_process_group, launch
+from lmsys.distributed.launch import init_process_group, launch_ranks
 from lmsys.distributed.sharded_optimizer import ShardedOptimizer
-from lmsys.distributed.steps import build_train_step
+from lmsys.distributed.steps import CAPTURED, build_train_step
 from lmsys.model import SIZES, TransformerLM
 from lmsys.perf.backend import CudaBackend
 from lmsys.perf.multirank import RankContext
@@ -131,7 +131,7 @@ def _optimizer(variant: str, params) -> torch.optim.Optimizer:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_variant_trains_the_lm_like_a_single_process(seed, backend):
-    counts = launch(_train_like_single_process, 2, seed, "lm", list(VARIANTS), backend=backend, timeout=120)
+    counts = launch_ranks(_train_like_single_process, 2, seed, "lm", list(VARIANTS), backend=backend, timeout=120)
     assert counts[0] == counts[1]
     trainable = len(list(TransformerLM(SIZES["tiny"]).parameters()))
     assert counts[0]["bucketed_per_parameter"] == counts[0]["naive"] == counts[0]["individual"] == trainable
@@ -141,7 +141,7 @@ def test_every_variant_trains_the_lm_like_a_single_process(seed, backend):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_tied_frozen_and_unused_parameters_like_a_single_process(seed, world_size):
-    counts = launch(_train_like_single_process, world_size, seed, "tied_frozen", list(VARIANTS), timeout=120)
+    counts = launch_ranks(_train_like_single_process, world_size, seed, "tied_frozen", list(VARIANTS), timeout=120)
     assert counts[0]["bucketed_per_parameter"] == 5  # embedding (= head), unused, hidden weight and bias, extra
     assert counts[0]["bucketed_one"] == 1
 
@@ -158,7 +158,7 @@ def _backward_twice() -> str:
 
 
 def test_second_backward_without_synchronization_is_an_error():
-    messages = launch(_backward_twice, 2, timeout=60)
+    messages = launch_ranks(_backward_twice, 2, timeout=60)
     assert all("became ready twice without finish_gradient_synchronization()" in m for m in messages), messages
 
 
@@ -201,20 +201,21 @@ def _captured_against_eager(wrapper: str, compute: str) -> float:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("compute", ["fp32", "bf16"])
-@pytest.mark.parametrize("wrapper", ["single", *(pytest.param(name, marks=TWO_GPUS) for name in
-                                                ("naive", "flat", "individual", "bucketed-1mb"))])
+@pytest.mark.parametrize("wrapper", [name if name == "single" else pytest.param(name, marks=TWO_GPUS)
+                                     for name in CAPTURED])
 def test_the_captured_step_trains_like_the_eager_one(wrapper, compute):
-    # Graph mode of the DDP benchmarks times replays: they must be the step (backward, synchronization, optimizer),
-    # not a part of it. A replay that skipped the update or applied it twice would leave the copies a third apart.
+    # Graph mode of the DDP benchmarks times replays of the steps in CAPTURED: they must be the step (backward,
+    # synchronization, optimizer), not a part of it. A replay that skipped the update or applied it twice would leave
+    # the copies a third apart.
     world_size = 1 if wrapper == "single" else 2
-    results = launch(_captured_against_eager, world_size, wrapper, compute, backend="nccl", timeout=300)
+    results = launch_ranks(_captured_against_eager, world_size, wrapper, compute, backend="nccl", timeout=300)
     for rank, apart in enumerate(results):
         assert apart < 0.02, f"rank {rank}: the captured step's parameters end {apart:.1%} from the eager step's"
 
 
-def _refused_then_stepped() -> str:
+def _refused_then_stepped(wrapper: str, sharded: bool) -> str:
     ctx = _cuda_rank()
-    step, _ = build_train_step(ctx, "tiny", 64, 2, "bf16", "torch-ddp")
+    step, _ = build_train_step(ctx, "tiny", 64, 2, "bf16", wrapper, sharded=sharded)
     with pytest.raises(RuntimeError, match="not captured") as refused:
         ctx.backend.capture_graph(step)
     step()  # nothing was recorded: the step still runs
@@ -224,8 +225,15 @@ def _refused_then_stepped() -> str:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_torch_ddp_refuses_the_capture_before_recording_anything():
-    # torch's DistributedDataParallel fails a capture midway (its reducer), which left a rank out of memory: the
-    # benchmarked step refuses it at once, so graph mode times it queued, and the rank goes on as before.
-    (message,) = launch(_refused_then_stepped, 1, backend="nccl", timeout=300)
-    assert "DistributedDataParallel" in message
+@pytest.mark.parametrize("wrapper, sharded, named", [
+    ("torch-ddp", False, "DistributedDataParallel"),
+    ("fsdp", False, "the captured step of fsdp is not tested"),
+    ("torch-fsdp2", False, "the captured step of torch-fsdp2 is not tested"),
+    ("bucketed-100mb", True, "the captured step of bucketed-100mb with ShardedOptimizer is not tested"),
+])
+def test_a_step_outside_captured_refuses_the_capture_before_recording_anything(wrapper, sharded, named):
+    # torch's DistributedDataParallel fails a capture midway (its reducer), which left a rank out of memory; the
+    # replays of the others are not checked against the eager step. The benchmarked step refuses the capture at
+    # once, so graph mode times it queued, and the rank goes on as before.
+    (message,) = launch_ranks(_refused_then_stepped, 1, wrapper, sharded, backend="nccl", timeout=300)
+    assert named in message

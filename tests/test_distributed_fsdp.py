@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lmsys.distributed.fsdp import FSDP
-from lmsys.distributed.launch import init_process_group, launch
+from lmsys.distributed.launch import init_process_group, launch_ranks
 from lmsys.model import SIZES, TransformerLM
 from lmsys.train import cross_entropy
 
@@ -153,7 +153,7 @@ def _train_like_single_process(seed: int, model_name: str, compute_dtype: torch.
     ids=str,
 )
 def test_fp32_training_matches_a_single_process(seed, model_name, world_size, backend):
-    shard_sizes = launch(_train_like_single_process, world_size, seed, model_name, None, backend=backend, timeout=120)
+    shard_sizes = launch_ranks(_train_like_single_process, world_size, seed, model_name, None, backend=backend, timeout=120)
     assert all(sizes == shard_sizes[0] for sizes in shard_sizes)
     units = _unit_sizes(model_name, MODELS[model_name]())
     assert shard_sizes[0] == [-(-size // world_size) for size in units]
@@ -188,7 +188,7 @@ def _linear_params(module: nn.Module):
     ids=str,
 )
 def test_compute_dtype_is_close_to_a_single_process_casting_its_weights(seed, model_name, compute_dtype, backend):
-    launch(_train_like_single_process, 2, seed, model_name, compute_dtype, backend=backend, timeout=120)
+    launch_ranks(_train_like_single_process, 2, seed, model_name, compute_dtype, backend=backend, timeout=120)
 
 
 def _state_dict_round_trip(seed: int) -> None:
@@ -208,7 +208,7 @@ def _state_dict_round_trip(seed: int) -> None:
 
 
 def test_state_dict_round_trips(seed):
-    launch(_state_dict_round_trip, 2, seed, timeout=60)
+    launch_ranks(_state_dict_round_trip, 2, seed, timeout=60)
 
 
 def _backward_twice() -> str:
@@ -223,7 +223,7 @@ def _backward_twice() -> str:
 
 
 def test_second_backward_without_synchronization_is_an_error():
-    messages = launch(_backward_twice, 2, timeout=60)
+    messages = launch_ranks(_backward_twice, 2, timeout=60)
     assert all("became ready twice without finish_gradient_synchronization()" in m for m in messages), messages
 
 
@@ -268,7 +268,7 @@ def test_peak_memory_is_a_shard_of_the_model_plus_a_few_layers_on_two_gpus():
     layers, dim, world_size = 32, 2048, 2
     layer_bytes = dim * dim * 4  # one unit's fp32 weights, 16 MiB
     model_bytes = layers * layer_bytes  # 512 MiB
-    for shard_bytes, base, peak, after in launch(_peak_memory, world_size, layers, dim, backend="nccl", timeout=300):
+    for shard_bytes, base, peak, after in launch_ranks(_peak_memory, world_size, layers, dim, backend="nccl", timeout=300):
         assert shard_bytes == model_bytes // world_size
         # Above the shards: their fp32 gradients (1/N of the model) and a few units in flight: two gathered (bf16),
         # one unit's gradients (bf16), two reduce-scatter inputs (fp32). Unsharded weights and gradients: 1 GiB.

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from lmsys.distributed import launch as launch_module
-from lmsys.distributed.launch import RankError, RankTimeout, init_process_group, launch
+from lmsys.distributed.launch import RankError, RankTimeout, init_process_group, launch_ranks
 
 TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
@@ -30,7 +30,7 @@ def _report(offset: int, *, scale: int) -> dict:
 
 
 def test_returns_each_rank_result_in_rank_order_with_torchrun_environment():
-    results = launch(_report, 3, 10, scale=2, backend="gloo", timeout=60)
+    results = launch_ranks(_report, 3, 10, scale=2, backend="gloo", timeout=60)
     assert [r["rank"] for r in results] == [0, 1, 2]
     for rank, result in enumerate(results):
         assert (result["world_size"], result["backend"], result["device"]) == (3, "gloo", "cpu")
@@ -51,7 +51,7 @@ def _rank_one_raises() -> None:
 def test_raising_rank_fails_fast_with_its_traceback():
     # A launcher that waited for rank 0 would end in RankTimeout after 60 s; RankError means it stopped rank 0 first.
     with pytest.raises(RankError) as info:
-        launch(_rank_one_raises, 2, timeout=60)
+        launch_ranks(_rank_one_raises, 2, timeout=60)
     assert type(info.value) is RankError and info.value.rank == 1
     message = str(info.value)
     assert message.startswith("rank 1 of 2 failed")
@@ -69,7 +69,7 @@ def _rank_one_hangs(pid_file: str) -> int:
 def test_hanging_rank_is_killed_after_the_timeout(tmp_path):
     pid_file = tmp_path / "pid"
     with pytest.raises(RankTimeout) as info:
-        launch(_rank_one_hangs, 2, str(pid_file), timeout=3)
+        launch_ranks(_rank_one_hangs, 2, str(pid_file), timeout=3)
     assert info.value.ranks == [1]
     assert "ranks [1] of 2 still running after the 3 s timeout" in str(info.value)
     assert not _exists(int(pid_file.read_text()))
@@ -99,7 +99,7 @@ def _rank_one_dies(how: str) -> None:
 @pytest.mark.parametrize("how,expected", [("signal", "died from signal SIGKILL"), ("exit", "exited with code 3")])
 def test_rank_that_dies_without_reporting_is_named_with_its_exit_status(how, expected):
     with pytest.raises(RankError, match=f"rank 1 of 2 failed:\n{expected}"):
-        launch(_rank_one_dies, 2, how, timeout=60)
+        launch_ranks(_rank_one_dies, 2, how, timeout=60)
 
 
 def _unpicklable():
@@ -108,7 +108,7 @@ def _unpicklable():
 
 def test_unpicklable_result_is_an_error_naming_the_function():
     with pytest.raises(RankError, match="the return value of _unpicklable on rank 0 cannot be pickled"):
-        launch(_unpicklable, 1, timeout=60)
+        launch_ranks(_unpicklable, 1, timeout=60)
 
 
 def test_taken_port_is_retried(monkeypatch):
@@ -118,11 +118,11 @@ def test_taken_port_is_retried(monkeypatch):
         ports = [taken.getsockname()[1]]
         free_port = launch_module._free_port
         monkeypatch.setattr(launch_module, "_free_port", lambda: ports.pop() if ports else free_port())
-        assert [r["rank"] for r in launch(_report, 2, 0, scale=1, timeout=60)] == [0, 1]
+        assert [r["rank"] for r in launch_ranks(_report, 2, 0, scale=1, timeout=60)] == [0, 1]
         assert not ports
         monkeypatch.setattr(launch_module, "_free_port", lambda: taken.getsockname()[1])
         with pytest.raises(RuntimeError, match="port in use 3 times"):
-            launch(_report, 2, 0, scale=1, timeout=60)
+            launch_ranks(_report, 2, 0, scale=1, timeout=60)
 
 
 @pytest.mark.parametrize(
@@ -135,7 +135,7 @@ def test_taken_port_is_retried(monkeypatch):
 )
 def test_bad_arguments_are_refused_before_starting_ranks(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        launch(_report, **kwargs)
+        launch_ranks(_report, **kwargs)
 
 
 def test_init_process_group_outside_launch_names_the_missing_variables(monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lmsys.distributed.launch import init_process_group, launch
+from lmsys.distributed.launch import init_process_group, launch_ranks
 from lmsys.distributed.sharded_optimizer import ShardedOptimizer
 from lmsys.optim import AdamW
 
@@ -86,7 +86,7 @@ def _state_numel(optimizer: torch.optim.Optimizer) -> int:
     "world_size,backend", [(2, "gloo"), (3, "gloo"), pytest.param(2, "nccl", marks=TWO_GPUS)], ids=str
 )
 def test_sharded_matches_unsharded_adamw_over_10_steps(seed, world_size, backend):
-    results = launch(_sharded_like_unsharded, world_size, seed, list(OPTIMIZERS), backend=backend, timeout=120)
+    results = launch_ranks(_sharded_like_unsharded, world_size, seed, list(OPTIMIZERS), backend=backend, timeout=120)
     total_params = sum(torch.Size(shape).numel() for shape in SHAPES)
     largest = max(torch.Size(shape).numel() for shape in SHAPES)
     for name in OPTIMIZERS:
@@ -110,7 +110,7 @@ def _bad_state_dict() -> str:
 
 
 def test_state_dict_of_other_parameters_is_refused():
-    messages = launch(_bad_state_dict, 2, timeout=60)
+    messages = launch_ranks(_bad_state_dict, 2, timeout=60)
     assert all("the state dict's groups hold [3] parameters, this optimizer's [2]" in m for m in messages), messages
 
 

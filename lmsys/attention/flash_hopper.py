@@ -18,13 +18,8 @@ mask, key tiles above the diagonal are never loaded and only the diagonal tiles 
 mask. The launch order is the Triton forward's (lmsys.attention.launch_order): heads in groups that keep their keys
 and values in L2, heaviest query block first.
 
-FA3 also has its two consumer warpgroups take turns to issue their products (its scheduler barrier, "pingpong"), so
-that one's softmax runs while the other's products are on the tensor cores. Built here with an mbarrier per warpgroup
-(PINGPONG, commit ebcb83f) and slower on the H100 at every point where it differed (2026-11-26, session 59;
-`scripts/attention_backward_variants.py --modes fwd --repeats 3 --clock queued`, causal bf16, medians of 3, with and
-without it in the same run): at the leaderboard's (16, 16384, 64) with this kernel at d=64 1.226 ms against 1.208
-(forward and backward 4.196 against 4.178); on one head at d=64 0.3137 and 1.183 ms against 0.2924 and 1.114 at 32768
-and 65536 tokens, at d=128 0.3947 and 1.523 against 0.3875 and 1.499; at 8192 and 16384 tokens within 0.5%. Removed.
+FA3 also has its two consumer warpgroups take turns to issue their products ("pingpong"); here they do not: built
+with an mbarrier per warpgroup it was slower on the H100 (docs/attention.md, with the other variants measured).
 
 Scope: CUDA tensors of compute capability 9.0, bf16 or fp16, head dim 128 (or 64 on long sequences:
 `plan`), both lengths multiples of 128, enough query blocks to give every multiprocessor one (MIN_PROGRAMS_PER_SM), each
@@ -61,7 +56,7 @@ WARPGROUP_ROWS = 64
 # may then fall past the queries (lengths are multiples of 128, not of 192): they run, and store nothing.
 CONSUMER_REGS_3 = 160
 BLOCK_N = 128  # keys per tile
-NUM_STAGES = 2  # K and V buffers per ring; 3 measured no faster on the H100
+NUM_STAGES = 2  # K and V buffers per ring; 3 are no faster
 HEAD_DIMS = (64, 128)  # what it compiles for; where it runs: `plan`
 # setmaxnreg budgets: 2 x 128 consumer threads at 240 and 32 producer threads at 24 fit the 64K registers.
 CONSUMER_REGS = 240
@@ -71,32 +66,16 @@ LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 
 # Programs per multiprocessor below which the Triton forward runs instead: with few programs its smaller tiles (more
-# programs) win. Measured on two starts of the lent H100 at (1, 4096, 128) causal bf16 (32 programs here): 131 and
-# 59 us against the Triton forward's 65 and 49 us; at (4, 16, 8192, 128) (4096 programs) this kernel is 17% faster.
+# programs) win. Each threshold here is where this kernel was measured faster than the Triton forward on the H100
+# (docs/attention.md); sizes not timed keep the Triton forward.
 MIN_PROGRAMS_PER_SM = 1
-# At d=64 it runs a narrower window, where it was measured faster than the Triton forward: from FORWARD_64_MIN_KEYS
-# keys and below FORWARD_64_BELOW_PROGRAMS_PER_SM programs per multiprocessor. On the H100 (2026-11-24,
-# `scripts/attention_backward_variants.py --points leaderboard grid --modes fwd fwd_bwd --repeats 2 --variants default
-# fwd64 sdpa_cudnn`, causal bf16, medians of 2 repeats of 30 calls, same run), one head of 32768 and 65536 tokens
-# (1.9 and 3.9 programs per multiprocessor): the forward 0.294 and 1.120 ms against the Triton forward's 0.427 and
-# 1.167 (cuDNN 0.428, 1.385), forward and backward 1.113 and 4.449 against 1.235 and 4.563 (cuDNN 1.190, 4.439). At
-# the leaderboard's (16, 1, 16384, 64), 15.5 programs per multiprocessor, the forward 1.222 ms against 1.233 (cuDNN
-# 1.212) but forward and backward 4.713 against 4.623: left to the Triton forward, as are the problems not timed
-# (below 32768 keys, the model's among them, or from 4 programs per multiprocessor).
+# At d=64 it runs a narrower window: from FORWARD_64_MIN_KEYS keys and below FORWARD_64_BELOW_PROGRAMS_PER_SM programs
+# per multiprocessor (few heads of long sequences; the model's 512-token heads stay with the Triton forward).
 FORWARD_64_MIN_KEYS = 32768
 FORWARD_64_BELOW_PROGRAMS_PER_SM = 4
 # And with three consumer warpgroups a program (192 query rows: FA3's tile at d=64) from FORWARD_64_WIDE_MIN_KEYS keys
-# and FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM blocks of 128 rows per multiprocessor (before the window above). On the H100
-# (2026-11-26, session 59, `scripts/attention_backward_variants.py --modes fwd --repeats 3 --clock queued`, causal bf16,
-# medians of 3, each list from one run), the forward with three warpgroups against the Triton forward's (cuDNN's in
-# brackets), at 15.5 blocks per multiprocessor: the leaderboard's (16, 16384) 1.123 ms against 1.181 (1.202), forward
-# and backward 4.089 against 4.145 (4.189); 8 heads of 32768 tokens 2.116 against 2.329 (2.325), 4 of 65536 4.104
-# against 4.623 (4.615); 16 heads of 8192 0.615 against 0.621 (0.627), of 4096 (batch 4) 0.360 against 0.340 (0.336).
-# At 7.8, 8 heads of 16384, 0.613 against 0.670 (0.653). Fewer: one head of 65536 tokens (3.9) 1.124 against two
-# warpgroups' 1.128-1.138, one of 32768 (1.9) 0.397 against 0.320-0.325, where the last of 171 programs on 132
-# multiprocessors make a second wave. The sizes between were not timed. Without the mask (the same start, --not-causal):
-# the leaderboard's shape 1.993 ms against 2.340 (cuDNN 2.197), 8 heads of 16384 tokens 1.080 against 1.189 (1.113), 8
-# of 32768 3.926 against 4.721 (4.351), 4 of 65536 7.729 against 9.260 (8.674).
+# and FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM blocks of 128 rows per multiprocessor (before the window above). With fewer
+# blocks the last programs of 192 rows make a second wave and two warpgroups are faster.
 FORWARD_64_WIDE_MIN_KEYS = 16384
 FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM = 7.5
 

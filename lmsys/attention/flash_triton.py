@@ -693,9 +693,7 @@ def _bwd_fake(q, k, v, o, lse, do, is_causal):
 # The custom ops that keep the kernels opaque to torch.compile (its graphs call them). Defined through
 # torch.library.Library, the dispatcher calls _fwd_impl and _bwd_impl directly; torch.library.custom_op puts its Python
 # wrappers around them (an autograd kernel that redispatches, the backend's wrapper with dynamo disabled and an aliasing
-# check), which cost more CPU time per call than the forward's own launch path (on the lent H100, 2026-11-26: these
-# ops' dispatch cost 13 us above _fwd_impl's own 316 us and 79 above _bwd_impl's 736; custom_op's had cost 183 and 250
-# in an earlier machine start whose CPU was about twice as slow). Their autograd is
+# check), which cost more CPU time per call than the forward's own launch path (docs/attention.md). Their autograd is
 # FlashAttentionTriton's: the compiled graphs call them below autograd, and eager calls do not go through them.
 _LIB = torch.library.Library("lmsys", "FRAGMENT")
 _LIB.define("flash_attn_fwd(Tensor q, Tensor k, Tensor v, bool is_causal) -> (Tensor, Tensor)")

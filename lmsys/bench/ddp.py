@@ -8,11 +8,20 @@ reference. Every rank trains on its own batch of --batch sequences; bf16 is auto
 gathered in bf16 under the fully sharded ones. `--optimizer-state sharded` adds rows with the ZeRO-1 sharded
 optimizer (lmsys.distributed.sharded_optimizer) under the DDP wrappers (the fully sharded ones shard it already).
 
-Columns: median step ms (each round the slowest rank's; mean and std beside it); comm_wait_share, the share of the
-step spent in our wrappers' wait for gradient communication after backward (torch's wrappers wait inside backward:
-empty); peak_memory_gib, the largest rank's peak allocated during one step (GPU only); scaling_efficiency, single's
-step time / this step time for the same size, precision and optimizer when single ran in the same run (weak scaling:
-1.0 is perfect); tokens/s over all ranks; TFLOP/s per device and MFU against the GPU's dense datasheet peak.
+Timing (--graph, on by default on a GPU): as the regression gate times the step (perf_tests/test_ddp.py,
+`gpu_benchmark.distributed(graph=True)`): every rank's step is captured in a CUDA graph and the replays are timed,
+so the step time is the GPU's, not the CPU's time to launch thousands of kernels; the eager rounds, launch cost
+included, are timed beside. A step that a rank cannot capture (torch's DistributedDataParallel; a wrapper whose
+captured step is not tested to train like the eager one, lmsys/distributed/steps.py) is timed queued, as the gate
+times it, and its note, printed under the table, says why. On the CPU, and with --no-graph, the rounds are eager.
+
+Columns: timing (graph, queued or eager); median step ms (each round the slowest rank's; mean and std beside it);
+eager_ms, the median of the eager rounds beside graph or queued ones; comm_wait_share, the share of the step spent
+in our wrappers' wait for gradient communication after backward (torch's wrappers wait inside backward: empty;
+under --graph from the eager rounds); peak_memory_gib, the largest rank's peak allocated during one step (GPU
+only); scaling_efficiency, single's step time / this step time for the same size, precision and optimizer when
+single ran in the same run (weak scaling: 1.0 is perfect); tokens/s over all ranks; TFLOP/s per device and MFU
+against the GPU's dense datasheet peak; note, why a step was not captured (files only).
 
 Run it under torchrun (`torchrun --nproc-per-node 2 -m lmsys.bench ddp`), where single can run only with one process,
 or let it spawn the ranks itself (`lmsys-bench ddp --world-size 2`), where single runs on one rank of its own; see
@@ -21,6 +30,7 @@ lmsys/bench/ranks.py for how the rounds are timed and what an out-of-memory case
 
 import argparse
 import dataclasses
+from statistics import median
 
 import pandas as pd
 import torch
@@ -38,8 +48,8 @@ WRAPPER_NAMES = (SINGLE, *WRAPPERS, *SHARDED_WRAPPERS)
 OPTIMIZER_STATES = ("replicated", "sharded")
 COLUMNS = [
     "size", "params", "context", "batch", "dtype", "wrapper", "optimizer", "optimizer_state", "world_size",
-    "transport", "status", "median_ms", "mean_ms", "std_ms", "comm_wait_share", "peak_memory_gib",
-    "scaling_efficiency", "tokens_per_s", "tflop_per_s", "mfu",
+    "transport", "status", "timing", "median_ms", "mean_ms", "std_ms", "eager_ms", "comm_wait_share",
+    "peak_memory_gib", "scaling_efficiency", "tokens_per_s", "tflop_per_s", "mfu", "note",
 ]
 # What a single row is matched on to give another row its weak-scaling efficiency.
 SAME_WORK = ["size", "context", "batch", "dtype", "optimizer"]
@@ -78,6 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer-state", nargs="+", choices=OPTIMIZER_STATES, default=["replicated"],
                         help="replicated on every rank, and/or sharded across the ranks (ZeRO-1; DDP wrappers only; "
                              "default: replicated)")
+    parser.add_argument("--graph", action=argparse.BooleanOptionalAction, default=gpu,
+                        help="time each rank's step captured in a CUDA graph, as the perf tests do, the eager rounds "
+                             "beside; a step that cannot be captured is timed queued, with a note (default: on with "
+                             "a GPU; --no-graph: eager rounds)")
     ranks.add_arguments(parser, warmup=3, steps=10)
 
 
@@ -120,10 +134,14 @@ def run_case(case: Case, args: argparse.Namespace, world: ranks.World, context: 
                     "wrapper": case.wrapper, "optimizer": args.optimizer,
                     "sharded": case.optimizer_state == "sharded"}
     with ranks.out_of_memory_as_status(world, row):
-        gathered = ranks.measure(world, setup_train_step, setup_kwargs, args, world_size=case.world_size)
+        gathered = ranks.measure(world, setup_train_step, setup_kwargs, args, world_size=case.world_size,
+                                 graph=args.graph)
         if not world.leader:
             return None
-        row.update(sweep.summary(gathered["samples"]),
+        eager = gathered.get("eager_samples")
+        row.update(sweep.summary(gathered["samples"]), timing=gathered.get("timing"),
+                   eager_ms=median(eager) * 1e3 if eager else None,
+                   note="; ".join(gathered.get("notes", [])) or None,
                    comm_wait_share=gathered["spans"].get("comm_wait", {}).get("share"),
                    peak_memory_gib=sweep.gib(_largest_peak(gathered["readings"])))
     if row["status"] == sweep.OK:
@@ -150,17 +168,27 @@ def table(rows: list[dict]) -> pd.DataFrame:
 
 
 def shown(frame: pd.DataFrame) -> pd.DataFrame:
-    """The table as printed: short headers, shares in percent."""
+    """The table as printed: short headers, shares in percent, without the notes (printed under it)."""
     out = frame.copy()
     for column in ("comm_wait_share", "scaling_efficiency", "mfu"):
         out[column] = [None if pd.isna(v) else f"{v:.1%}" for v in out[column]]
     varying = [c for c in ("optimizer", "optimizer_state") if out[c].nunique() > 1]
     fixed = ["size", "params", "context", "batch", "transport", "mean_ms", "optimizer", "optimizer_state"]
-    return out.drop(columns=[c for c in fixed if c not in varying]).rename(columns={
+    if out["eager_ms"].isna().all():
+        fixed.append("eager_ms")
+    return out.drop(columns=[c for c in fixed if c not in varying] + ["note"]).rename(columns={
         "optimizer_state": "opt state", "world_size": "ranks", "median_ms": "median ms", "std_ms": "std ms",
+        "eager_ms": "eager ms",
         "comm_wait_share": "comm wait", "peak_memory_gib": "peak GiB", "scaling_efficiency": "scaling eff",
         "tokens_per_s": "tokens/s", "tflop_per_s": "TFLOP/s", "mfu": "MFU",
     })
+
+
+def _timing(graph: bool, transport: str) -> str:
+    """How the header names the timing."""
+    if not graph:
+        return "eager"
+    return "CUDA graphs, eager rounds beside" if transport == "nccl" else "eager (no CUDA graphs on the CPU)"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -181,11 +209,15 @@ def run(args: argparse.Namespace) -> int:
             print(f"lmsys-bench ddp on {world.size} x {world.device_name} ({world.transport}, torch "
                   f"{torch.__version__}{', under torchrun' if world.torchrun else ''}): {args.size} "
                   f"({params / 1e6:.0f}M parameters), context {context}, batch {args.batch} per rank, "
-                  f"{args.optimizer}, {len(todo)} cases, {args.warmup} warmup + {args.steps} timed rounds")
+                  f"{args.optimizer}, {len(todo)} cases, {args.warmup} warmup + {args.steps} timed rounds, "
+                  f"{_timing(args.graph, world.transport)}")
         frame = ranks.run_cases(world, [case.name for case in todo],
                                 lambda i: run_case(todo[i], args, world, context, params), table, args.output)
     finally:
         ranks.finish(world)
     if world.leader:
         print(sweep.format_table(shown(frame)))
+        for _, row in frame[frame["note"].notna()].iterrows():
+            print(f"note: {Case(row['dtype'], row['wrapper'], row['optimizer_state'], row['world_size']).name}: "
+                  f"{row['note']}")
     return 0

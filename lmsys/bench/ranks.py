@@ -11,8 +11,11 @@ regression gate's multi-rank code (lmsys/perf/multirank.py), started in either o
 
 NCCL with one GPU per rank, else gloo on the CPU. Per case, on every rank: the subject is built (`setup(ctx, ...)`
 of lmsys/distributed/steps.py), called once untimed, then one calibration round and `--warmup - 1` more untimed
-rounds, then `--steps` timed rounds; each round starts at a barrier and its time is the slowest rank's. One more call
-reads each rank's peak memory (GPU only).
+rounds, then `--steps` timed rounds; each round starts at a barrier and its time is the slowest rank's. With graph
+mode (`measure(..., graph=True)`, the gate's `gpu_benchmark.distributed(graph=True)`) every rank captures its step
+in a CUDA graph before the timed rounds, which replay it, and `--steps` eager rounds follow; a step that a rank
+cannot capture is timed queued on a GPU, eager on the CPU, with a note. One more call reads each rank's peak memory
+(GPU only).
 """
 
 import argparse
@@ -28,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from lmsys.bench import sweep
-from lmsys.distributed.launch import RankError, init_process_group, launch
+from lmsys.distributed.launch import RankError, init_process_group, launch_ranks
 from lmsys.perf import multirank
 from lmsys.perf.backend import CpuBackend, CudaBackend
 from lmsys.perf.fixture import oom_reason
@@ -134,22 +137,29 @@ def measure_on_rank(settings: multirank.Settings) -> dict | None:
 
 
 def measure(world: World, setup: Callable, setup_kwargs: dict, args: argparse.Namespace,
-            world_size: int | None = None) -> dict | None:
+            world_size: int | None = None, graph: bool = False) -> dict | None:
     """Times `setup(ctx, **setup_kwargs)`'s step on the ranks (`world_size` spawned ones, default the world's; under
-    torchrun the processes it started). Returns multirank's gathered measurement on the leader, None elsewhere."""
+    torchrun the processes it started). Returns multirank's gathered measurement on the leader, None elsewhere.
+
+    `graph=True` times the step as the gate's graph mode does (gpu_benchmark.distributed(graph=True)): every rank's
+    step captured in a CUDA graph and its replays timed, the eager rounds beside (`eager_samples`); a step that a
+    rank cannot capture is timed queued on a GPU (eager on the CPU) and `notes` says why."""
+    backend = sweep.backend()
     settings = multirank.Settings(
         setup=setup,
         setup_kwargs=setup_kwargs,
-        make_backend=sweep.backend().for_rank(),
+        make_backend=backend.for_rank(),
         transport=world.transport,
         max_time=0.0,  # exactly --steps rounds
         min_rounds=args.steps,
         warmup_rounds=args.warmup,
         disable_gc=False,
+        queued=graph and backend.is_gpu,
+        graph=graph,
     )
     if world.torchrun:
         return measure_on_rank(settings)
-    return launch(measure_on_rank, world_size or world.size, settings, backend=world.transport,
+    return launch_ranks(measure_on_rank, world_size or world.size, settings, backend=world.transport,
                   timeout=args.timeout)[0]
 
 

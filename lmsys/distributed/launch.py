@@ -1,7 +1,7 @@
 """Run a function on N ranks in fresh processes, with a timeout and the failing rank's traceback.
 
-`launch(fn, world_size, *args)` starts `world_size` processes, initializes `torch.distributed` in each (gloo on the
-CPU, NCCL when there is a GPU per rank) and returns what `fn(*args)` returned on each rank, in rank order. The ranks
+`launch_ranks(fn, world_size, *args)` starts `world_size` processes, initializes `torch.distributed` in each (gloo on
+the CPU, NCCL when there is a GPU per rank) and returns what `fn(*args)` returned on each rank, in rank order. The ranks
 see the environment torchrun sets (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), so rank
 code that starts with `init_process_group()` runs unchanged under `torchrun --nproc-per-node=N` on more GPUs or nodes.
 We add no transport: torch.distributed is the engine.
@@ -10,7 +10,7 @@ Failure handling. Each rank sends its result (or its traceback) to the parent th
 waits on those pipes and on the processes' exit sentinels together. The first rank to raise, or to die without
 reporting (a signal, `os._exit`), stops every rank at once and raises `RankError` with that rank's number and
 traceback or exit status; when the timeout expires, every rank is killed and `RankTimeout` names the ranks still
-running. Every process is joined before `launch` returns or raises.
+running. Every process is joined before `launch_ranks` returns or raises.
 
 Start method. Ranks are forked from a `forkserver`: a clean process started once per parent, which imports torch
 once. A plain `spawn` re-imports torch in every rank (about 3 s for two ranks on a 2-core CPU machine, measured);
@@ -68,7 +68,7 @@ def default_backend(world_size: int) -> str:
 def init_process_group(backend: str | None = None) -> torch.device:
     """Initialize the default process group from torchrun's environment variables and return this rank's device.
 
-    Call it at the top of rank code: under `launch` the group already exists and this only returns the device;
+    Call it at the top of rank code: under `launch_ranks` the group already exists and this only returns the device;
     under torchrun it initializes the group. `backend=None` picks NCCL when this rank has a GPU (LOCAL_RANK below the
     GPU count), else gloo. With NCCL, `torch.cuda.set_device(LOCAL_RANK)` is called and the device is
     `cuda:LOCAL_RANK`; with gloo it is the CPU.
@@ -92,7 +92,7 @@ def init_process_group(backend: str | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def launch(
+def launch_ranks(
     fn: Callable,
     world_size: int,
     *args,
@@ -229,7 +229,7 @@ def _exit_status(exitcode: int | None) -> str:
 
 
 def _free_port() -> int:
-    # The port is free now; another process can take it before rank 0 binds it, hence the retry in launch().
+    # The port is free now; another process can take it before rank 0 binds it, hence the retry in launch_ranks().
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -280,4 +280,4 @@ def _send(sender, status: str, payload) -> None:
     sender.send_bytes(pickle.dumps((status, payload)))
 
 
-__all__ = ["NO_MULTICAST_ENV", "RankError", "RankTimeout", "default_backend", "init_process_group", "launch"]
+__all__ = ["NO_MULTICAST_ENV", "RankError", "RankTimeout", "default_backend", "init_process_group", "launch_ranks"]

@@ -13,7 +13,8 @@ wrappers), cross-entropy, backward, the wait for gradient communication (the spa
 gradients cleared. Each rank draws its own batch; the model starts from the same seed everywhere (the wrappers
 broadcast rank 0's parameters anyway). Memory marks per rank: "after_init" (model, wrapper and optimizer built),
 "before_optimizer_step" and "after_optimizer_step" (allocated bytes at that point and the peak since the measured
-call began).
+call began). Graph mode captures the step in a CUDA graph where its replays are tested to train like the eager step
+(CAPTURED); any other step raises as soon as a capture starts, nothing recorded, and is timed uncaptured.
 """
 
 import dataclasses
@@ -44,6 +45,9 @@ WRAPPERS = {
 OPTIMIZERS = {"torch-adamw": torch.optim.AdamW, "adamw": AdamW}
 # Fully sharded wrappers compute in the given dtype themselves (weights gathered in it); the others run under autocast.
 SHARDED_WRAPPERS = ("fsdp", "torch-fsdp2")
+# The steps whose CUDA graph replays are tested to train like the eager step (tests/test_distributed_ddp.py), with the
+# optimizer state replicated: graph mode captures these only, the others refuse the capture and are timed uncaptured.
+CAPTURED = ("single", "naive", "flat", "individual", *(f"bucketed-{mb}mb" for mb in BUCKET_SIZES_MB))
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
@@ -104,14 +108,20 @@ def build_train_step(ctx, size, context, batch, compute, wrapper, optimizer="tor
     generator = torch.Generator(ctx.device).manual_seed(1000 + ctx.rank)
     inputs, targets = random_batch(batch, context, model.config.vocab_size, ctx.device, generator)
     finish = getattr(wrapped, "finish_gradient_synchronization", None)
-    # torch's DDP refuses a CUDA graph capture before anything is recorded: on two H200s its reducer's work failed
-    # the capture (cudaErrorStreamCaptureUnsupported) and the benchmark was then skipped out of memory.
-    refuses_capture = wrapper == "torch-ddp" and ctx.device.type == "cuda"
+    # A step refuses a CUDA graph capture before anything is recorded unless its replays are tested (CAPTURED). torch's
+    # DDP would fail it midway: on two H200s its reducer's work failed the capture (cudaErrorStreamCaptureUnsupported)
+    # and the benchmark was then skipped out of memory.
+    refusal = None
+    if wrapper == "torch-ddp":
+        refusal = "torch's DistributedDataParallel is not captured in a CUDA graph here"
+    elif wrapper not in CAPTURED or sharded:
+        what = f"{wrapper} with ShardedOptimizer" if sharded else wrapper
+        refusal = f"the captured step of {what} is not tested to train like the eager one: it is not captured"
     ctx.mark("after_init")
 
     def step():
-        if refuses_capture and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("torch's DistributedDataParallel is not captured in a CUDA graph here")
+        if refusal is not None and ctx.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(refusal)
         with torch.autocast(ctx.device.type, dtype=autocast, enabled=autocast is not None):
             loss = cross_entropy(wrapped(inputs), targets)
         loss.backward()

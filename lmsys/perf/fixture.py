@@ -89,6 +89,12 @@ class GpuBenchmark:
         """pytest-benchmark's extra_info of this benchmark (saved in the JSON); tests may add entries."""
         return self._benchmark.extra_info
 
+    @property
+    def device(self) -> torch.device:
+        """The device the benchmark is timed on: the current CUDA device when there is one, else the CPU. Put the
+        call's inputs there; a test needs no fixture of its own project for it."""
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
     def _marker(self) -> dict:
         marker = self._node.get_closest_marker("perf_tolerance")
         return marker.kwargs if marker else {}

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lmsys.distributed.launch import init_process_group, launch
+from lmsys.distributed.launch import init_process_group, launch_ranks
 from lmsys.perf import timing
 
 
@@ -281,13 +281,13 @@ def _largest(readings: list) -> Any:
 def run_once(settings: Settings, world_size: int, timeout: float) -> list:
     """Each rank's result of one untimed call of its step (what --benchmark-disable runs)."""
     once = dataclasses.replace(settings, once=True)
-    return [result for result, _ in launch(rank_main, world_size, once, backend=settings.transport, timeout=timeout)]
+    return [result for result, _ in launch_ranks(rank_main, world_size, once, backend=settings.transport, timeout=timeout)]
 
 
 def measure(settings: Settings, world_size: int, timeout: float) -> timing.Measurement:
     """Runs the benchmark on `world_size` ranks and returns it as one Measurement (results: a list in rank order)."""
     gc.collect()
-    outputs = launch(rank_main, world_size, settings, backend=settings.transport, timeout=timeout)
+    outputs = launch_ranks(rank_main, world_size, settings, backend=settings.transport, timeout=timeout)
     results = [result for result, _ in outputs]
     gathered = outputs[0][1]
     per_rank = []
