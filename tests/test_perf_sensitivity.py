@@ -1,6 +1,7 @@
-"""How finely the gate sees (issue 12), on the fake GPU of perf_fakes.py: CUDA-graph timing with the eager time
-kept beside it, adaptive rounds, tolerances and where they come from, an injected device-side delay, the machine's
-state beside the verdict, and a memory floor that catches 1 MiB."""
+"""How finely the gate sees (issue 12), on the fake GPU of perf_fakes.py: CUDA-graph timing with the LAUNCH rounds
+kept beside it, the device time gated at the floor of the machine start its baseline was saved in (or a calibrated
+or named tolerance), the host-set times reported and gated only where a test asks, adaptive rounds, an injected
+device-side delay, the machine's state beside the verdict, and a memory floor that catches 1 MiB."""
 
 import json
 import math
@@ -8,7 +9,7 @@ import math
 import pytest
 from perf_fakes import MACHINE, MIB, FakeGpu, run, save_baseline, write_suite
 
-from lmsys.perf import calibration, compare, machine, timing
+from lmsys.perf import calibration, machine, timing, verdict
 
 pytest_plugins = ["pytester"]
 
@@ -17,114 +18,82 @@ def bench_json(pytester, name: str = "out.json") -> dict:
     return {bench["name"]: bench for bench in json.loads((pytester.path / name).read_text())["benchmarks"]}
 
 
-def test_graph_mode_times_replays_and_keeps_the_eager_time(pytester):
-    # 1 ms of device work behind 2 ms of CPU launch cost: the graph replay times the device, eager times both.
+def test_graph_mode_times_replays_and_keeps_the_launch_time_beside(pytester):
+    # 1 ms of device work behind 2 ms of CPU launch cost: the graph replay times the device, the LAUNCH rounds both.
     write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": 2.0, "noise": 0.0, "call": ", graph=True"}}, seed=1)
     result = run(pytester, "--benchmark-json=out.json")
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*benchmark*median*rounds*eager*", "*test_a*1 ms (graph)*21*3 ms*"])
+    result.stdout.fnmatch_lines(["*benchmark*median*rounds*launch*", "*test_a*1 ms (graph)*21*3 ms*"])
     info = bench_json(pytester)["test_a"]
     assert info["stats"]["median"] == pytest.approx(1e-3)
     assert info["extra_info"]["timing"] == "graph"
-    assert info["extra_info"]["eager_median"] == pytest.approx(3e-3)
+    assert (info["extra_info"]["eager_median"], info["extra_info"]["eager_timing"]) == (pytest.approx(3e-3), "launch")
     assert len(info["extra_info"]["eager_data"]) == 21
 
 
+HOST_NOTE = "the host's speed sets it: reported, not gated)"
+
+
 @pytest.mark.parametrize(
-    ("now", "outcome", "line"),
+    ("now", "outcome", "lines"),
     [
-        ({"ms": 1.0, "launch_ms": 2.0, "noise": 0.01}, "passed", "*test_a*PASS*"),
-        ({"ms": 1.2, "launch_ms": 2.0, "noise": 0.01}, "failed", "*SLOWER: test_a median 1.2* ms vs baseline 1* ms*"),
-        ({"ms": 1.0, "launch_ms": 3.0, "noise": 0.01}, "failed",
-         "*SLOWER-EAGER: test_a eager median 4* ms vs baseline * ms (+33*%, tolerance 15% (default)*"),
+        ({"ms": 1.0, "launch_ms": 2.0}, "passed", ["*test_a*PASS*"]),
+        ({"ms": 1.2, "launch_ms": 2.0}, "failed", ["*SLOWER: test_a median 1.2* ms vs baseline 1* ms*"]),
+        ({"ms": 1.0, "launch_ms": 3.0}, "passed",
+         ["*test_a*PASS*", f"test_a: host time 4* ms vs baseline * ms (+33%; {HOST_NOTE}"]),
     ],
     ids=["unchanged", "device-slower", "launch-slower"],
 )
-def test_graph_mode_judges_device_time_and_eager_time_separately(pytester, now, outcome, line):
+def test_graph_mode_gates_the_device_time_and_reports_the_launch_time(pytester, now, outcome, lines):
+    # The replays are the device's time, gated; the LAUNCH rounds beside them hold the CPU's launch cost, which the
+    # host's speed sets: compared and reported (a note past 25%), never failing a test that does not gate it.
     save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": 2.0, "noise": 0.01, "call": ", graph=True"}})
-    write_suite(pytester, {"test_a": {**now, "call": ", graph=True"}}, seed=2)
+    write_suite(pytester, {"test_a": {**now, "noise": 0.01, "call": ", graph=True"}}, seed=2)
     result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
     result.assert_outcomes(**{outcome: 1})
-    result.stdout.fnmatch_lines([line])
-    info = bench_json(pytester)["test_a"]["extra_info"]  # the JSON says what the eager verdict was judged on
-    assert info["eager_change"] == pytest.approx((now["ms"] + now["launch_ms"]) / 3.0 - 1, abs=0.02)
-    assert (info["eager_tolerance"], info["eager_tolerance_source"]) == (0.15, "default")
+    result.stdout.fnmatch_lines(lines)
+    info = bench_json(pytester)["test_a"]["extra_info"]  # the JSON says what each time was judged on
+    assert info["time_change"] == pytest.approx(now["ms"] - 1, abs=0.02)
+    assert info["host_change"] == pytest.approx((now["ms"] + now["launch_ms"]) / 3.0 - 1, abs=0.02)
+    assert (info["time_tolerance"], info["time_tolerance_source"]) == (0.025, "same machine start")
+    assert info["time_resolution"] >= info["time_tolerance"]
+    assert info["remeasured"] == (outcome == "failed")  # an ungated host-set time is not re-measured
+    if now["launch_ms"] == 2.0:
+        assert "host time" not in result.stdout.str()
 
 
-@pytest.mark.parametrize(("call", "launch_ms", "slower_launch_ms", "label"), [
-    (", host=True", 0.2, 0.4, "SLOWER"), (", graph=True", 2.0, 4.0, "SLOWER-EAGER"),
-], ids=["host", "graph-eager"])
-@pytest.mark.parametrize("baseline_probe", ["probed", "unprobed", "other-probe"],
-                         ids=["probed-baseline", "unprobed-baseline", "other-probe-baseline"])
-def test_the_cpus_part_is_judged_at_the_baselines_cpu_speed(pytester, monkeypatch, call, launch_ms, slower_launch_ms,
-                                                            label, baseline_probe):
-    # On the lent H100 the CPU's speed changed by 2x within seconds. The CPU probe before each round measures that
-    # speed; the CPU's part of each round is judged at the baseline's, with a tolerance wider by half the log of the
-    # probes' ratio (+34.7% at 2x): the same code on a CPU twice as slow passes, a launch path twice as slow fails on
-    # either CPU. A baseline saved without the probe, or with another kind of probe (the adds alone, before the
-    # autograd backward joined them), is judged on raw times with the plain tolerance.
-    save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": launch_ms, "noise": 0.0, "call": call}})
-    saved = json.loads((path := next((pytester.path / "baselines" / MACHINE).glob("0*.json"))).read_text())
-    key = "cpu_probe_data" if "host" in call else "eager_cpu_probe_data"
-    assert saved["benchmarks"][0]["extra_info"][key] == [pytest.approx(1e-4)] * 21
-    assert saved["benchmarks"][0]["extra_info"]["cpu_probe"] == "adds+autograd"
-    if baseline_probe == "unprobed":
-        del saved["benchmarks"][0]["extra_info"][key]
-    elif baseline_probe == "other-probe":
-        del saved["benchmarks"][0]["extra_info"]["cpu_probe"]
-    path.write_text(json.dumps(saved))
-    probed_baseline = baseline_probe == "probed"
+@pytest.mark.parametrize(("call", "launch_ms", "note", "message"), [
+    (", graph=True", 2.0, "host time 5 ms vs baseline 3 ms (+67%", "host time 5 ms vs baseline 3 ms (+66.7%"),
+    (", host=True", 0.2, "host time 400 us vs baseline 200 us (+100%", "host time 400 us vs baseline 200 us (+100.0%"),
+], ids=["graph-launch", "host"])
+def test_a_cpu_twice_as_slow_passes_unless_the_test_gates_the_host_time(pytester, monkeypatch, call, launch_ms, note,
+                                                                        message):
+    # On the lent H100 the CPU's speed changed by 2x within seconds, the code unchanged: the launch cost (the LAUNCH
+    # rounds beside graph replays, a host-timed call) doubles. Ungated it is reported beside a PASS; a test that
+    # gates it (the marker, or --perf-host-tolerance for every test) fails SLOWER-HOST, re-measured once.
+    spec = {"ms": 1.0, "launch_ms": launch_ms, "noise": 0.0, "call": call}
+    save_baseline(pytester, {"test_a": spec, "test_gated": spec})
     monkeypatch.setenv("FAKE_CPU_SLOWDOWN", "2")
-    for now, outcome in ((launch_ms, "passed" if probed_baseline else "failed"), (slower_launch_ms, "failed")):
-        write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": now, "noise": 0.0, "call": call}}, seed=2)
-        result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
-        result.assert_outcomes(**{outcome: 1})
-        info = bench_json(pytester)["test_a"]["extra_info"]
-        assert info[key] == [pytest.approx(2e-4)] * len(info[key])
-        change = info["time_change" if "host" in call else "eager_change"]
-        device = 0.0 if "host" in call else 1.0
-        tolerance, source = (info["time_tolerance"], info["time_tolerance_source"]) if "host" in call else (
-            info["eager_tolerance"], info["eager_tolerance_source"])
-        if probed_baseline:
-            assert change == pytest.approx((device + now) / (device + launch_ms) - 1, abs=0.01)
-            result.stdout.fnmatch_lines(["*the CPU probe took +100% against the baseline's*"])
-            assert tolerance == pytest.approx(0.15 + 0.5 * math.log(2))
-            assert source == "default; +34.7% for the CPU probe's +100%"
-        else:
-            assert change == pytest.approx((device + 2 * now) / (device + launch_ms) - 1, abs=0.01)
-            assert (tolerance, source) == (0.15, "default")
-        if baseline_probe == "other-probe":
-            result.stdout.fnmatch_lines(["*the baseline's CPU probe (adds) is not this version's (adds+autograd)*"])
-        if outcome == "failed":
-            result.stdout.fnmatch_lines([f"*{label}: test_a*"])
-
-
-FLOORED = "default: the CPU's part is never judged tighter; calibrated 2.50% from 3 runs"
-
-
-@pytest.mark.parametrize(
-    ("eager_spread", "launch_ms", "outcome", "source"),
-    [(0.001, 2.3, "passed", FLOORED), (0.001, 2.6, "failed", FLOORED), (0.05, 2.6, "passed", "calibrated from 3 runs")],
-    ids=["eager+10%-floored", "eager+20%-floored", "eager+20%-calibrated-wider"],
-)
-def test_a_calibration_widens_the_eager_tolerance_but_never_narrows_it(pytester, eager_spread, launch_ms, outcome,
-                                                                       source):
-    # On one H100 start the eager medians of graph-timed benchmarks moved by 6-40% between fresh processes, where a
-    # 6-run calibration had given 3.4%: the CPU's part is judged with at least the default 15%, wider when
-    # calibrated so.
-    fixed = {"noise": 0.0, "call": ", graph=True"}
-    save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": 2.0, **fixed}})
-    eager = [3e-3 * (1 + eager_spread * k) for k in (-1, 0, 1)]
-    entry = {"runs": 3, "timing": "graph", "medians": [1e-3] * 3, "spread": 0.0, "eager_medians": eager,
-             "eager_spread": eager_spread, "eager_timing": "launch"}
-    calibration.update(pytester.path / "baselines" / MACHINE, MACHINE, {"test_suite.py::test_a": entry})
-    write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": launch_ms, **fixed}}, seed=2)
+    write_suite(pytester, {"test_a": spec, "test_gated": {**spec, "marker": "perf_tolerance(host=0.5)"}}, seed=2)
     result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
-    result.assert_outcomes(**{outcome: 1})
-    info = bench_json(pytester)["test_a"]["extra_info"]
-    assert info["eager_change"] == pytest.approx((1 + launch_ms) / 3 - 1, abs=0.01)
-    assert info["eager_tolerance_source"] == source
-    assert info["eager_tolerance"] == pytest.approx(max(0.15, 3 * 2**0.5 * eager_spread))
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        f"*SLOWER-HOST: test_gated {message}, tolerance 50% (marker)*",
+        "*confirmed: the time was re-measured once and was SLOWER again*",
+    ])
+    result.stdout.fnmatch_lines([f"test_a: {note}; {HOST_NOTE}"])
+    assert "FAILED test_suite.py::test_a " not in result.stdout.str()
+    benches = bench_json(pytester)
+    for name, verdict_label, remeasured in (("test_a", "PASS", False), ("test_gated", "SLOWER-HOST", True)):
+        info = benches[name]["extra_info"]
+        assert (info["verdict"], info["remeasured"]) == (verdict_label, remeasured)
+        assert info["host_change"] == pytest.approx((2 * launch_ms + (call == ", graph=True")) /
+                                                    (launch_ms + (call == ", graph=True")) - 1)
+    result = run(pytester, "--benchmark-compare", "--perf-host-tolerance=0.5")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines([f"*SLOWER-HOST: test_a {message}, tolerance 50% (--perf-host-tolerance)*"])
+    monkeypatch.setenv("FAKE_CPU_SLOWDOWN", "1")
+    run(pytester, "--benchmark-compare", "--perf-host-tolerance=0.5").assert_outcomes(passed=2)
 
 
 def _recorded_on(pytester, start):
@@ -135,42 +104,64 @@ def _recorded_on(pytester, start):
         path.write_text(json.dumps(doc))
 
 
-@pytest.mark.parametrize("start", ["another-boot", None], ids=["another-start", "start-unrecorded"])
-@pytest.mark.parametrize(("call", "launch_ms", "outcome"), [
-    (", graph=True", 2.0 * 2.24 + 1.24, "passed"), (", graph=True", 2.0 * 3 + 2, "failed"),
-    (", host=True", 2.0 * 2.24, "passed"), (", host=True", 2.0 * 3, "failed"),
-], ids=["eager+124%", "eager+200%", "host+124%", "host+200%"])
-def test_the_cpus_part_against_another_machine_start_fails_only_past_two_and_a_half_times(pytester, start, call,
-                                                                                          launch_ms, outcome):
-    # Between starts of the lent H100 the same code's eager and host-timed medians ranged from -57% to +124% of the
-    # baselines': against a baseline from another start (or one that names none) the CPU's part is judged at 150%.
-    save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": 2.0, "noise": 0.0, "call": call}})
-    _recorded_on(pytester, start)
-    write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": launch_ms, "noise": 0.0, "call": call}}, seed=2)
+SAME, OTHER = (0.025, "same machine start"), (0.06, "baseline from another machine start")
+
+
+@pytest.mark.parametrize(("start", "device_ms", "outcome", "tolerance"), [
+    ("this", 1.05, "failed", SAME), ("this", 1.015, "passed", SAME),
+    ("another-boot", 1.04, "passed", OTHER), ("another-boot", 1.08, "failed", OTHER),
+    (None, 1.04, "passed", OTHER), (None, 1.08, "failed", OTHER),
+], ids=["same-start+5%", "same-start+1.5%", "other-start+4%", "other-start+8%", "unrecorded-start+4%",
+        "unrecorded-start+8%"])
+def test_the_device_time_floor_is_that_of_the_machine_start_the_baseline_was_saved_in(pytester, start, device_ms,
+                                                                                      outcome, tolerance):
+    # Kernels at the power cap drift between starts of a lent machine by more than within one: a baseline saved in
+    # this start (the same boot id) is compared at 2.5%, one from another start (or that names none) at 6%.
+    save_baseline(pytester, {"test_a": {"ms": 1.0, "noise": 0.002}})
+    if start != "this":
+        _recorded_on(pytester, start)
+    write_suite(pytester, {"test_a": {"ms": device_ms, "noise": 0.002}}, seed=2)
     result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
     result.assert_outcomes(**{outcome: 1})
     info = bench_json(pytester)["test_a"]["extra_info"]
-    key = "eager_tolerance" if "graph" in call else "time_tolerance"
-    assert (info[key], info[f"{key}_source"]) == (1.5, "the baseline is from another machine start")
+    assert (info["time_tolerance"], info["time_tolerance_source"]) == tolerance
+    assert info["time_change"] == pytest.approx(device_ms - 1, abs=0.005)
+    if outcome == "failed":
+        result.stdout.fnmatch_lines([f"*SLOWER: test_a median*tolerance {tolerance[0]:.1%} ({tolerance[1]})*"
+                                     .replace(".0%", "%")])
 
 
-def test_a_new_benchmark_keeps_the_cpus_part_tolerance_that_sets_how_precisely_it_is_timed(pytester):
-    # No baseline: nothing recorded on another start, so nothing widens the tolerance its adaptive rounds aim at.
-    save_baseline(pytester, {"test_b": {"ms": 1.0}})
-    write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": 2.0, "call": ", host=True"}, "test_b": {"ms": 1.0}},
-                seed=2)
-    run(pytester, "--benchmark-compare", "--benchmark-json=out.json").assert_outcomes(passed=2)
-    info = bench_json(pytester)["test_a"]["extra_info"]
-    assert (info["verdict"], info["time_tolerance"], info["time_tolerance_source"]) == ("NEW", 0.15, "default")
-
-
-def test_the_cpus_part_against_the_same_machine_start_keeps_its_tolerance(pytester):
-    save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": 2.0, "noise": 0.0, "call": ", graph=True"}})
-    write_suite(pytester, {"test_a": {"ms": 1.0, "launch_ms": 2.6, "noise": 0.0, "call": ", graph=True"}}, seed=2)
+@pytest.mark.parametrize(("spread", "outcome", "tolerance"), [
+    (0.001, "failed", SAME), (0.01, "passed", (3 * 2**0.5 * 0.01, "calibrated from 3 runs")),
+], ids=["narrow-spread-floored", "wide-spread-raises"])
+def test_a_calibration_raises_the_device_time_tolerance_but_never_below_the_floor(pytester, spread, outcome,
+                                                                                 tolerance):
+    # +3.5% on the device: past the 2.5% floor, within a calibrated 3 x sqrt(2) x 1% = 4.24%.
+    save_baseline(pytester, {"test_a": {"ms": 1.0, "noise": 0.0}})
+    entry = {"runs": 3, "timing": "eager", "medians": [1e-3 * (1 + spread * k) for k in (-1, 0, 1)],
+             "spread": spread}
+    calibration.update(pytester.path / "baselines" / MACHINE, MACHINE, {"test_suite.py::test_a": entry})
+    write_suite(pytester, {"test_a": {"ms": 1.035, "noise": 0.0}}, seed=2)
     result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
-    result.assert_outcomes(failed=1)  # +20% eager, recorded on this start: judged at 15%
+    result.assert_outcomes(**{outcome: 1})
     info = bench_json(pytester)["test_a"]["extra_info"]
-    assert (info["eager_tolerance"], info["eager_tolerance_source"]) == (0.15, "default")
+    assert info["time_change"] == pytest.approx(0.035)
+    assert info["time_tolerance_source"] == tolerance[1]
+    assert info["time_tolerance"] == pytest.approx(tolerance[0])
+
+
+def test_a_new_benchmark_is_timed_as_precisely_as_a_comparison_in_this_machine_start_needs(pytester):
+    # The adaptive rounds aim at a quarter of the tolerance: a NEW benchmark (nothing recorded on another start)
+    # aims at the 2.5% floor's, one whose baseline is from another start at the 6% floor's, so takes fewer rounds.
+    save_baseline(pytester, {"test_b": {"ms": 1.0, "noise": 0.05}})
+    _recorded_on(pytester, "another-boot")
+    write_suite(pytester, {"test_a": {"ms": 1.0, "noise": 0.05}, "test_b": {"ms": 1.0, "noise": 0.05}}, seed=2)
+    run(pytester, "--benchmark-compare", "--benchmark-json=out.json", "--perf-max-time=100").assert_outcomes(passed=2)
+    benches = bench_json(pytester)
+    assert benches["test_a"]["extra_info"]["verdict"] == "NEW"
+    assert benches["test_b"]["extra_info"]["time_tolerance"] == 0.06
+    assert benches["test_a"]["stats"]["rounds"] > benches["test_b"]["stats"]["rounds"] > 21
+    assert verdict.relative_half_width(benches["test_a"]["stats"]["data"]) <= 0.25 * verdict.SAME_START
 
 
 @pytest.mark.parametrize("timing", ["graph", "queued"])
@@ -236,40 +227,47 @@ def test_a_graph_run_against_an_eager_baseline_fails_uncompared(pytester):
     result.stdout.fnmatch_lines(["*UNCOMPARED: test_a time not compared: the baseline was timed eager, this run graph*"])
     extra = bench_json(pytester)["test_a"]["extra_info"]
     assert extra["verdict"] == "UNCOMPARED"
-    # The baseline's eager rounds started behind the short sleep, graph mode's start on an idle device: not alike.
-    assert "eager_change" not in extra
+    # The baseline's eager rounds started behind the short sleep, the LAUNCH rounds on an idle device: not alike.
+    assert "host_change" not in extra
 
 
-def test_graph_modes_eager_rounds_hold_the_launch_cost_that_the_short_sleep_hides(pytester, monkeypatch):
+def test_graph_modes_launch_rounds_hold_the_launch_cost_that_the_short_sleep_hides(pytester, monkeypatch):
     # On a GPU the sleep before an eager round hides up to 0.5 ms of the launch cost: a launch-bound call whose
-    # launches take 0.3 ms would show none of it, nor a launch path 50% slower. Graph mode's eager rounds start on an
-    # idle device.
+    # launches take 0.3 ms would show none of it, nor a launch path 50% slower. Graph mode's LAUNCH rounds start on an
+    # idle device, so a test that gates the host-set time catches it.
     monkeypatch.setenv("FAKE_SLEEP_HIDES", "0.5e-3")
     save_baseline(pytester, {"test_a": {"ms": 0.1, "launch_ms": 0.3, "noise": 0.0, "call": ", graph=True"}})
     info = bench_json(pytester, "baselines/" + MACHINE + "/0001_base.json")["test_a"]["extra_info"]
     assert info["eager_median"] == pytest.approx(0.4e-3) and info["eager_timing"] == "launch"
-    write_suite(pytester, {"test_a": {"ms": 0.1, "launch_ms": 0.45, "noise": 0.0, "call": ", graph=True"}}, seed=2)
+    write_suite(pytester, {"test_a": {"ms": 0.1, "launch_ms": 0.45, "noise": 0.0, "call": ", graph=True",
+                                      "marker": "perf_tolerance(host=0.15)"}}, seed=2)
     result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*SLOWER-EAGER: test_a eager median 550 us vs baseline 400 us (+37.5%*"])
+    result.stdout.fnmatch_lines(["*SLOWER-HOST: test_a host time 550 us vs baseline 400 us (+37.5%*"])
 
 
-def test_a_graph_baseline_whose_eager_rounds_were_timed_behind_the_sleep_fails_uncompared(pytester):
+def test_a_graph_baseline_without_launch_rounds_fails_uncompared_only_where_the_host_time_is_gated(pytester):
     save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": 1.0, "noise": 0.0, "call": ", graph=True"}})
     path = pytester.path / "baselines" / MACHINE / "0001_base.json"
     doc = json.loads(path.read_text())
-    del doc["benchmarks"][0]["extra_info"]["eager_timing"]  # as saved before the eager rounds started on an idle device
+    del doc["benchmarks"][0]["extra_info"]["eager_timing"]  # as saved when the eager rounds followed the short sleep
     path.write_text(json.dumps(doc))
+    # Ungated, the replays are compared and pass; the host-set time has nothing to be compared with.
     result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result.assert_outcomes(passed=1)
+    extra = bench_json(pytester)["test_a"]["extra_info"]
+    assert extra["verdict"] == "PASS" and "time_change" in extra and "host_change" not in extra
+    # Gated, a gate that passed would pass without having compared what it gates.
+    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json", "--perf-host-tolerance=0.5")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([
-        "*UNCOMPARED: test_a time not compared: the baseline's eager rounds were timed behind a device-side sleep that "
-        "hid up to 0.5 ms of the launch cost, this run's from an idle device; save a baseline of this timing*"
+        "*UNCOMPARED: test_a time not compared: the baseline has no LAUNCH rounds (the host-set time this test "
+        "gates); save a baseline of this timing (--benchmark-save) to gate it*"
     ])
     extra = bench_json(pytester)["test_a"]["extra_info"]
-    assert "time_change" in extra and "eager_change" not in extra  # the replays were compared, the eager rounds not
+    assert extra["verdict"] == "UNCOMPARED" and "time_change" in extra and "host_change" not in extra
     run(pytester, "--benchmark-save=again").assert_outcomes(passed=1)
-    run(pytester, "--benchmark-compare").assert_outcomes(passed=1)  # a new baseline gates it again
+    run(pytester, "--benchmark-compare", "--perf-host-tolerance=0.5").assert_outcomes(passed=1)  # gated again
 
 
 def test_a_new_graph_baseline_gates_the_run_again(pytester):
@@ -289,26 +287,30 @@ def test_graph_argument_must_be_a_bool(pytester):
 
 
 @pytest.mark.parametrize(
-    ("now", "outcome", "line"),
+    ("now", "marker", "outcome", "line"),
     [
-        ({"ms": 1.0, "launch_ms": 0.2}, "passed", "*test_a*200 us (host)*PASS*"),
-        ({"ms": 1.5, "launch_ms": 0.2}, "passed", "*test_a*200 us (host)*PASS*"),
-        ({"ms": 1.0, "launch_ms": 0.3}, "failed", "*SLOWER: test_a median 300 us vs baseline 200 us (+50.0%, "
-                                                  "tolerance 15% (default)*"),
+        ({"ms": 1.0, "launch_ms": 0.2}, None, "passed", "*test_a*200 us (host)*PASS*"),
+        ({"ms": 1.5, "launch_ms": 0.2}, "perf_tolerance(host=0.15)", "passed", "*test_a*200 us (host)*PASS*"),
+        ({"ms": 1.0, "launch_ms": 0.3}, None, "passed",
+         f"test_a: host time 300 us vs baseline 200 us (+50%; {HOST_NOTE}"),
+        ({"ms": 1.0, "launch_ms": 0.3}, "perf_tolerance(host=0.15)", "failed",
+         "*SLOWER-HOST: test_a host time 300 us vs baseline 200 us (+50.0%, tolerance 15% (marker)*"),
     ],
-    ids=["unchanged", "device-slower", "launch-slower"],
+    ids=["unchanged", "device-slower-gated", "launch-slower", "launch-slower-gated"],
 )
-def test_host_timing_judges_the_cpu_cost_of_a_call_alone(pytester, now, outcome, line):
-    # 1 ms of device work behind 0.2 ms of launch cost: host timing sees the 0.2 ms only, judged with the eager
-    # tolerance (the CPU's part of a call).
+def test_host_timing_times_the_cpu_cost_of_a_call_alone(pytester, now, marker, outcome, line):
+    # 1 ms of device work behind 0.2 ms of launch cost: host timing sees the 0.2 ms only, a time the host's speed
+    # sets: reported, and failing only where the test gates it.
     save_baseline(pytester, {"test_a": {"ms": 1.0, "launch_ms": 0.2, "noise": 0.0, "call": ", host=True"}})
-    write_suite(pytester, {"test_a": {**now, "noise": 0.0, "call": ", host=True"}}, seed=2)
+    write_suite(pytester, {"test_a": {**now, "noise": 0.0, "call": ", host=True", "marker": marker}}, seed=2)
     result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
     result.assert_outcomes(**{outcome: 1})
     result.stdout.fnmatch_lines([line])
     bench = bench_json(pytester)["test_a"]
     assert bench["extra_info"]["timing"] == "host"
     assert bench["stats"]["median"] == pytest.approx(now["launch_ms"] * 1e-3)
+    assert bench["extra_info"]["host_change"] == pytest.approx(now["launch_ms"] / 0.2 - 1)
+    assert "time_change" not in bench["extra_info"]  # no device time to gate
 
 
 def test_an_injected_delay_in_host_timing_is_the_cpus(pytester, monkeypatch):
@@ -316,9 +318,10 @@ def test_an_injected_delay_in_host_timing_is_the_cpus(pytester, monkeypatch):
     save_baseline(pytester, tests)
     write_suite(pytester, tests, seed=2)
     monkeypatch.setenv("LMSYS_INJECT_DELAY", "0.2")
-    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json", "--perf-host-tolerance=0.1")
     result.assert_outcomes(failed=1)
-    assert bench_json(pytester)["test_a"]["extra_info"]["time_change"] == pytest.approx(0.2, abs=0.01)
+    result.stdout.fnmatch_lines(["*SLOWER-HOST: test_a host time 240 us vs baseline 200 us (+20.0%*"])
+    assert bench_json(pytester)["test_a"]["extra_info"]["host_change"] == pytest.approx(0.2, abs=0.01)
 
 
 @pytest.mark.parametrize(("call", "message"), [
@@ -350,7 +353,7 @@ def test_adaptive_rounds_stop_when_the_median_is_known_well_enough():
     noisy = gpu.work(1.0, noise=0.3, seed=2)
     samples, _ = timing.sample(gpu, noisy, 21, None, timing.Precision(target=0.01, time_cap=100.0), Clock(gpu))
     assert len(samples) > 21 * 8
-    assert compare.relative_half_width(samples) <= 0.01 or len(samples) == timing.MAX_ADAPTIVE_ROUNDS
+    assert verdict.relative_half_width(samples) <= 0.01 or len(samples) == timing.MAX_ADAPTIVE_ROUNDS
 
 
 def test_adaptive_rounds_stay_within_the_time_cap():
@@ -517,7 +520,8 @@ def test_the_verdict_says_which_tolerance_applied_and_where_it_came_from(pyteste
     write_suite(pytester, {"test_default": {"ms": 1.0},
                            "test_marked": {"ms": 1.0, "marker": "perf_tolerance(time=0.2)"}}, seed=2)
     result = run(pytester, "--benchmark-compare")
-    result.stdout.fnmatch_lines(["*test_default*5% default*PASS*", "*test_marked*20% marker*PASS*"])
+    result.stdout.fnmatch_lines(["*tolerance*catches*", "*test_default*2.5% same machine start*>2.*%*PASS*",
+                                 "*test_marked*20% marker*>2?.*%*PASS*"])
     result = run(pytester, "--benchmark-compare", "--perf-time-tolerance=0.03")
     result.stdout.fnmatch_lines(["*test_default*3% --perf-time-tolerance*PASS*", "*test_marked*20% marker*PASS*"])
 
