@@ -169,10 +169,8 @@ def test_the_history_check_finds_each_kind_of_history():
 
 
 @pytest.mark.parametrize("package", PACKAGES)
-def test_comments_and_docstrings_under_lmsys_hold_no_work_history(package, request):
+def test_comments_and_docstrings_under_lmsys_hold_no_work_history(package):
     hits = history(package_files(package))
-    if package == "perf" and hits:
-        request.applymarker(pytest.mark.xfail(reason="gate v2 in progress", strict=False))
     assert not hits, "history belongs in docs/, not in the code:\n" + "\n".join(hits)
 
 

@@ -26,7 +26,7 @@ def test_twenty_percent_slower_fails_only_that_test(pytester):
     result = run(pytester, "--benchmark-compare")
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines([
-        "*SLOWER: test_b median 1.2* ms vs baseline 1* ms (+*%, tolerance 5%*",
+        "*SLOWER: test_b median 1.[12]* ms vs baseline 1* ms (+*%, tolerance 2.5% (same machine start)*",
         "*confirmed: the time was re-measured once and was SLOWER again*",
         "FAILED test_suite.py::test_b - *SLOWER: test_b median*",
     ])
@@ -145,7 +145,7 @@ def test_each_benchmark_is_compared_with_the_newest_file_that_has_it(pytester, b
         "test_a (0002_part)*",
     ])
     if failed:
-        result.stdout.fnmatch_lines(["SLOWER: test_b median 1.2* ms vs baseline 1.0* ms*"])
+        result.stdout.fnmatch_lines(["SLOWER: test_b median 1.[12]* ms vs baseline 1.0* ms*"])
 
 
 def test_saving_keeps_samples_environment_and_never_overwrites(pytester):
@@ -158,7 +158,8 @@ def test_saving_keeps_samples_environment_and_never_overwrites(pytester):
     assert not list((pytester.path / "baselines" / MACHINE).glob(".tmp-*"))
     doc = json.loads(first.read_text())
     (bench,) = doc["benchmarks"]
-    assert len(bench["stats"]["data"]) == 21
+    # At least the planned rounds; more where the median was not yet known to a quarter of its 2.5% tolerance.
+    assert len(bench["stats"]["data"]) >= 21 and len(bench["stats"]["data"]) == bench["stats"]["rounds"]
     assert bench["extra_info"]["peak_allocated_above_start_bytes"] == 64 * MIB
     assert doc["machine_info"]["lmsys"]["machine_id"] == MACHINE
     assert doc["machine_info"]["lmsys"]["device"]["name"] == GPU
@@ -212,7 +213,7 @@ def test_tolerance_marker_overrides_the_defaults(pytester):
 @pytest.mark.parametrize(
     ("marker", "problem"),
     [
-        ("perf_tolerance(tme=0.1)", "unknown key(s) tme; allowed: time, memory"),
+        ("perf_tolerance(tme=0.1)", "unknown key(s) tme; allowed: time, memory, host"),
         ("perf_tolerance(time='fast')", "time='fast' must be a non-negative number"),
         ("perf_tolerance(memory=-0.01)", "memory=-0.01 must be a non-negative number"),
         ("perf_tolerance(0.1)", "takes keyword arguments only"),

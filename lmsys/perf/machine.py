@@ -24,8 +24,8 @@ CLOCK_DEVIATION = 0.10
 # The throttle reasons of a GPU too hot to run at its clocks (cool_down).
 THERMAL = ("sw_thermal_slowdown", "hw_thermal_slowdown")
 # cool_down: how long it waits at most, how often it reads the GPU, and how far above the baseline's temperature
-# before its rounds it lets the GPU stay. On the lent H100 (2026-11-24) one machine start ran the attention anchors
-# at 74-77 C in sw_thermal_slowdown, 4.7-8.2% slower than its own reference, where another start ran them at 37-50 C.
+# before its rounds it lets the GPU stay: a GPU in sw_thermal_slowdown runs kernels several percent slower
+# (docs/gate-measurements.md has the H100 readings).
 COOL_WAIT_SECONDS = 60.0
 COOL_POLL_SECONDS = 1.0
 COOL_MARGIN_C = 5

@@ -281,7 +281,8 @@ def _largest(readings: list) -> Any:
 def run_once(settings: Settings, world_size: int, timeout: float) -> list:
     """Each rank's result of one untimed call of its step (what --benchmark-disable runs)."""
     once = dataclasses.replace(settings, once=True)
-    return [result for result, _ in launch_ranks(rank_main, world_size, once, backend=settings.transport, timeout=timeout)]
+    outputs = launch_ranks(rank_main, world_size, once, backend=settings.transport, timeout=timeout)
+    return [result for result, _ in outputs]
 
 
 def measure(settings: Settings, world_size: int, timeout: float) -> timing.Measurement:
