@@ -94,7 +94,7 @@ def test_train_step(gpu_benchmark, fresh_compiler, device, size, precision, prov
     work = flops.training_step_flops(matmul_params, batch, context, config.num_layers, config.d_model)
     # Percent of peak against the matmul precision: "fp32" or "bf16" (eager, compiled or graphed), i.e. the MFU.
     # The gate judges the step's device time (a CUDA-graph replay, or the step queued ahead when it cannot be
-    # captured); its eager time, the host's launch cost included, is judged beside it (docs/gate.md, "Graph mode").
+    # captured); its eager time, the host's launch cost included, is reported beside it (docs/gate.md, "Graph mode").
     loss = gpu_benchmark(step, inputs, targets, flops=work, precision=precision.split("-")[0],
                          graph=device.type == "cuda")
     assert torch.isfinite(loss)

@@ -22,9 +22,9 @@ def bench(fullname="test_x.py::test_a", data=(1e-3, 1.1e-3, 0.9e-3), memory=None
 
 
 def doc(*benches, machine_id=None) -> dict:
-    info = {"node": "n"}
+    info = {"node": "n", "lmsys": {"schema": baselines.SCHEMA}}
     if machine_id:
-        info["lmsys"] = {"machine_id": machine_id}
+        info["lmsys"]["machine_id"] = machine_id
     return {"machine_info": info, "benchmarks": list(benches)}
 
 

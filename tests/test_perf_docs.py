@@ -35,7 +35,7 @@ def bench(test, params, median, **info):
 
 def save(folder: Path, name: str, benchmarks: list, commit: str = "abcdef0123") -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    doc = {"machine_info": {"lmsys": {"software": {"torch": "2.11.0", "triton": "3.6.0"}}},
+    doc = {"machine_info": {"lmsys": {"schema": 2, "software": {"torch": "2.11.0", "triton": "3.6.0"}}},
            "commit_info": {"id": commit}, "benchmarks": benchmarks, "datetime": "2026-11-22T07:41:37+00:00",
            "version": "5.2.3"}
     (folder / name).write_text(json.dumps(doc))

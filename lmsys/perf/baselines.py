@@ -52,6 +52,8 @@ EAGER_TIMING_KEY = "eager_timing"
 PROBE_KEY = "cpu_probe_data"
 EAGER_PROBE_KEY = "eager_cpu_probe_data"
 TIMINGS = (EAGER, GRAPH, QUEUED, HOST)
+# The format the gate reads, in machine_info["lmsys"]["schema"]; files of earlier versions: python -m lmsys.perf.migrate.
+SCHEMA = 2
 FORBIDDEN_NAME_CHARACTERS = '\\/:*?<>|'
 
 
@@ -162,8 +164,9 @@ def _problem(doc) -> str | None:
     return None
 
 
-def read_baseline(path: Path) -> dict:
-    """Read and validate one baseline file; raises BaselineError naming the file and what is wrong with it."""
+def read_baseline(path: Path, any_schema: bool = False) -> dict:
+    """Read and validate one baseline file; raises BaselineError naming the file and what is wrong with it, or that it
+    is of an earlier format (SCHEMA) unless any_schema (what the migration reads)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -177,6 +180,12 @@ def read_baseline(path: Path) -> dict:
     problem = _problem(doc)
     if problem:
         raise BaselineError(f"baseline file {path} is not a pytest-benchmark result: {problem}")
+    schema = (doc["machine_info"].get("lmsys") or {}).get("schema")
+    if not any_schema and schema != SCHEMA:
+        raise BaselineError(
+            f"baseline file {path} is of an earlier format of the gate (schema {schema or 1}, this version reads "
+            f"{SCHEMA}): run python -m lmsys.perf.migrate {Path(path).parent} --write"
+        )
     return doc
 
 
@@ -425,6 +434,16 @@ def update_file(path: Path, change) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with _holding(path.parent):
         text = change(path.read_text(encoding="utf-8") if path.exists() else None)
+        with _staged(path.parent, text, held=True) as temporary:
+            os.replace(temporary, path)
+    return path
+
+
+def rewrite(path: Path, text: str) -> Path:
+    """Replaces a baseline file atomically, under its folder's lock: for the migration alone (migrate.py), which a
+    user asks for by name; everything else writes a baseline once, with save_new."""
+    path = Path(path)
+    with _holding(path.parent):
         with _staged(path.parent, text, held=True) as temporary:
             os.replace(temporary, path)
     return path

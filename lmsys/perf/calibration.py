@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     docs = []
     for path in args.runs:
         try:
-            doc = baselines.read_baseline(path)
+            doc = baselines.read_baseline(path, any_schema=True)  # the medians read alike in every format
         except baselines.BaselineError as exc:
             parser.error(str(exc))
         recorded = (doc.get("machine_info", {}).get("lmsys") or {}).get("machine_id")

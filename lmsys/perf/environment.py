@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from lmsys.perf.baselines import SCHEMA
+
 # A change in these can move timings by itself; a baseline that differs is still compared, with a warning.
 VERSION_KEYS = ("torch", "triton", "cuda", "cudnn", "driver")
 
@@ -90,6 +92,7 @@ def collect(backend, machine_id: str, root: Path) -> dict[str, Any]:
     """Everything above for one backend, as the dict stored under machine_info['lmsys']."""
     return {
         "machine_id": machine_id,
+        "schema": SCHEMA,
         "machine_start": machine_start(),
         "device": backend.describe(),
         "software": software_versions(backend.is_gpu),

@@ -136,7 +136,8 @@ class Verdict:
                 lines.append(
                     f"{label}: {name} {what} {format_seconds(t.median)} vs baseline "
                     f"{format_seconds(t.baseline_median)} ({t.change:+.1%}, tolerance {format_tolerance(t)}; "
-                    f"{CONFIDENCE:.0%} lower bound of the ratio {t.ratio_low:.3f} > {1 + t.tolerance:.3f})"
+                    f"{CONFIDENCE:.0%} lower bound of the ratio {t.ratio_low:.3f} > {1 + t.tolerance:.3f}; "
+                    f"this comparison catches slowdowns past {t.resolution:.1%})"
                 )
         if self.uncompared is not None:
             lines.append(
