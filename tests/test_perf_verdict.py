@@ -224,3 +224,11 @@ def test_the_resolution_is_the_tolerance_plus_what_the_spread_costs():
     assert 0.025 <= tight.resolution < 0.027
     assert loose.resolution > tight.resolution + 0.002
     assert tight.resolution == pytest.approx(0.025 + tight.ratio - tight.ratio_low)
+
+
+def test_the_memory_allowance_comes_from_the_marker_or_the_option_and_a_calibration_raises_its_floor():
+    assert compare.memory_tolerance(None, 0.0, 256 * 2**10) == (0.0, 256 * 2**10, "default")
+    assert compare.memory_tolerance(0.1, 0.0, 256 * 2**10) == (0.1, 256 * 2**10, "marker")
+    tolerance, floor, source = compare.memory_tolerance(None, 0.0, 256 * 2**10, moved=2**20)
+    assert (tolerance, floor) == (0.0, 256 * 2**10 + 2**20)
+    assert source == "default, floor raised by the 1 MiB the calibration saw"

@@ -172,15 +172,10 @@ class PerfSession:
         return start is None or start != self.environment.get("machine_start")
 
     def memory_allowance(self, fullname: str, marker: dict) -> tuple[float, int, str]:
-        """The memory tolerance (a fraction), floor (bytes) and their source; a calibration whose runs saw the peak
-        move raises the floor by that range."""
-        tolerance = float(marker.get("memory", self.memory_tolerance))
+        """The memory tolerance (a fraction), floor (bytes) and their source (verdict.memory_tolerance)."""
         entry = self.calibration.get(fullname)
         moved = 0 if entry is None else calibration.memory_range(entry)
-        source = "marker" if "memory" in marker else "default"
-        if moved:
-            source = f"{source}, floor raised by the {format_bytes(moved)} the calibration saw"
-        return tolerance, self.memory_floor + moved, source
+        return verdict.memory_tolerance(marker.get("memory"), self.memory_tolerance, self.memory_floor, moved)
 
     def precision(self, tolerance: Tolerance) -> Precision:
         """How precisely the adaptive rounds should pin a median judged with this tolerance."""

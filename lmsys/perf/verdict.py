@@ -8,7 +8,8 @@ tested with plain numbers:
   the eager rounds beside graph replays: launch cost included) is compared and reported, and fails only where the
   test gates it (``@pytest.mark.perf_tolerance(host=...)`` or ``--perf-host-tolerance``).
 - **The comparison.** SLOWER when the one-sided 95% bootstrap lower bound of (median now / median then) exceeds
-  1 + tolerance; MORE-MEMORY when the peak grew by more than max(memory tolerance x baseline, memory floor). A
+  1 + tolerance; MORE-MEMORY when the peak grew by more than max(memory tolerance x baseline, memory floor)
+  (`memory_tolerance`). A
   SLOWER is measured once more, and the second measurement decides (the fixture does that).
 - **The tolerance** (`time_tolerance`): the marker's or the option's when given; else a floor for the case the
   comparison is in, raised by the benchmark's own noise where a calibration measured it. The case: a baseline saved
@@ -172,6 +173,15 @@ def time_tolerance(
     if spread is not None and SIGMAS * math.sqrt(2) * spread > floor.value:
         return Tolerance(SIGMAS * math.sqrt(2) * spread, f"calibrated from {runs} runs")
     return floor
+
+
+def memory_tolerance(marker: float | None, option: float, floor: int, moved: int = 0) -> tuple[float, int, str]:
+    """The memory tolerance (a fraction of the baseline's peak: the marker's, else the option's), the floor (bytes: the
+    option's, raised by the range `moved` a calibration saw the peak move over) and their source."""
+    source = "default" if marker is None else "marker"
+    if moved:
+        source = f"{source}, floor raised by the {format_bytes(moved)} the calibration saw"
+    return float(option if marker is None else marker), floor + moved, source
 
 
 def host_tolerance(marker: float | None = None, option: float | None = None) -> Tolerance | None:
