@@ -32,7 +32,7 @@ def doc(verdicts: dict[str, str]) -> dict:
 
 def test_tally_counts_the_verdicts_each_case_looks_for_per_benchmark_and_over_all():
     same = [doc({"a": "PASS", "b": "PASS"}), doc({"a": "SLOWER", "b": "IMPROVED"})]
-    delayed = [doc({"a": "SLOWER", "b": "SLOWER-EAGER"}), doc({"a": "SLOWER+MORE-MEMORY", "b": "PASS", "c": "NEW"})]
+    delayed = [doc({"a": "SLOWER", "b": "SLOWER-HOST"}), doc({"a": "SLOWER+MORE-MEMORY", "b": "PASS", "c": "NEW"})]
     allocated = [doc({"a": "MORE-MEMORY", "b": "SLOWER"})]
     cases = [
         ("A/A false alarms", same, detection.failed),
@@ -332,7 +332,7 @@ def test_runs_of_another_gate_are_never_resumed_nor_tabulated_together(monkeypat
     argv = ["--inject", "0.05", "--keep", "kept", "--", "perf_tests"]
     assert detection.main(["--runs", "1", *argv]) == 0
     gate = json.loads((tmp_path / "kept" / detection.MANIFEST).read_text())["gate"]
-    assert {"lmsys/perf/fixture.py", "lmsys/perf/compare.py", "perf_tests/test_a.py",
+    assert {"lmsys/perf/fixture.py", "lmsys/perf/verdict.py", "perf_tests/test_a.py",
             "baselines/GPU/calibration.json"} <= set(gate)
     assert not {"lmsys/perf/detection.py", "lmsys/perf/docs.py"} & set(gate)
     before = sorted(p.name for p in Path("kept").rglob("*.json"))
@@ -678,10 +678,10 @@ def test_compact_refuses_a_differing_run_another_measurement_or_no_measurement_a
     with pytest.raises(SystemExit, match="--compact: dest records no gate .*, the other does: compact into another"):
         detection.main(["--compact", "src", "dest"])
     assert files("dest") == before
-    manifest.write_text(json.dumps({**recorded, "gate": {**gate, "lmsys/perf/compare.py": "0" * 16}}))
+    manifest.write_text(json.dumps({**recorded, "gate": {**gate, "lmsys/perf/verdict.py": "0" * 16}}))
     before = files("dest")
     with pytest.raises(SystemExit, match=r"--compact: dest and src were measured by different gates \(changed "
-                       r"lmsys/perf/compare.py in src\)"):
+                       r"lmsys/perf/verdict.py in src\)"):
         detection.main(["--compact", "src", "dest"])
     assert files("dest") == before
 
@@ -779,8 +779,8 @@ def test_false_alarms_name_the_benchmark_its_change_and_the_throttling_after_it(
     aa = [{"benchmarks": [
         bench("test_hot", "SLOWER", time_change=0.0683, time_tolerance=0.025,
               machine={"after": {"throttle": ["sw_power_cap", "sw_thermal_slowdown"]}}),
-        bench("test_launch", "SLOWER-EAGER", time_change=0.0, time_tolerance=0.025, eager_change=0.266,
-              eager_tolerance=0.15, machine={"after": {"throttle": []}}),
+        bench("test_launch", "SLOWER-HOST", time_change=0.0, time_tolerance=0.025, host_change=0.266,
+              machine={"after": {"throttle": []}}),
         bench("test_fine", "PASS", time_change=0.001, time_tolerance=0.025),
         bench("test_new", "NEW"),
     ]}]
@@ -788,5 +788,5 @@ def test_false_alarms_name_the_benchmark_its_change_and_the_throttling_after_it(
     results = [(detection.AA_COLUMN, aa, detection.failed), ("+5% caught", injected, detection.failed)]
     assert detection.false_alarms(results) == [
         "test_hot: SLOWER, +6.83% against 2.50%; throttled after: sw_power_cap, sw_thermal_slowdown",
-        "test_launch: SLOWER-EAGER, +26.60% against 15.00%",
+        "test_launch: SLOWER-HOST",  # extra_info keeps no host tolerance to set host_change against
     ]
