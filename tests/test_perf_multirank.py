@@ -282,11 +282,6 @@ def test_injected_cases_spawn_the_ranks_again_and_fail_nothing(pytester, monkeyp
     assert [c["time_change"] for c in cases] == [pytest.approx(0.1), pytest.approx(0.12)]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "lmsys/perf/fixture.py GpuBenchmark._measured cools only the test process's device (machine.cool_down on "
-    "session.backend.machine_state) before spawning the ranks again: no rank reads its own GPU, so a hot rank's GPU "
-    "(here every rank's: for_rank() hands each respawned rank the same hot readings) is re-measured hot and stays "
-    "SLOWER, and no 'rank N: thermally throttled' note is made"))
 def test_a_slower_verdict_taken_hot_is_re_measured_on_every_rank_once_they_have_cooled(pytester, monkeypatch):
     # Each rank's GPU reads sw_thermal_slowdown for its next 2 readings (a second apart) and its step is 20% slower
     # meanwhile: the rounds say SLOWER, every rank waits for its GPU to read cool, and the rounds timed then decide.

@@ -115,18 +115,21 @@ class GpuBenchmark:
         return session.precision(device), (timing.Precision() if host is None else session.precision(host))
 
     def _measured(self, measure) -> tuple[timing.Measurement, verdict.Verdict | None, bool]:
-        """measure() once, judged; a gated SLOWER is measured once more (after a thermally throttled GPU cooled) and
-        the second measurement decides. Returns the measurement, its verdict and whether it was re-measured."""
-        measurement = measure()
+        """measure(cool=False) once, judged; a gated SLOWER is measured once more with cool=True (a thermally
+        throttled GPU left to cool first: `cool_down`) and the second measurement decides. Returns the measurement,
+        its verdict and whether it was re-measured."""
+        measurement = measure(cool=False)
         decided = self._verdict(measurement)
         if decided is None or not decided.slower:
             return measurement, decided, False
-        note = machine.cool_down(self._session.backend.machine_state, self._baseline_temperature(), time.sleep,
-                                 machine.COOL_WAIT_SECONDS, machine.COOL_POLL_SECONDS)
-        measurement = measure()
-        if note is not None:
-            measurement.notes.append(note)
+        measurement = measure(cool=True)
         return measurement, self._verdict(measurement), True
+
+    def _cool_down(self) -> str | None:
+        """Leaves a thermally throttled GPU idle until it cools (machine.cool_down, against the baseline's temperature
+        before its rounds); the note saying so, or None."""
+        return machine.cool_down(self._session.backend.machine_state, self._baseline_temperature(), time.sleep,
+                                 machine.COOL_WAIT_SECONDS, machine.COOL_POLL_SECONDS)
 
     def _baseline_temperature(self) -> float | None:
         """The GPU's temperature before the baseline's rounds (None without a baseline or its readings)."""
@@ -148,13 +151,17 @@ class GpuBenchmark:
         flush = backend.make_l2_flush() if cold_l2 else None
         own, beside = self._precisions()
 
-        def measure(delay: float = session.injected_delay, extra_memory: int = session.injected_memory):
+        def measure(delay: float = session.injected_delay, extra_memory: int = session.injected_memory,
+                    cool: bool = False):
+            note = self._cool_down() if cool else None
             with timing.gc_paused(session.disable_gc):
-                return timing.run(
+                measurement = timing.run(
                     backend, call, flush=flush, max_time=session.max_time, min_rounds=session.min_rounds,
                     warmup_rounds=warmup_rounds, precision=beside if host else own, launch_precision=beside,
                     graph=graph, host=host, delay=delay, extra_memory=extra_memory,
                 )
+            measurement.notes += [] if note is None else [note]
+            return measurement
 
         measurement, decided, remeasured = self._measured(measure)
         measurement.extra_info["cold_l2"] = bool(cold_l2)
@@ -170,7 +177,7 @@ class GpuBenchmark:
             return
         cases = []
         for delay, held in session.injected_cases:
-            _, decided, _ = self._measured(lambda: measure(delay, held))
+            _, decided, _ = self._measured(lambda cool: measure(delay, held, cool))
             cases.append({"delay": delay, "memory": held, "verdict": None if decided is None else decided.label,
                           "time_change": None if decided is None or decided.time is None else decided.time.change})
         bench.extra_info[timing.INJECTED_CASES_KEY] = cases
@@ -243,9 +250,12 @@ class GpuBenchmark:
             extra_memory=session.injected_memory,
         )
 
-        def measure(delay: float = session.injected_delay, extra_memory: int = session.injected_memory):
-            return multirank.measure(
-                dataclasses.replace(settings, delay=delay, extra_memory=extra_memory), world_size, timeout)
+        def measure(delay: float = session.injected_delay, extra_memory: int = session.injected_memory,
+                    cool: bool = False):
+            # cool=True: every rank leaves its own GPU to cool before its rounds, if it reads thermally throttled.
+            return multirank.measure(dataclasses.replace(
+                settings, delay=delay, extra_memory=extra_memory, cool=cool, baseline_c=self._baseline_temperature(),
+            ), world_size, timeout)
 
         try:
             if self._benchmark.disabled:

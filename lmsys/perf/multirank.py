@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from lmsys.distributed.launch import init_process_group, launch_ranks
-from lmsys.perf import timing
+from lmsys.perf import machine, timing
 
 
 @dataclass
@@ -115,6 +115,10 @@ class Settings:
     extra_memory: int = 0
     queued: bool = False
     graph: bool = False
+    # Before its rounds every rank leaves its GPU to cool if it reads thermally throttled (the re-measurement of a
+    # SLOWER), down to the baseline's temperature before its rounds plus machine.COOL_MARGIN_C.
+    cool: bool = False
+    baseline_c: float | None = None
 
 
 def _barrier(ctx: RankContext) -> None:
@@ -215,6 +219,11 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
         # Queued timing (graph replays too): every rank's rounds behind the same device-side lead, long enough for the
         # slowest rank's CPU to queue its whole step, so that the rounds hold the device's time.
         notes = [] if note is None else [note]
+        if settings.cool:
+            cooled = machine.cool_down(backend.machine_state, settings.baseline_c, time.sleep,
+                                       machine.COOL_WAIT_SECONDS, machine.COOL_POLL_SECONDS)
+            notes += [] if cooled is None else [cooled]
+            _barrier(ctx)
         timer = backend.time_call
         if settings.queued or captured is not None:
             lead = backend.make_delay(min(timing.MAX_LEAD, timing.LEAD_FACTOR * max(walls)))
