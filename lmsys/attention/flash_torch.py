@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from lmsys.attention.checks import check_inputs, refuse_double_backward
+from lmsys.attention.checks import check_causal, check_inputs, refuse_double_backward
 
 BLOCK_K = 64
 # Above MAX_KEY_TILES * BLOCK_K keys the tile grows instead, so the unrolled loop (and compile time) stays bounded.
@@ -92,6 +92,7 @@ def backward(
     is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention given the forward's output `o` and log-sum-exp `lse`, by recomputation."""
+    check_causal(is_causal, impl="torch")
     q3, k3, v3, do3 = _flatten(q), _flatten(k), _flatten(v), _flatten(do)
     n_k, d = k3.shape[1], q3.shape[2]
     acc = _accumulator_dtype(q.dtype)

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from lmsys.attention import flash_hopper, flash_hopper_bwd, launch_order, launcher, plans
-from lmsys.attention.checks import check_inputs, refuse_double_backward
+from lmsys.attention.checks import check_causal, check_inputs, refuse_double_backward
 
 # Any head dim up to 128: the kernels' tiles are BLOCK_D = _block_d(d) wide, zero-padded past d.
 HEAD_DIMS = range(1, 129)
@@ -721,6 +721,7 @@ def forward(q, k, v, is_causal=False):
 
 def backward(q, k, v, o, lse, do, is_causal=False):
     """Gradients (dq, dk, dv) of attention, given the forward's output, log-sum-exp and the output's gradient."""
+    check_causal(is_causal, impl="triton")
     if torch.compiler.is_compiling():
         return torch.ops.lmsys.flash_attn_bwd(q, k, v, o, lse, do, is_causal)
     return _bwd_impl(q, k, v, o, lse, do, is_causal)
