@@ -62,7 +62,7 @@ def _inputs(shape, dtype, device, scale=1.0):
 
 @pytest.mark.parametrize("impl", list(ATTEND))
 @pytest.mark.parametrize("tensor", ["v", "k"])
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize("j", POSITIONS)
 def test_a_non_finite_key_or_value_reaches_only_the_rows_that_see_it(impl, tensor, value, j, seed):
     dtype = torch.float32
