@@ -1366,6 +1366,53 @@ def test_bad_input_raises_value_error(backend, case):
         ATTENTION[backend](*make(), is_causal)
 
 
+def _causal_entry_points():
+    """Every function that takes `is_causal`, as f(q, is_causal) on a (1, 2, 4, 16) float32 q used as q, k and v."""
+    from lmsys.attention.providers import SDPA_BACKENDS, attention_function
+
+    def backward(module):
+        def call(q, is_causal):
+            o, lse = module.forward(q, q, q, False)
+            return module.backward(q, q, q, o, lse, q, is_causal)
+
+        return call
+
+    calls = {name: functools.partial(lambda f, q, c: f(q, q, q, c), fn) for name, fn in ATTENTION.items()}
+    calls |= {f"flash_attention[{impl}]": functools.partial(lambda i, q, c: flash_attention(q, q, q, c, impl=i), impl)
+              for impl in FUNCTIONS}
+    calls |= {f"provider[{name}]": functools.partial(lambda f, q, c: f(q, q, q, c), attention_function(name))
+              for name in ("naive", "flash_torch", "sdpa", *SDPA_BACKENDS) if name != "sdpa_cudnn"}
+    calls |= {f"{name}.backward": backward(IMPLS[name]) for name in IMPLS}
+    # The Gluon kernels check the flag before they look at the plan or the device.
+    calls["flash_hopper.forward"] = lambda q, c: flash_hopper.forward(q, q, q, c, None)
+    calls["flash_hopper_bwd.backward"] = lambda q, c: flash_hopper_bwd.backward(q, q, q, q, q, q, q, q, None, c, None)
+    return calls
+
+
+CAUSAL_ENTRY_POINTS = _causal_entry_points()
+
+
+@pytest.mark.parametrize("entry", list(CAUSAL_ENTRY_POINTS))
+@pytest.mark.parametrize(
+    "flag, shown",
+    [("no", "'no' (str)"), (1, "1 (int)"), (None, "None (NoneType)"), (torch.tensor(True), "tensor(True) (Tensor)")],
+    ids=["str", "int", "None", "tensor"],
+)
+def test_is_causal_that_is_not_a_bool_is_refused(entry, flag, shown):
+    """A truthy non-bool such as "no" would read as causal: every entry point refuses anything but True or False,
+    naming the argument."""
+    q = _t(1, 2, 4, 16, device=TRITON_DEVICE)
+    with pytest.raises(TypeError, match=re.escape(f"is_causal must be True or False, got {shown}")):
+        CAUSAL_ENTRY_POINTS[entry](q, flag)
+
+
+def test_is_causal_numpy_bool_is_refused():
+    numpy = pytest.importorskip("numpy")
+    q = _t(1, 4, 16)
+    with pytest.raises(TypeError, match=r"is_causal must be True or False, got .*True.* \(bool_?\)"):
+        naive_attention(q, q, q, numpy.bool_(True))
+
+
 @pytest.mark.parametrize(
     "dtype, d, message",
     [

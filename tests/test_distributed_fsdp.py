@@ -274,3 +274,57 @@ def test_peak_memory_is_a_shard_of_the_model_plus_a_few_layers_on_two_gpus():
         # one unit's gradients (bf16), two reduce-scatter inputs (fp32). Unsharded weights and gradients: 1 GiB.
         assert peak - base <= model_bytes / world_size + 6 * layer_bytes, (base, peak)
         assert after - base <= model_bytes / world_size + 2**20, (base, after)  # nothing gathered is left
+
+
+def _pending(fsdp: FSDP) -> dict:
+    """The asynchronous work `fsdp` still has in flight: units with a gather, the number of reduce-scatters."""
+    return {"gathers": [i for i, unit in enumerate(fsdp._units) if unit.gather_work is not None],
+            "reduces": len(fsdp._reduces)}
+
+
+def _error_leaves_nothing_in_flight() -> dict:
+    fsdp = FSDP(OddBlocks())
+    tokens = torch.ones(2, 3, dtype=torch.long)
+    fsdp(tokens).sum().backward()
+    with pytest.raises(RuntimeError, match="became ready twice"):
+        fsdp(tokens).sum().backward()
+    return _pending(fsdp)
+
+
+def test_an_error_in_backward_leaves_no_collective_in_flight():
+    assert launch(_error_leaves_nothing_in_flight, 2, timeout=60) == [{"gathers": [], "reduces": 0}] * 2
+
+
+def _unfinished_step_then_wait() -> tuple[dict, dict, bool]:
+    fsdp = FSDP(TransformerLM(SIZES["tiny"]))
+    tokens = torch.ones(2, 3, dtype=torch.long)
+    fsdp(tokens).sum().backward()
+    before = _pending(fsdp)
+    fsdp.wait_for_pending_work()
+    after = _pending(fsdp)
+    fsdp(tokens).sum().backward()  # a fresh step: no "ready twice"
+    fsdp.finish_gradient_synchronization()
+    return before, after, all(shard.grad is not None for shard in fsdp.flat_shards)
+
+
+def test_waiting_for_pending_work_after_an_unfinished_step_leaves_nothing_in_flight():
+    for before, after, synchronized in launch(_unfinished_step_then_wait, 2, timeout=60):
+        assert before["reduces"] == 1  # the root's reduce-scatter, which finish_gradient_synchronization waits for
+        assert after == {"gathers": [], "reduces": 0}
+        assert synchronized
+
+
+def _train_then_return(seed: int) -> None:
+    """A step without finish_gradient_synchronization: the launcher destroys the group with a reduce-scatter sent."""
+    torch.manual_seed(seed)
+    fsdp = FSDP(TransformerLM(SIZES["tiny"]))  # its backward ends with the root's reduce-scatter in flight
+    tokens = torch.randint(SIZES["tiny"].vocab_size, (2, 9))
+    cross_entropy(fsdp(tokens[:, :-1]), tokens[:, 1:]).backward()
+
+
+def test_destroying_the_group_after_an_unfinished_step_never_aborts_a_rank(seed):
+    """Destroying a gloo group with collectives in flight has aborted ranks ("terminate called without an active
+    exception", SIGABRT): the launcher waits for FSDP's pending work first. Twelve runs, as the abort was
+    intermittent."""
+    for run in range(12):
+        launch(_train_then_return, 2, seed + run, backend="gloo", timeout=60)

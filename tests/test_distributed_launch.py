@@ -3,6 +3,7 @@
 import os
 import signal
 import socket
+import subprocess
 import time
 
 import pytest
@@ -143,3 +144,40 @@ def test_init_process_group_outside_launch_names_the_missing_variables(monkeypat
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(RuntimeError, match="missing: \\['MASTER_ADDR', 'MASTER_PORT', 'RANK', 'WORLD_SIZE'\\]"):
         init_process_group()
+
+
+def _rank_one_starts_a_child_then_fails(pid_file: str) -> None:
+    if dist.get_rank() == 1:
+        child = subprocess.Popen(["sleep", "1000"])
+        with open(pid_file, "w") as file:
+            file.write(str(child.pid))
+        raise ValueError("rank one failed with a child running")
+    time.sleep(120)
+
+
+def test_a_failed_rank_takes_the_processes_it_started_with_it(tmp_path):
+    pid_file = tmp_path / "pid"
+    with pytest.raises(RankError, match="rank one failed with a child running"):
+        launch(_rank_one_starts_a_child_then_fails, 2, str(pid_file), timeout=60)
+    pid = int(pid_file.read_text())
+    # A killed process can take a while to be scheduled and exit on a loaded machine: allow it several seconds.
+    assert not any(_exists(pid) for _ in range(3)), f"the child {pid} of rank 1 outlived the run"
+
+
+def _a_function_that_hangs_for_the_test() -> None:
+    time.sleep(120)
+
+
+def _rank_one_hangs_in_a_known_function() -> int:
+    if dist.get_rank() == 1:
+        _a_function_that_hangs_for_the_test()
+    return dist.get_rank()
+
+
+def test_a_timeout_reports_where_each_hung_rank_was():
+    with pytest.raises(RankTimeout) as info:
+        launch(_rank_one_hangs_in_a_known_function, 2, timeout=3)
+    assert info.value.ranks == [1]
+    assert "rank 1 was here:" in str(info.value)
+    assert "_a_function_that_hangs_for_the_test" in info.value.stacks[1]
+    assert "_a_function_that_hangs_for_the_test" in str(info.value)

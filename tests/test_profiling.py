@@ -19,8 +19,7 @@ ATTENTION_RANGES = {
     "attention/kernel",
     "attention/out_proj",
     # The naive kernel's own ranges.
-    "attention/scores",
-    "attention/causal_mask",
+    "attention/scores",  # the causal mask included (lmsys.attention.masking)
     "attention/softmax",
     "attention/value_matmul",
 }

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from lmsys.attention.flash_torch import FlashAttentionTorch
 from lmsys.attention.flash_triton import FlashAttentionTriton
+from lmsys.attention.checks import check_causal
 from lmsys.attention.naive import naive_attention
 
 _FLASH = {"triton": FlashAttentionTriton, "torch": FlashAttentionTorch}
@@ -17,6 +18,7 @@ _FLASH = {"triton": FlashAttentionTriton, "torch": FlashAttentionTorch}
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
     """PyTorch's `scaled_dot_product_attention` (it picks its own backend), as a reference and a baseline."""
+    check_causal(is_causal, impl="sdpa")
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
 
 

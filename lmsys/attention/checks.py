@@ -1,5 +1,5 @@
-"""Input validation shared by every attention implementation (one `ValueError` per problem, naming it), and the
-refusal of double backward that the fused implementations share."""
+"""Input validation shared by every attention implementation (one `ValueError` per problem, naming it; a `TypeError`
+for an `is_causal` that is not a bool), and the refusal of double backward that the fused implementations share."""
 
 import torch
 
@@ -8,6 +8,18 @@ _NAMES = ("q", "k", "v")
 
 def _describe(x: torch.Tensor) -> str:
     return f"shape {tuple(x.shape)}, {x.dtype}, {x.device}"
+
+
+def check_causal(is_causal, *, impl: str) -> None:
+    """Raise a `TypeError` unless `is_causal` is a Python bool.
+
+    Anything else is refused, truthy or not: a string such as "no" would otherwise read as causal, and numpy or torch
+    booleans (a 0-d tensor) would take a different path through the kernels' specialization and caches.
+    """
+    if type(is_causal) is not bool:
+        raise TypeError(
+            f"{impl} attention: is_causal must be True or False, got {is_causal!r} ({type(is_causal).__name__})"
+        )
 
 
 def check_inputs(
@@ -26,8 +38,10 @@ def check_inputs(
     dimensions, the same batch (and heads), one dtype among `dtypes`, one device; `k` and `v` have the same
     shape; `q` and `k` share the head dim, which must be in `head_dims` (a collection or a range) when that is
     given; no sequence is empty; causal attention needs as many queries as keys. Device support beyond "all on one
-    device" is left to the caller (the Triton wrapper checks for CUDA or the interpreter itself).
+    device" is left to the caller (the Triton wrapper checks for CUDA or the interpreter itself). `is_causal` must be a
+    bool (`check_causal`).
     """
+    check_causal(is_causal, impl=impl)
     for name, x in zip(_NAMES, (q, k, v), strict=True):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{impl} attention: {name} must be a torch.Tensor, got {type(x).__name__}")

@@ -48,6 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from lmsys.attention import launch_order, launcher, plans
+from lmsys.attention.checks import check_causal
 
 BLOCK_M = 128  # query rows per program of two consumer warpgroups (three at d=64 on large problems: `plan`)
 WARPGROUP_ROWS = 64
@@ -415,6 +416,7 @@ def _descriptor(x, view, rows):
 def forward(q, k, v, is_causal, forward_plan: ForwardPlan):
     """(o, lse) for inputs that this kernel takes, `forward_plan` being what `forward_views()` returned for inputs of
     their signature: output in q's dtype, contiguous, natural-log log-sum-exp in fp32 of q's shape without d."""
+    check_causal(is_causal, impl="hopper")
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     if forward_plan.launch is not None and forward_plan.is_causal == is_causal:

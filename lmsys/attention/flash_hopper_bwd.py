@@ -50,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from lmsys.attention import flash_hopper, launch_order, launcher, plans
+from lmsys.attention.checks import check_causal
 from lmsys.attention.flash_hopper import ring, stream_kv
 
 BLOCK_KEYS = 128  # keys per _dkdv_kernel program: two consumer warpgroups of 64
@@ -620,6 +621,7 @@ def backward(q, k, v, do, lse, delta, dk, dv, dq_acc, is_causal, backward_plan: 
     The first call for a plan works out its launches' arguments that are not tensors and launches through triton;
     later ones pass the tensors to the kept launches (`launcher.Launch`: in the descriptors' places, the first launch's
     descriptors over them)."""
+    check_causal(is_causal, impl="hopper")
     p = backward_plan
     first = p.is_causal != is_causal
     if first:

@@ -16,15 +16,23 @@ every query row before its first key, and only its diagonal band is masked.
 
 The loop over key tiles is a static Python loop over a shape known at trace time, so `torch.compile` unrolls it
 into one graph without breaks. Low-precision inputs are multiplied in their own dtype (P and dS are cast down
-before their products, as the GPU kernels do), and torch's bf16/fp16 matmuls also round S and dP to that dtype,
-which the Triton kernels keep in float32; statistics and accumulators are float32, float64 for float64 inputs.
+before their products, as the GPU kernels do), except that fp16 scores S and dP are computed in float32: an fp16
+matmul would round them to fp16, whose range they leave (at d = 16, inputs of magnitude ~300 do). bf16 has float32's
+range, and torch's bf16 matmuls round S and dP to bf16, which the Triton kernels keep in float32; statistics and
+accumulators are float32, float64 for float64 inputs.
+
+Masked positions take no part, even a NaN or an inf: the scores of the diagonal band are replaced (not added to), and
+the band's products with V (forward) and K (dQ) go through lmsys.attention.masking's `seen_product`, so a non-finite
+v[j] or k[j] reaches only the rows that see j; a row that sees a non-finite value gets NaN. The rows below the band
+see the whole tile and keep the plain product.
 """
 
 import math
 
 import torch
 
-from lmsys.attention.checks import check_inputs, refuse_double_backward
+from lmsys.attention.checks import check_causal, check_inputs, refuse_double_backward
+from lmsys.attention.masking import seen_product
 
 BLOCK_K = 64
 # Above MAX_KEY_TILES * BLOCK_K keys the tile grows instead, so the unrolled loop (and compile time) stays bounded.
@@ -41,11 +49,28 @@ def _key_block(n_k: int) -> int:
     return BLOCK_K * max(1, tiles_of_block_k)
 
 
-def _mask_diagonal_(s: torch.Tensor) -> None:
-    """Mask keys after the query in the diagonal band of a causal slab whose first row and first key coincide."""
+def _mask_diagonal_(s: torch.Tensor, fill: float) -> None:
+    """Set to `fill` the keys after the query in the diagonal band of a causal slab whose first row and first key
+    coincide."""
     size = s.shape[-1]
     above_diagonal = torch.ones(size, size, dtype=torch.bool, device=s.device).triu(1)
-    s[:, :size].masked_fill_(above_diagonal, float("-inf"))
+    s[:, :size].masked_fill_(above_diagonal, fill)
+
+
+def _product_t(x: torch.Tensor, y: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """x @ y^T in `acc`: fp16 operands are multiplied in float32, whose range the scores need."""
+    if x.dtype == torch.float16:
+        x, y = x.to(acc), y.to(acc)
+    return (x @ y.transpose(1, 2)).to(acc)
+
+
+def _tile_product(a: torch.Tensor, b: torch.Tensor, is_causal: bool) -> torch.Tensor:
+    """a @ b for a causal slab `a` (rows x keys of the tile `b`): its diagonal band through `seen_product`, so that a
+    non-finite row of b reaches only the rows that see it, the rows below it by the plain product."""
+    if not is_causal:
+        return a @ b
+    size = a.shape[-1]
+    return torch.cat((seen_product(a[:, :size], b), a[:, size:] @ b), dim=1)
 
 
 def _flatten(x: torch.Tensor) -> torch.Tensor:
@@ -68,14 +93,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) 
         end = min(start + block, n_k)
         # Causal: rows before `start` see none of these keys; row `start` sees key `start`, so m stays finite.
         rows = slice(start if is_causal else 0, None)
-        s = (q3[:, rows] @ k3[:, start:end].transpose(1, 2)).to(acc) * scale
+        s = _product_t(q3[:, rows], k3[:, start:end], acc) * scale
         if is_causal:
-            _mask_diagonal_(s)
+            _mask_diagonal_(s, float("-inf"))
         m_new = torch.maximum(row_max[:, rows], s.amax(dim=-1))
         p = torch.exp(s - m_new[..., None])
         alpha = torch.exp(row_max[:, rows] - m_new)
         row_sum[:, rows] = row_sum[:, rows] * alpha + p.sum(dim=-1)
-        out[:, rows] = out[:, rows] * alpha[..., None] + (p.to(v.dtype) @ v3[:, start:end]).to(acc)
+        pv = _tile_product(p.to(v.dtype), v3[:, start:end], is_causal)
+        out[:, rows] = out[:, rows] * alpha[..., None] + pv.to(acc)
         row_max[:, rows] = m_new
     out = (out / row_sum[..., None]).to(q.dtype).reshape(q.shape)
     lse = (row_max + torch.log(row_sum)).reshape(q.shape[:-1])
@@ -92,6 +118,7 @@ def backward(
     is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention given the forward's output `o` and log-sum-exp `lse`, by recomputation."""
+    check_causal(is_causal, impl="torch")
     q3, k3, v3, do3 = _flatten(q), _flatten(k), _flatten(v), _flatten(do)
     n_k, d = k3.shape[1], q3.shape[2]
     acc = _accumulator_dtype(q.dtype)
@@ -105,14 +132,17 @@ def backward(
         end = min(start + block, n_k)
         rows = slice(start if is_causal else 0, None)
         k_tile, v_tile, q_rows, do_rows = k3[:, start:end], v3[:, start:end], q3[:, rows], do3[:, rows]
-        s = (q_rows @ k_tile.transpose(1, 2)).to(acc) * scale
+        s = _product_t(q_rows, k_tile, acc) * scale
         if is_causal:
-            _mask_diagonal_(s)
+            _mask_diagonal_(s, float("-inf"))
         p = torch.exp(s - lse3[:, rows, None])
         dv_tiles.append(p.to(q.dtype).transpose(1, 2) @ do_rows)
-        dp = (do_rows @ v_tile.transpose(1, 2)).to(acc)
-        ds = (p * (dp - delta[:, rows, None])).to(q.dtype)
-        dq[:, rows] += (ds @ k_tile).to(acc) * scale
+        dp = _product_t(do_rows, v_tile, acc)
+        ds = p * (dp - delta[:, rows, None])
+        if is_causal:
+            _mask_diagonal_(ds, 0.0)  # p is 0 there, but dp may be NaN (a non-finite v[j])
+        ds = ds.to(q.dtype)
+        dq[:, rows] += _tile_product(ds, k_tile, is_causal).to(acc) * scale
         dk_tiles.append(((ds.transpose(1, 2) @ q_rows).to(acc) * scale).to(q.dtype))
     dk = torch.cat(dk_tiles, dim=1).reshape(k.shape)
     dv = torch.cat(dv_tiles, dim=1).reshape(v.shape)

@@ -33,7 +33,16 @@ last) on their own process group, separate from the all-gathers, so that ranks w
 their collectives; a weight that got no gradient counts as zero (as in the DDP wrappers). `gather_full_params()`
 returns every parameter in full (fp32, the original names); `state_dict()` is the wrapper's own (this rank's shards,
 the replicated parameters, buffers) and round-trips through `load_state_dict()` at the same world size.
+
+Nothing stays in flight when the process group goes: a collective still pending when the group is destroyed can abort
+the process (gloo's worker threads). `finish_gradient_synchronization()` waits for everything it started;
+`wait_for_pending_work()` waits for what a backward left in flight without it (an unfinished step, an error raised in
+a hook, which calls it first) and drops that step's gradient synchronization. The module-level
+`wait_for_pending_work()` does so for every wrapper of the process, and lmsys.distributed.launch calls it before it
+destroys a rank's process group.
 """
+
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -44,6 +53,15 @@ from lmsys.distributed.collectives import all_gather_single, broadcast_coalesced
 
 _MAX_REDUCES_IN_FLIGHT = 1
 _reduce_groups: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
+# Every FSDP wrapper alive in this process, for the module-level wait_for_pending_work().
+_wrappers: "weakref.WeakSet[FSDP]" = weakref.WeakSet()
+
+
+def wait_for_pending_work() -> None:
+    """`FSDP.wait_for_pending_work()` of every FSDP wrapper alive in this process: call it before destroying the
+    process group."""
+    for wrapper in list(_wrappers):
+        wrapper.wait_for_pending_work()
 
 
 class _Slot:
@@ -183,6 +201,7 @@ class FSDP(nn.Module):
                 unit_module.register_forward_hook(self._post_forward_hook(position))
         self._next_reduce = 0  # index into the backward order of the next unit to reduce-scatter
         self._reduces: list[tuple[_Unit, dist.Work, torch.Tensor]] = []  # in flight, oldest first
+        _wrappers.add(self)
 
     def forward(self, *args, **kwargs):
         for unit in self._units:  # gathers of an earlier forward hold weights from before the optimizer step
@@ -222,6 +241,25 @@ class FSDP(nn.Module):
             for param in self._replicated:
                 param.grad = flat[offset : offset + param.numel()].view_as(param)
                 offset += param.numel()
+
+    def wait_for_pending_work(self) -> None:
+        """Wait for every all-gather and reduce-scatter still in flight, and drop the current step's gradient
+        synchronization (the reduce-scatters' results not yet taken, the gradients collected but not reduced): the
+        next backward starts afresh. After `finish_gradient_synchronization()` nothing is in flight and this does
+        nothing; after a backward without it, or an error in the middle of one, it leaves nothing pending before the
+        process group is destroyed."""
+        for unit in self._units:
+            if unit.gather_work is not None:  # a prefetch nobody consumed: its weights stay until the next forward
+                unit.gather_work.wait()
+                unit.gather_work = None
+                unit.gathered = True
+        while self._reduces:
+            _, work, _ = self._reduces.pop(0)
+            work.wait()
+        for unit in self._units:
+            unit.ready.clear()
+            unit.reduce_input = None
+        self._next_reduce = 0
 
     def num_parameters(self) -> int:
         """The wrapped model's parameter count, sharded weights at their full size: the module's own `parameters()`
@@ -280,6 +318,7 @@ class FSDP(nn.Module):
         def hook(leaf):
             unit = self._units[position]
             if slot_index in unit.ready:
+                self.wait_for_pending_work()  # nothing left in flight behind the error
                 raise RuntimeError(
                     f"the gradient of {unit.slots[slot_index].name!r} became ready twice without "
                     "finish_gradient_synchronization() in between; call it after every backward"

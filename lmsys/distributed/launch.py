@@ -10,7 +10,13 @@ Failure handling. Each rank sends its result (or its traceback) to the parent th
 waits on those pipes and on the processes' exit sentinels together. The first rank to raise, or to die without
 reporting (a signal, `os._exit`), stops every rank at once and raises `RankError` with that rank's number and
 traceback or exit status; when the timeout expires, every rank is killed and `RankTimeout` names the ranks still
-running. Every process is joined before `launch_ranks` returns or raises.
+running, with the Python stack of each one's threads where it hung: each rank registers `faulthandler` on SIGUSR1,
+writing to a file of its own, and the launcher sends SIGUSR1 and waits a moment before killing. Every process is
+joined before `launch_ranks` returns or raises.
+
+Process trees. Each rank starts its own session (`os.setsid`), so the processes it starts (a shell command, DataLoader
+workers) are in its process group; once the run is over (returned, failed or timed out), the launcher kills every
+process group, so no child of a rank outlives `launch_ranks`.
 
 Start method. Ranks are forked from a `forkserver`: a clean process started once per parent, which imports torch
 once. A plain `spawn` re-imports torch in every rank (about 3 s for two ranks on a 2-core CPU machine, measured);
@@ -22,12 +28,15 @@ torch._dynamo and the module of `fn` (a test module, say, with everything it imp
 imports. Where the platform has no forkserver (Windows) ranks are spawned. The server lives as long as the caller.
 """
 
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import shutil
 import signal
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -35,11 +44,15 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from lmsys.distributed import fsdp
+
 # NVLink multicast (NVLS) stays off: on the lent GPU machines it can take a shared server down.
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 _PORT_ATTEMPTS = 3
 _KILL_GRACE_S = 5.0
 _FAILURE_GRACE_S = 1.0
+# How long a hung rank is given to write its stacks after SIGUSR1, at most.
+_DUMP_GRACE_S = 2.0
 
 
 class RankError(RuntimeError):
@@ -52,12 +65,16 @@ class RankError(RuntimeError):
 
 
 class RankTimeout(RankError):
-    """The timeout expired; `ranks` were still running (they have been killed)."""
+    """The timeout expired; `ranks` were still running (they have been killed). `stacks` maps each of them to the
+    Python stacks of its threads when it was stopped (faulthandler's dump), which the message includes."""
 
-    def __init__(self, ranks: list[int], world_size: int, timeout: float):
+    def __init__(self, ranks: list[int], world_size: int, timeout: float, stacks: dict[int, str] | None = None):
         details = f"ranks {ranks} of {world_size} still running after the {timeout:g} s timeout; all were killed"
+        stacks = stacks or {}
+        for rank in ranks:
+            details += f"\n\nrank {rank} was here:\n{stacks.get(rank) or '(it wrote no stack)'}"
         RuntimeError.__init__(self, details)
-        self.rank, self.details, self.ranks = ranks[0], details, ranks
+        self.rank, self.details, self.ranks, self.stacks = ranks[0], details, ranks, stacks
 
 
 def default_backend(world_size: int) -> str:
@@ -143,12 +160,14 @@ def _run(context, fn, args, kwargs, world_size, backend, deadline, timeout) -> l
     port = _free_port()
     environment = dict(os.environ)  # forkserver children would otherwise see the server's environment
     processes, connections = [], []
+    stack_dir = tempfile.mkdtemp(prefix="lmsys-ranks-")
+    stack_files = [os.path.join(stack_dir, f"rank{rank}.stacks") for rank in range(world_size)]
     try:
         for rank in range(world_size):
             receiver, sender = context.Pipe(duplex=False)
             process = context.Process(
                 target=_rank_main,
-                args=(fn, args, kwargs, rank, world_size, port, backend, environment, sender),
+                args=(fn, args, kwargs, rank, world_size, port, backend, environment, sender, stack_files[rank]),
                 name=f"rank{rank}",
                 daemon=False,  # rank code may start processes of its own (DataLoader workers); _stop joins ranks
             )
@@ -156,14 +175,15 @@ def _run(context, fn, args, kwargs, world_size, backend, deadline, timeout) -> l
             sender.close()
             processes.append(process)
             connections.append(receiver)
-        return _collect(processes, connections, world_size, deadline, timeout)
+        return _collect(processes, connections, world_size, deadline, timeout, stack_files)
     finally:
         _stop(processes)
         for connection in connections:
             connection.close()
+        shutil.rmtree(stack_dir, ignore_errors=True)
 
 
-def _collect(processes, connections, world_size, deadline, timeout) -> list | None:
+def _collect(processes, connections, world_size, deadline, timeout, stack_files) -> list | None:
     results: dict[int, object] = {}
     failures: list[tuple[int, int, str]] = []  # (kind: 0 died, 1 raised, 2 raised in a collective; rank; details)
     waiting = dict(enumerate(connections))
@@ -206,20 +226,64 @@ def _collect(processes, connections, world_size, deadline, timeout) -> list | No
         others = sorted(r for _, r, _ in failures if r != rank)
         raise RankError(rank, world_size, details + (f"\n(ranks {others} failed as well)" if others else ""))
     if waiting:
-        raise RankTimeout(sorted(waiting), world_size, timeout)
+        hung = sorted(waiting)
+        stacks = _dump_stacks([processes[rank] for rank in hung], [stack_files[rank] for rank in hung])
+        raise RankTimeout(hung, world_size, timeout, stacks)
     return [results[rank] for rank in range(world_size)]
 
 
-def _stop(processes) -> None:
-    """Terminate the ranks still running, kill those that ignore it, and join every one (no zombies)."""
+def _dump_stacks(processes, stack_files) -> dict[int, str]:
+    """Ask each process (rank) for its Python stacks (SIGUSR1, which faulthandler answers from inside the signal
+    handler, wherever the rank is stuck) and return what each wrote, by rank, once the files stop growing or after
+    _DUMP_GRACE_S."""
     for process in processes:
         if process.is_alive():
-            process.terminate()
+            os.kill(process.pid, signal.SIGUSR1)
+    stacks, end = {}, time.monotonic() + _DUMP_GRACE_S
+    while time.monotonic() < end:
+        time.sleep(0.1)
+        now = {int(process.name.removeprefix("rank")): _read(path) for process, path in zip(processes, stack_files)}
+        if all(now.values()) and now == stacks:
+            break
+        stacks = now
+    return stacks
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as file:
+            return file.read().strip()
+    except FileNotFoundError:
+        return ""
+
+
+def _signal_group(process, signum) -> None:
+    """Send `signum` to the process group of the rank `process` (the rank and every process it started); to the
+    rank alone if it has no group of its own yet (it was stopped before its first line)."""
+    try:
+        os.killpg(process.pid, signum)
+    except ProcessLookupError:
+        if process.is_alive():
+            os.kill(process.pid, signum)
+
+
+def _stop(processes) -> None:
+    """Terminate the ranks still running, kill those that ignore it, and join every one (no zombies); then kill what
+    is left of each rank's process group (the processes it started)."""
+    for process in processes:
+        if process.is_alive():
+            _signal_group(process, signal.SIGTERM)
     for process in processes:
         process.join(_KILL_GRACE_S)
         if process.is_alive():
-            process.kill()
+            _signal_group(process, signal.SIGKILL)
             process.join()
+    for process in processes:
+        if process.pid is not None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def _exit_status(exitcode: int | None) -> str:
@@ -235,8 +299,12 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _rank_main(fn, args, kwargs, rank, world_size, port, backend, environment, sender) -> None:
-    """Body of a rank process: environment, process group, `fn`, then (status, payload) down the pipe."""
+def _rank_main(fn, args, kwargs, rank, world_size, port, backend, environment, sender, stack_file) -> None:
+    """Body of a rank process: its own session (the launcher kills its process group), its stacks on SIGUSR1 into
+    `stack_file`, environment, torch.distributed's process group, `fn`, then (status, payload) down the pipe."""
+    os.setsid()
+    stacks = open(stack_file, "w")  # noqa: SIM115 - faulthandler writes to it until the rank exits
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     os.environ.clear()
     os.environ.update(environment)
     os.environ.update(
@@ -272,8 +340,11 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, backend, environment, s
         _send(sender, "error", (traceback.format_exc(), in_collective))
     finally:
         if dist.is_initialized():
+            fsdp.wait_for_pending_work()  # a collective pending when the group goes can abort the rank
             dist.destroy_process_group()
         sender.close()
+        faulthandler.unregister(signal.SIGUSR1)
+        stacks.close()
 
 
 def _send(sender, status: str, payload) -> None:

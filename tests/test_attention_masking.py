@@ -1,0 +1,111 @@
+"""Masked positions contribute nothing, forward or backward, in every attention implementation.
+
+A causal query i cannot see key j > i. A NaN or inf planted in v[j] or k[j] must then leave row i of the output and of
+dQ as they are on clean inputs (0 * NaN is NaN, so zeroing the masked probabilities is not enough), and dV, which
+does not depend on v at all, must stay clean everywhere. Row j itself sees the planted value and must not come out
+finite (a fix that silently dropped it would pass the first check). fp16 inputs of magnitude ~300 have scores past
+fp16's range: the result, in range, must still be right. The reference is plain float64 arithmetic on the clean
+inputs, independent of the implementations under test.
+"""
+
+import math
+
+import pytest
+import torch
+
+from lmsys.attention import FlashAttentionTorch, FlashAttentionTriton, naive_attention
+
+HAS_CUDA = torch.cuda.is_available()
+# The Triton kernels run interpreted without CUDA (tests/conftest.py): small shapes there.
+DEVICES = {"naive": "cpu", "flash_torch": "cpu", "flash_triton": "cuda" if HAS_CUDA else "cpu"}
+ATTEND = {
+    "naive": naive_attention,
+    "flash_torch": FlashAttentionTorch.apply,
+    "flash_triton": FlashAttentionTriton.apply,
+}
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 5e-3}
+# 72 positions, d = 16: two key tiles of flash_torch (64 wide), several query and key tiles of the Triton kernels
+# (32 x 16 under the interpreter). The planted positions sit in the first tile, inside a later diagonal tile, and in
+# flash_torch's second tile, never first in their tile, so some rows of the same diagonal tile cannot see them.
+SHAPE = (1, 2, 72, 16)
+POSITIONS = (5, 40, 66)
+
+
+def _reference(q, k, v, do, is_causal):
+    """Output and (dq, dk, dv) of softmax(q k^T / sqrt(d)) v in float64, written out here."""
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if is_causal:
+        hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    o = torch.softmax(scores, dim=-1) @ v
+    return (o.detach(), *torch.autograd.grad(o, (q, k, v), do.double()))
+
+
+def _attend(impl, q, k, v, do, is_causal):
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    o = ATTEND[impl](q, k, v, is_causal)
+    return (o.detach(), *torch.autograd.grad(o, (q, k, v), do))
+
+
+def _assert_matches(actual, expected, dtype, name, looser=1.0):
+    assert torch.isfinite(actual).all(), f"{name} has NaN or inf"
+    tol = TOLERANCE[dtype] * looser
+    atol = tol * max(expected.abs().max().item(), 1.0)
+    torch.testing.assert_close(actual.double(), expected, rtol=tol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def _inputs(shape, dtype, device, scale=1.0):
+    q, k, v, do = (torch.randn(shape, dtype=torch.float64) for _ in range(4))
+    return tuple((x * (scale if i < 3 else 1.0)).to(dtype=dtype, device=device) for i, x in enumerate((q, k, v, do)))
+
+
+@pytest.mark.parametrize("impl", list(ATTEND))
+@pytest.mark.parametrize("tensor", ["v", "k"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("j", POSITIONS)
+def test_a_non_finite_key_or_value_reaches_only_the_rows_that_see_it(impl, tensor, value, j, seed):
+    dtype = torch.float32
+    q, k, v, do = _inputs(SHAPE, dtype, DEVICES[impl])
+    expected_o, expected_dq, _, expected_dv = _reference(q, k, v, do, True)
+    planted = {"k": k.clone(), "v": v.clone()}
+    planted[tensor][..., j, :] = value
+    o, dq, _, dv = _attend(impl, q, planted["k"], planted["v"], do, True)
+    where = f"{impl}, {value} in {tensor}[{j}]"
+    _assert_matches(o[..., :j, :], expected_o[..., :j, :], dtype, f"{where}: output rows before {j}")
+    _assert_matches(dq[..., :j, :], expected_dq[..., :j, :], dtype, f"{where}: dq rows before {j}")
+    if tensor == "v":
+        _assert_matches(dv, expected_dv, dtype, f"{where}: dv (independent of v)")
+    assert not torch.isfinite(o[..., j, :]).all(), f"{where}: row {j} sees the planted value but is finite"
+
+
+@pytest.mark.parametrize("impl", list(ATTEND))
+@pytest.mark.parametrize("tensor", ["v", "k"])
+def test_one_nan_element_reaches_only_the_rows_that_see_it(impl, tensor, seed):
+    """One NaN entry (not a whole row) in a diagonal tile of fp16 inputs."""
+    dtype, j = torch.float16, 37
+    q, k, v, do = _inputs((1, 1, 48, 16), dtype, DEVICES[impl])
+    expected_o, expected_dq, _, expected_dv = _reference(q, k, v, do, True)
+    planted = {"k": k.clone(), "v": v.clone()}
+    planted[tensor][..., j, 3] = float("nan")
+    o, dq, _, dv = _attend(impl, q, planted["k"], planted["v"], do, True)
+    where = f"{impl}, NaN in {tensor}[{j}, 3]"
+    _assert_matches(o[..., :j, :], expected_o[..., :j, :], dtype, f"{where}: output rows before {j}")
+    _assert_matches(dq[..., :j, :], expected_dq[..., :j, :], dtype, f"{where}: dq rows before {j}")
+    if tensor == "v":
+        _assert_matches(dv, expected_dv, dtype, f"{where}: dv (independent of v)")
+    assert not torch.isfinite(o[..., j, :]).all(), f"{where}: row {j} sees the planted value but is finite"
+
+
+@pytest.mark.parametrize("impl", list(ATTEND))
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_fp16_scores_past_fp16_range_give_the_right_result(impl, is_causal, seed):
+    """q, k, v of magnitude ~300 in fp16 at d = 16: the scores (~1e5 before scaling) are past fp16's largest value
+    (65504), while the output and the gradients are in range. The gradients are sums of fp16-rounded terms times
+    inputs of magnitude 300, hence their tolerance 300 times looser."""
+    dtype, scale = torch.float16, 300.0
+    q, k, v, do = _inputs((1, 2, 40, 16), dtype, DEVICES[impl], scale=scale)
+    expected = _reference(q, k, v, do, is_causal)
+    actual = _attend(impl, q, k, v, do, is_causal)
+    for name, a, e in zip(("output", "dq", "dk", "dv"), actual, expected, strict=True):
+        _assert_matches(a, e, dtype, f"{impl} {name}", looser=1.0 if name == "output" else scale)
