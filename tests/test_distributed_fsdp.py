@@ -292,7 +292,7 @@ def _error_leaves_nothing_in_flight() -> dict:
 
 
 def test_an_error_in_backward_leaves_no_collective_in_flight():
-    assert launch(_error_leaves_nothing_in_flight, 2, timeout=60) == [{"gathers": [], "reduces": 0}] * 2
+    assert launch_ranks(_error_leaves_nothing_in_flight, 2, timeout=60) == [{"gathers": [], "reduces": 0}] * 2
 
 
 def _unfinished_step_then_wait() -> tuple[dict, dict, bool]:
@@ -308,7 +308,7 @@ def _unfinished_step_then_wait() -> tuple[dict, dict, bool]:
 
 
 def test_waiting_for_pending_work_after_an_unfinished_step_leaves_nothing_in_flight():
-    for before, after, synchronized in launch(_unfinished_step_then_wait, 2, timeout=60):
+    for before, after, synchronized in launch_ranks(_unfinished_step_then_wait, 2, timeout=60):
         assert before["reduces"] == 1  # the root's reduce-scatter, which finish_gradient_synchronization waits for
         assert after == {"gathers": [], "reduces": 0}
         assert synchronized
@@ -327,4 +327,4 @@ def test_destroying_the_group_after_an_unfinished_step_never_aborts_a_rank(seed)
     exception", SIGABRT): the launcher waits for FSDP's pending work first. Twelve runs, as the abort was
     intermittent."""
     for run in range(12):
-        launch(_train_then_return, 2, seed + run, backend="gloo", timeout=60)
+        launch_ranks(_train_then_return, 2, seed + run, backend="gloo", timeout=60)

@@ -158,7 +158,7 @@ def _rank_one_starts_a_child_then_fails(pid_file: str) -> None:
 def test_a_failed_rank_takes_the_processes_it_started_with_it(tmp_path):
     pid_file = tmp_path / "pid"
     with pytest.raises(RankError, match="rank one failed with a child running"):
-        launch(_rank_one_starts_a_child_then_fails, 2, str(pid_file), timeout=60)
+        launch_ranks(_rank_one_starts_a_child_then_fails, 2, str(pid_file), timeout=60)
     pid = int(pid_file.read_text())
     # A killed process can take a while to be scheduled and exit on a loaded machine: allow it several seconds.
     assert not any(_exists(pid) for _ in range(3)), f"the child {pid} of rank 1 outlived the run"
@@ -176,7 +176,7 @@ def _rank_one_hangs_in_a_known_function() -> int:
 
 def test_a_timeout_reports_where_each_hung_rank_was():
     with pytest.raises(RankTimeout) as info:
-        launch(_rank_one_hangs_in_a_known_function, 2, timeout=3)
+        launch_ranks(_rank_one_hangs_in_a_known_function, 2, timeout=3)
     assert info.value.ranks == [1]
     assert "rank 1 was here:" in str(info.value)
     assert "_a_function_that_hangs_for_the_test" in info.value.stacks[1]
