@@ -160,19 +160,37 @@ def test_the_detection_script_in_a_copy_without_git_needs_the_gate_named(tmp_pat
     assert "| test_empty_function | 0/2 |" in (tmp_path / "root" / "abc1234" / "table.md").read_text()
 
 
-def run_script(out: Path, *args: str, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def run_script(out: Path, *args: str, extra: tuple[str, ...] = (), root: Path = ROOT,
+               env: dict | None = None) -> subprocess.CompletedProcess:
     pytest_args = ["-k", "matmul", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "--benchmark-max-time=0.01",
                    *extra]
-    env = {**os.environ, "GITHUB_STEP_SUMMARY": str(out.parent / "step-summary.md")}
+    env = {**os.environ, **(env or {}), "GITHUB_STEP_SUMMARY": str(out.parent / "step-summary.md")}
     return subprocess.run(
-        ["bash", str(ROOT / ".ci" / "perf"), str(out), *args, "--", *pytest_args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        ["bash", str(root / ".ci" / "perf"), str(out), *args, "--", *pytest_args],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
     )
+
+
+def tracked_copy(tree: Path) -> tuple[Path, dict]:
+    """A copy of the checkout's tracked files (git ls-files) in tree, and the environment that names its commit: the
+    baselines a user saved into the checkout (untracked) stay out of it. Without git (a copy of the tree on a device
+    machine) the checkout itself, which then cannot tell its own files from the user's."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        return ROOT, {}
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in filter(None, listed.decode().split("\0")):
+        source = ROOT / name
+        if source.is_file():
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, tree / name, follow_symlinks=False)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return tree, {"LMSYS_GIT_COMMIT": head, "GIT_CEILING_DIRECTORIES": str(tree.parent)}
 
 
 def test_the_gpu_script_compares_reports_and_saves_into_a_copy(tmp_path):
     before = sorted(p.relative_to(ROOT) for p in (ROOT / "baselines").rglob("*"))
-    done = run_script(tmp_path / "compare")
+    root, env = tracked_copy(tmp_path / "tree")
+    done = run_script(tmp_path / "compare", root=root, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     out = tmp_path / "compare"
     assert {"summary.md", "results.json", "memory.csv", "pytest.log"} <= {p.name for p in out.iterdir()}
@@ -181,7 +199,7 @@ def test_the_gpu_script_compares_reports_and_saves_into_a_copy(tmp_path):
     assert (tmp_path / "step-summary.md").read_text() == summary
     assert [b["name"] for b in json.loads((out / "results.json").read_text())["benchmarks"]] == ["test_matmul"]
 
-    done = run_script(tmp_path / "save", "--save", "ci-test")
+    done = run_script(tmp_path / "save", "--save", "ci-test", root=root, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     [new] = (tmp_path / "save" / "new-baseline").rglob("*.json")
     assert new.name.endswith("_ci-test.json")

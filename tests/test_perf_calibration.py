@@ -229,7 +229,10 @@ def _kept_run(tmp_path, name: str, medians: dict[str, float], machine: str = MAC
         stats.update(stddev=0.0, iqr=0.0, rounds=3, iterations=1, data=[median] * 3)
         benches.append({"fullname": fullname, "name": fullname, "stats": stats, "extra_info": {"timing": "graph"}})
     path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps({"machine_info": {"lmsys": {"machine_id": machine}}, "benchmarks": benches}))
+    # Each run recorded at its own time (as pytest-benchmark's "datetime"): the command refuses a run given twice.
+    path.write_text(json.dumps({"machine_info": {"lmsys": {"machine_id": machine}}, "benchmarks": benches,
+                                "datetime": f"2026-01-01T00:00:00.{len(list(tmp_path.iterdir())):06d}",
+                                "commit_info": {"id": "abc"}}))
     return path
 
 
@@ -270,3 +273,37 @@ def test_the_command_refuses_runs_it_cannot_use(tmp_path, capsys, case, message)
         calibration.main(args)
     assert exited.value.code == 2 and message in capsys.readouterr().err
     assert not (folder / calibration.FILE_NAME).exists()
+
+
+@pytest.mark.parametrize("how", ["same path", "copied", "same datetime and commit"])
+def test_the_command_refuses_a_run_given_twice(tmp_path, capsys, how):
+    folder = tmp_path / MACHINE
+    folder.mkdir()
+    first = _kept_run(tmp_path, "run-0", {"t::a": 1e-3})
+    second = first
+    if how == "copied":
+        second = tmp_path / "copy.json"
+        second.write_bytes(first.read_bytes())
+    elif how == "same datetime and commit":
+        doc = json.loads(first.read_text())
+        doc["benchmarks"][0]["stats"]["data"] = [1e-3, 1e-3, 1e-3 + 1e-12]
+        second = tmp_path / "edited.json"
+        second.write_text(json.dumps(doc))
+    with pytest.raises(SystemExit) as exited:
+        calibration.main([str(folder), str(first), str(second)])
+    assert exited.value.code == 2
+    assert f"{second} and {first} are the same run" in capsys.readouterr().err
+    assert not (folder / calibration.FILE_NAME).exists()
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[" * 100_000 + "]" * 100_000, "is nested too deeply"),
+    ('{"benchmarks": {"t::a": {"timing": "eager", "runs": 2, "medians": [1e-3, 1e-3], "spread": 1' + "0" * 400 + "}}}",
+     "'t::a' has a spread that is not a finite non-negative number"),
+    ('{"benchmarks": {"t::a": {"timing": "eager", "runs": 2, "medians": [1' + "0" * 400 + ', 1e-3], "spread": 0}}}',
+     "'t::a' has medians that are not positive numbers"),
+], ids=["nested", "huge-spread", "huge-median"])
+def test_a_hostile_calibration_file_is_named(tmp_path, text, message):
+    (tmp_path / calibration.FILE_NAME).write_text(text)
+    with pytest.raises(calibration.CalibrationError, match=f"calibration file {tmp_path}.*{message}"):
+        calibration.read(tmp_path)

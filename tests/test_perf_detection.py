@@ -157,6 +157,14 @@ def test_no_aa_without_an_injection_is_a_usage_error(capsys):
     assert "--no-aa leaves nothing to measure" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["-5", "0", "nan", "inf", "soon"])
+def test_a_timeout_that_is_not_a_positive_number_is_a_usage_error(capsys, value):
+    with pytest.raises(SystemExit) as exited:
+        detection.main(["--timeout", value, "--", "perf_tests"])
+    assert exited.value.code == 2
+    assert f"argument --timeout: {value!r} " in capsys.readouterr().err
+
+
 def test_memory_with_delays_counts_each_delay_run_for_its_delay_and_for_the_allocation(monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(tmp_path)
     calls = []

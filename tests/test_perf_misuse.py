@@ -221,7 +221,9 @@ def test_a_memory_report_never_replaces_a_baseline_or_an_existing_file(pytester)
     before = baseline.read_bytes()
     result = run(pytester, "--benchmark-compare", f"--gpu-mem-report={baseline}", "--gpu-mem-report-overwrite")
     assert result.ret == USAGE_ERROR
-    result.stderr.fnmatch_lines([f"*--gpu-mem-report={baseline}: * is inside *baselines, which holds baselines*"])
+    result.stderr.fnmatch_lines(
+        [f"*--gpu-mem-report={baseline}: * is inside *baselines, which holds baselines (and calibrations)*"]
+    )
     assert baseline.read_bytes() == before
 
     (pytester.path / "mem.csv").write_text("mine\n")

@@ -60,7 +60,7 @@ def test_new_benchmarks_and_notes_are_reported(pytester):
     result.assert_outcomes(passed=1)
     text = (pytester.path / "perf.md").read_text()
     assert "- verdicts: 1 NEW" in text
-    assert "> no baseline for Fake_GPU_80GB" in text
+    assert "> no baseline for Fake\\_GPU\\_80GB" in text  # markup characters escaped: it renders literally
     assert table_rows(text)[0][0] == "NEW"
 
 

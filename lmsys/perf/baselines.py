@@ -22,8 +22,11 @@ import re
 import signal
 import tempfile
 import threading
+import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
+
+import numpy as np
 
 from lmsys.perf.timing import EAGER, GRAPH, HOST, LAUNCH, QUEUED
 
@@ -55,6 +58,18 @@ TIMINGS = (EAGER, GRAPH, QUEUED, HOST)
 # The format the gate reads, in machine_info["lmsys"]["schema"]; files of earlier versions: python -m lmsys.perf.migrate.
 SCHEMA = 2
 FORBIDDEN_NAME_CHARACTERS = '\\/:*?<>|'
+# A baseline file larger than this is refused before it is parsed: reading it would take unbounded time and memory
+# (the largest saved baseline, a full grid with every round, is a few MiB).
+MAX_FILE_BYTES = 64 * 2**20
+# The rounds a benchmark keeps when read: more are thinned to this many evenly spaced ones (each series of rounds and
+# the CPU probe times beside it alike), which bounds the time and memory of a comparison.
+MAX_SAMPLES = 10_000
+# How far the median of a benchmark's stored rounds may be from its stored median (relative): further, the file's
+# statistics are not those of its rounds, and the table (median) and the verdict (rounds) would disagree.
+MEDIAN_AGREEMENT = 1e-6
+# The largest count a baseline or a calibration may hold (bytes of memory, rounds): a value past it is not a
+# measurement, and numbers past float range break every computation with it.
+MAX_COUNT = 2**63
 
 
 class BaselineError(ValueError):
@@ -63,6 +78,13 @@ class BaselineError(ValueError):
 
 class NoSuchBaseline(LookupError):
     """A baseline named with --benchmark-compare=VALUE that is not there; the message says what there is."""
+
+
+def printable(text) -> str:
+    """text with each control or other unprintable character (Unicode category C: ESC, a newline, a carriage return)
+    written as its Python escape (\\x1b, \\n): a name, a test id or a path never reaches the terminal or a report
+    raw."""
+    return "".join(ascii(c)[1:-1] if unicodedata.category(c).startswith("C") else c for c in str(text))
 
 
 def slug(text: str) -> str:
@@ -97,16 +119,21 @@ def baseline_files(folder: Path) -> list[Path]:
     return sorted(files, key=lambda path: (file_number(path), path.name))
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def is_number(value) -> bool:
+    """A finite int or float; an int too large for a float (10**400) is not one."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if isinstance(value, int):
+        return abs(value) < MAX_COUNT
+    return math.isfinite(value)
 
 
 def _is_count(value) -> bool:
-    return _is_number(value) and value >= 1 and value == int(value)
+    return is_number(value) and value >= 1 and value == int(value)
 
 
 def _stats_problem(stats: dict) -> str | None:
-    missing = [key for key in REQUIRED_STATS if not _is_number(stats.get(key))]
+    missing = [key for key in REQUIRED_STATS if not is_number(stats.get(key))]
     if missing:
         return f"lacks numeric stats {missing}"
     negative = [key for key in ("min", "max", "mean", "stddev", "median", "iqr") if stats[key] < 0]
@@ -118,10 +145,14 @@ def _stats_problem(stats: dict) -> str | None:
         return "has rounds or iterations that are not positive whole numbers"
     data = stats.get("data")
     if data is not None:
-        if not (isinstance(data, list) and data and all(_is_number(x) and x >= 0 for x in data)):
+        if not (isinstance(data, list) and data and all(is_number(x) and x >= 0 for x in data)):
             return "has malformed per-round data (not a non-empty list of finite, non-negative seconds)"
-        if sorted(data)[(len(data) - 1) // 2] <= 0:
+        median = float(np.median(np.asarray(data, dtype=np.float64)))
+        if median <= 0:
             return "has per-round data whose median is 0 s"
+        if abs(median - stats["median"]) > MEDIAN_AGREEMENT * stats["median"]:
+            return (f"has a stats.median ({stats['median']!r} s) that is not the median of its per-round data "
+                    f"({median!r} s): the file's statistics are not those of its rounds")
     return None
 
 
@@ -147,36 +178,73 @@ def _problem(doc) -> str | None:
         if not isinstance(extra, dict):
             return f"benchmark {bench['fullname']!r} has an 'extra_info' that is not an object"
         for key in (MEMORY_KEY, REQUESTED_KEY):
-            if key in extra and not (_is_number(extra[key]) and extra[key] >= 0):
+            if key in extra and not (is_number(extra[key]) and extra[key] >= 0):
                 return f"benchmark {bench['fullname']!r} has a {key} that is not a non-negative number"
         if extra.get("timing", "eager") not in TIMINGS:
             return f"benchmark {bench['fullname']!r} has a timing that is not one of {TIMINGS}"
         eager = extra.get(EAGER_KEY)
         if eager is not None:
-            if not (isinstance(eager, list) and eager and all(_is_number(x) and x >= 0 for x in eager)):
+            if not (isinstance(eager, list) and eager and all(is_number(x) and x >= 0 for x in eager)):
                 return f"benchmark {bench['fullname']!r} has malformed eager rounds ({EAGER_KEY})"
             if sorted(eager)[(len(eager) - 1) // 2] <= 0:
                 return f"benchmark {bench['fullname']!r} has eager rounds whose median is 0 s"
         for key in (PROBE_KEY, EAGER_PROBE_KEY):
             probes = extra.get(key)
-            if probes is not None and not (isinstance(probes, list) and all(_is_number(x) and x >= 0 for x in probes)):
+            if probes is not None and not (isinstance(probes, list) and all(is_number(x) and x >= 0 for x in probes)):
                 return f"benchmark {bench['fullname']!r} has malformed CPU probe times ({key})"
     return None
 
 
-def read_baseline(path: Path, any_schema: bool = False) -> dict:
-    """Read and validate one baseline file; raises BaselineError naming the file and what is wrong with it, or that it
-    is of an earlier format (SCHEMA) unless any_schema (what the migration reads)."""
+def read_json(path: Path, what: str, error=ValueError):
+    """The parsed JSON of a file the gate reads (a baseline, a calibration), or `error` naming the file: one larger
+    than MAX_FILE_BYTES is refused before it is read, and numbers or nesting Python cannot hold are refused too."""
     try:
+        size = Path(path).stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise error(f"{what} {path} is {size} bytes, more than the {MAX_FILE_BYTES} bytes (64 MiB) a file the "
+                        "gate reads may have; it is not read")
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise BaselineError(f"cannot read baseline file {path}: {exc}") from None
+        raise error(f"cannot read {what} {path}: {exc}") from None
     try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BaselineError(f"baseline file {path} is not valid JSON: {exc}") from None
-    except ValueError as exc:  # numbers Python cannot hold, such as 1e999999
-        raise BaselineError(f"baseline file {path} is not valid JSON: {exc}") from None
+        return json.loads(text)
+    except RecursionError:
+        raise error(f"{what} {path} is not usable JSON: it is nested too deeply to read") from None
+    except ValueError as exc:  # not JSON, or numbers Python cannot hold, such as 1e999999
+        raise error(f"{what} {path} is not valid JSON: {exc}") from None
+
+
+def _evenly_spaced(count: int) -> np.ndarray | None:
+    """The indices of MAX_SAMPLES evenly spaced rounds out of `count`, or None when there are not more than that."""
+    if count <= MAX_SAMPLES:
+        return None
+    return np.linspace(0, count - 1, MAX_SAMPLES).round().astype(np.int64)
+
+
+def _thinned(bench: dict) -> None:
+    """Thins a benchmark's rounds to MAX_SAMPLES evenly spaced ones, keeping the CPU probe times beside them aligned
+    (stats.data with cpu_probe_data, eager_data with eager_cpu_probe_data). Its stats (median, rounds) stay those of
+    all its rounds."""
+    extra = bench.get("extra_info") or {}
+    for rounds, key, probe_key in ((bench["stats"], "data", PROBE_KEY), (extra, EAGER_KEY, EAGER_PROBE_KEY)):
+        values = rounds.get(key)
+        chosen = None if values is None else _evenly_spaced(len(values))
+        if chosen is None:
+            continue
+        probes = extra.get(probe_key)
+        if isinstance(probes, list) and len(probes) == len(values):
+            extra[probe_key] = [probes[i] for i in chosen]
+        rounds[key] = [values[i] for i in chosen]
+
+
+def read_baseline(path: Path, any_schema: bool = False) -> dict:
+    """Read and validate one baseline file; raises BaselineError naming the file and what is wrong with it, or that it
+    is of an earlier format (SCHEMA) unless any_schema (what the migration reads).
+
+    A file over MAX_FILE_BYTES is refused unread; a benchmark with more than MAX_SAMPLES rounds keeps MAX_SAMPLES
+    evenly spaced ones (_thinned), so that a comparison takes bounded time and memory.
+    """
+    doc = read_json(path, "baseline file", BaselineError)
     problem = _problem(doc)
     if problem:
         raise BaselineError(f"baseline file {path} is not a pytest-benchmark result: {problem}")
@@ -186,6 +254,8 @@ def read_baseline(path: Path, any_schema: bool = False) -> dict:
             f"baseline file {path} is of an earlier format of the gate (schema {schema or 1}, this version reads "
             f"{SCHEMA}): run python -m lmsys.perf.migrate {Path(path).parent} --write"
         )
+    for bench in doc["benchmarks"]:
+        _thinned(bench)
     return doc
 
 
@@ -264,7 +334,7 @@ def samples(bench: dict, timed: str = EAGER) -> list[float] | None:
 def allocated_peak(extra_info: dict) -> int | None:
     """The allocated peak above start of a benchmark's extra_info (what the memory report shows), or None."""
     value = extra_info.get(MEMORY_KEY)
-    return int(value) if _is_number(value) else None
+    return int(value) if is_number(value) else None
 
 
 def gated_peaks(now: dict, baseline: dict) -> tuple[int, int, str] | None:
@@ -273,7 +343,7 @@ def gated_peaks(now: dict, baseline: dict) -> tuple[int, int, str] | None:
     baseline saved before the requested bytes were read); None when either has no memory reading."""
     for key, measure in PEAK_KEYS:
         values = now.get(key), baseline.get(key)
-        if all(_is_number(value) for value in values):
+        if all(is_number(value) for value in values):
             return int(values[0]), int(values[1]), measure
     return None
 
@@ -284,9 +354,15 @@ def next_number(folder: Path) -> int:
 
 
 def check_name(name: str) -> None:
-    """Raises ValueError unless name can be a baseline name (--benchmark-save=NAME)."""
+    """Raises ValueError unless name can be a baseline name (--benchmark-save=NAME): not empty, none of
+    FORBIDDEN_NAME_CHARACTERS, and no control or other unprintable character (Unicode category C): a file named with
+    a newline is never read as a baseline (FILE_NAME), and an ESC would reach the terminal."""
     if not name or any(c in name for c in FORBIDDEN_NAME_CHARACTERS):
         raise ValueError(f"baseline name must be non-empty without any of {FORBIDDEN_NAME_CHARACTERS}, got {name!r}")
+    unprintable = sorted({c for c in name if unicodedata.category(c).startswith("C")})
+    if unprintable:
+        shown = ", ".join(ascii(c) for c in unprintable)
+        raise ValueError(f"baseline name must not hold control or unprintable characters ({shown}), got {name!r}")
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -330,27 +406,54 @@ def save_problem(folder: Path, name: str) -> str | None:
     return None
 
 
-def output_problem(path: Path, overwrite: bool, protected: Iterable[Path] = ()) -> str | None:
-    """Why a report or export may not be written to path, or None: a folder, a baseline (a protected path or a file
-    inside one, or an existing file named like a baseline), an existing file unless overwrite, or a place that
-    cannot be written."""
-    path = Path(path).resolve()
-    if path.is_dir():
-        return f"{path} is a folder"
-    for kept in protected:
-        if path.is_relative_to(Path(kept).resolve()):
-            where = "is" if path == Path(kept).resolve() else "is inside"
-            return f"{path} {where} {kept}, which holds baselines: a report never writes there"
-    if path.exists() and file_number(path) is not None:
-        return f"{path} is named like a baseline file: reports never replace one"
-    if path.exists() and not overwrite:
-        return f"{path} exists: choose another name, or ask to overwrite it"
-    ancestor = _existing_ancestor(path.parent)
+def _writable_folder_problem(folder: Path) -> str | None:
+    """Why a file cannot be created in folder (or in the folder it would be made in), or None. An existing folder is
+    probed with a temporary file removed at once (os.access says yes to root even on a read-only file system)."""
+    ancestor = _existing_ancestor(folder)
     if not ancestor.is_dir():
         return f"{ancestor} is not a folder"
-    if not os.access(path if path.exists() else ancestor, os.W_OK):
-        return f"{path if path.exists() else ancestor} is not writable"
+    if ancestor != Path(folder).absolute():  # the folder is created inside ancestor when the file is written
+        return None if os.access(ancestor, os.W_OK | os.X_OK) else f"cannot create {folder}: {ancestor} is not writable"
+    try:
+        handle, probe = tempfile.mkstemp(dir=ancestor, prefix=TEMPORARY_PREFIX, suffix=".probe")
+    except OSError as exc:
+        return f"{ancestor} is not writable ({exc.strerror or exc})"
+    os.close(handle)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
     return None
+
+
+def output_problem(path: Path, overwrite: bool, protected: Iterable[Path] = ()) -> str | None:
+    """Why a report or export (--benchmark-json, --perf-report, --gpu-mem-report) may not be written to path, or
+    None. The one guard of every file the gate writes on a user's behalf, checked before any test runs:
+
+    - a baseline is never replaced or written beside: the path as given and the real path it leads to (symlinks
+      resolved) must both lie outside every protected folder (the storage root: every GPU folder, its baselines and
+      its calibration.json), and neither may be named like a baseline file (NNNN_name.json);
+    - a folder, an existing file unless overwrite, and a place that cannot be written are refused too.
+
+    Reports are then written atomically (replace_file, write_new_file): a temporary file in the same folder, moved
+    into place, so a write that fails (a full disk) leaves the earlier file as it was.
+    """
+    given = Path(os.path.abspath(path))
+    real = given.resolve()
+    if real.is_dir():
+        return f"{path} is a folder"
+    for kept in protected:
+        for root in dict.fromkeys((Path(os.path.abspath(kept)), Path(kept).resolve())):
+            for candidate, how in ((given, ""), (real, f" (it leads to {real})")):
+                if candidate.is_relative_to(root):
+                    where = "is" if candidate == root else "is inside"
+                    return (f"{path}{how} {where} {kept}, which holds baselines (and calibrations): nothing but a "
+                            "baseline save or a calibration writes there")
+    if file_number(given) is not None or file_number(real) is not None:
+        return f"{path} is named like a baseline file (NNNN_name.json, or leads to one): name the report otherwise"
+    if real.exists() and not overwrite:
+        return f"{path} exists: choose another name, or ask to overwrite it"
+    if real.exists() and not real.is_file():
+        return f"{path} is not a regular file"
+    return _writable_folder_problem(given.parent)
 
 
 @contextlib.contextmanager

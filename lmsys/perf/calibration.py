@@ -21,8 +21,8 @@ that GPU), `-k SUBSTRING` only the benchmarks whose name holds it.
 """
 
 import argparse
+import hashlib
 import json
-import math
 import sys
 from pathlib import Path
 from statistics import mean, stdev
@@ -99,12 +99,12 @@ def _problem(doc) -> str | None:
             return f"{fullname!r} does not have its {MIN_RUNS} or more runs' medians"
         for key in ("spread", "eager_spread"):
             value = entry.get(key, 0.0)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            if not (baselines.is_number(value) and value >= 0):
                 return f"{fullname!r} has a {key} that is not a finite non-negative number"
-        if not all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in medians):
+        if not all(baselines.is_number(x) and x > 0 for x in medians):
             return f"{fullname!r} has medians that are not positive numbers"
         peaks = entry.get("peaks", [])
-        if not (isinstance(peaks, list) and all(isinstance(x, int) and x >= 0 for x in peaks)):
+        if not (isinstance(peaks, list) and all(baselines.is_number(x) and x == int(x) >= 0 for x in peaks)):
             return f"{fullname!r} has peaks that are not non-negative byte counts"
     return None
 
@@ -114,18 +114,20 @@ def read(folder: Path) -> dict:
     path = Path(folder) / FILE_NAME
     if not path.exists():
         return {}
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise CalibrationError(f"calibration file {path} cannot be read: {exc}") from None
-    return _parsed(path, text)
+    return _checked(path, baselines.read_json(path, "calibration file", CalibrationError))
 
 
 def _parsed(path: Path, text: str) -> dict:
     try:
         doc = json.loads(text)
+    except RecursionError:
+        raise CalibrationError(f"calibration file {path} cannot be read: it is nested too deeply") from None
     except ValueError as exc:
         raise CalibrationError(f"calibration file {path} cannot be read: {exc}") from None
+    return _checked(path, doc)
+
+
+def _checked(path: Path, doc) -> dict:
     problem = _problem(doc)
     if problem:
         raise CalibrationError(f"calibration file {path} is not usable: {problem}")
@@ -167,6 +169,17 @@ def describe(fullname: str, entry: dict) -> str:
     return line
 
 
+def _run_identities(path: Path, doc: dict) -> list[tuple]:
+    """What makes a run the same as another for the command: the same file (its real path), the same content, or
+    the same time and commit recorded by pytest-benchmark (a copy of one run)."""
+    identities = [("the same file", Path(path).resolve()),
+                  ("the same content", hashlib.sha256(Path(path).read_bytes()).hexdigest())]
+    stamp, commit = doc.get("datetime"), (doc.get("commit_info") or {}).get("id")
+    if stamp:
+        identities.append(("the same datetime and commit", stamp, commit))
+    return identities
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lmsys.perf.calibration",
@@ -183,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.folder.is_dir():
         parser.error(f"{args.folder} is not a folder")
     docs = []
+    seen = {}
     for path in args.runs:
         try:
             doc = baselines.read_baseline(path, any_schema=True)  # the medians read alike in every format
@@ -191,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
         recorded = (doc.get("machine_info", {}).get("lmsys") or {}).get("machine_id")
         if recorded != args.folder.name:
             parser.error(f"{path} was recorded on {recorded or 'a machine it does not name'}, not {args.folder.name}")
+        for key in _run_identities(path, doc):
+            if key in seen:
+                parser.error(f"{path} and {seen[key]} are the same run ({key[0]}): a run counted twice makes the "
+                             "spread look smaller than it is; give each run once")
+            seen[key] = path
         docs.append(doc)
     if len(docs) < MIN_RUNS:
         parser.error(f"a calibration needs at least {MIN_RUNS} runs, got {len(docs)}")

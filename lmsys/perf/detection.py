@@ -29,6 +29,7 @@ verdicts of the A/A runs, the caught delays of each size (any failing verdict) a
 import argparse
 import hashlib
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -620,6 +621,17 @@ def compact(src: Path, dest: Path) -> str:
             "are not copied: baselines with every round")
 
 
+def _positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds above 0")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lmsys.perf.detection", description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=20, help="fresh processes per case (default: 20)")
@@ -636,7 +648,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "with 'newest': each benchmark's newest baseline, instead of a fresh reference")
     parser.add_argument("--storage", type=Path, default=Path("baselines"),
                         help="the baselines folder, for --baseline and the calibration (default: baselines)")
-    parser.add_argument("--timeout", type=float, default=reruns.RUN_TIMEOUT, help="seconds per run")
+    parser.add_argument("--timeout", type=_positive_seconds, default=reruns.RUN_TIMEOUT, help="seconds per run")
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
     parser.add_argument("--keep", type=Path, metavar="DIR",
                         help="keep every run's pytest-benchmark JSON (medians, memory, machine readings) in "

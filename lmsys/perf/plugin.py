@@ -1,6 +1,6 @@
 """pytest hooks and options of the regression gate (registered through the `pytest11` entry point).
 
-State lives in one PerfSession in config.stash (session.py); the fixture is in fixture.py, verdicts in compare.py,
+State lives in one PerfSession in config.stash (session.py); the fixture is in fixture.py, the rule in verdict.py,
 files in baselines.py, tables in report.py.
 
 The plugin is installed for every pytest run in the environment, so it keeps out of the way of projects that do not
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from pytest_benchmark.storage.file import FileStorage
-from pytest_benchmark.utils import load_timer
+from pytest_benchmark.utils import load_timer, safe_dumps
 
 from lmsys.perf import baselines, calibration, hookspecs, reruns, verdict
 from lmsys.perf.backend import detect_backend
@@ -33,6 +33,7 @@ from lmsys.perf.report import (
     memory_report_lines,
     summary_lines,
     parse_report_option,
+    printable,
     session_markdown,
     write_memory_report,
     write_new_file,
@@ -48,6 +49,14 @@ PYTEST_BENCHMARK_DEFAULT_STORAGE = "file://./.benchmarks"
 _REPORT_PATH_KEY = pytest.StashKey[Path]()
 _WRITTEN_KEY = pytest.StashKey[Path]()
 _MARKDOWN_KEY = pytest.StashKey[Path]()
+# Reports that could not be written at the end ("NOT WRITTEN: ..."): the run fails.
+_UNWRITTEN_KEY = pytest.StashKey[list[str]]()
+# nodeid of each test that ran -> how it ended ("passed", "failed", "skipped (REASON)", "xfailed (REASON)").
+_OUTCOMES_KEY = pytest.StashKey[dict[str, str]]()
+# Regressions that a test's outcome hides (an xfail marker, a skip after measuring): the run fails all the same.
+_HIDDEN_KEY = pytest.StashKey[list[str]]()
+# Baseline entries of tests that ran and passed without measuring them: the run fails.
+_UNMEASURED_KEY = pytest.StashKey[list[str]]()
 
 
 def _fraction(text: str) -> float:
@@ -97,10 +106,10 @@ def _runs(text: str) -> int:
 class JsonReport(os.PathLike):
     """The file of pytest-benchmark's --benchmark-json. pytest-benchmark 5.2 declares the option as
     argparse.FileType('wb'), which empties the file while the command line is parsed: a run that then stopped on a
-    usage error, or was interrupted, left an empty file where the previous report (or a baseline) was. Used as that
-    file object (5.2), it writes the report when it is written, atomically (a temporary file renamed into place);
-    5.3 opens the path itself at the end (`os.fspath`). Either way a path named like a baseline file (NNNN_name.json)
-    is refused: baselines are written once, by --benchmark-save."""
+    usage error, or was interrupted, left an empty file where the previous report (or a baseline) was. This type only
+    names the path (5.3 opens it itself: `os.fspath`); the report is written atomically by _write_json_atomically,
+    which replaces pytest-benchmark's save_json. A path named like a baseline file (NNNN_name.json) is refused here
+    already; the rest of the guard (baselines.output_problem) runs once the storage folder is known."""
 
     def __init__(self, text: str):
         self.path = Path(text)
@@ -109,19 +118,6 @@ class JsonReport(os.PathLike):
                 f"{text} is named like a baseline file (NNNN_name.json), which a JSON report would overwrite: "
                 "baselines are written once, by --benchmark-save; name the report otherwise"
             )
-        self._chunks = []
-
-    def write(self, data: bytes) -> int:
-        self._chunks.append(data)
-        return len(data)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, value, tb) -> None:
-        if kind is None:
-            baselines.replace_file(self.path, b"".join(self._chunks).decode())
-        self._chunks = []
 
     def __str__(self) -> str:
         return str(self.path)
@@ -328,6 +324,7 @@ def pytest_configure(config):
     if not config.pluginmanager.has_plugin("benchmark"):
         return  # pytest-benchmark is disabled (-p no:benchmark): so is the gate
     _refuse_under_xdist(config, _asked(config))
+    _check_compare_value(config)
     compare_value = config.getoption("benchmark_compare") or None
     problem = _test_path_problem(config, compare_value)
     if problem:
@@ -394,6 +391,17 @@ def _note_interrupts(config) -> None:
     config.stash[_PREVIOUS_SIGINT_KEY] = previous
 
 
+def _check_compare_value(config) -> None:
+    """--benchmark-compare= with an empty value (an unset variable: --benchmark-compare=$UNSET) would compare nothing
+    and pass: a usage error."""
+    if config.getoption("benchmark_compare") == "":
+        raise pytest.UsageError(
+            "--benchmark-compare=: the value is empty (an unset variable, as in --benchmark-compare=$UNSET?), so "
+            "nothing would be compared and every test would pass. Name a baseline (--benchmark-compare=NUM, a saved "
+            "name, a file) or write --benchmark-compare alone for each benchmark's newest baseline."
+        )
+
+
 def _check_markdown_report(config) -> None:
     """Validates --perf-report before any test runs: a known format and a file that does not exist yet."""
     value = config.getoption("perf_report")
@@ -428,19 +436,79 @@ def _storage_path(config, bench_session) -> Path:
     return bench_session.storage.path
 
 
-def _check_memory_report(config, perf: PerfSession) -> None:
-    if not isinstance(perf.memory_report, str):
-        return
-    path = config.invocation_params.dir / perf.memory_report
-    problem = baselines.output_problem(
-        path, overwrite=config.getoption("gpu_mem_report_overwrite"), protected=[perf.storage_path]
-    )
+def _protected(config, perf: PerfSession) -> list[Path]:
+    """The folders nothing but a baseline save or a calibration writes into: the storage root (every GPU folder, its
+    baselines and calibration.json) and the project's own baselines/."""
+    return list(dict.fromkeys([perf.storage_path, config.rootpath / "baselines"]))
+
+
+def _output_problem(config, perf: PerfSession, option: str, path: Path, overwrite: bool) -> None:
+    """Raises a UsageError naming the option and the path when baselines.output_problem refuses it."""
+    problem = baselines.output_problem(path, overwrite=overwrite, protected=_protected(config, perf))
     if problem:
-        raise pytest.UsageError(
-            f"--gpu-mem-report={perf.memory_report}: {problem} (--gpu-mem-report-overwrite replaces a file that is "
-            "not a baseline; checked before running any test)"
+        raise pytest.UsageError(f"{option}: {problem} (checked before running any test; nothing was written)")
+
+
+def _json_report_path(value) -> Path | None:
+    """The path of --benchmark-json (a JsonReport; a file object where its type could not be replaced), or None."""
+    if not value:
+        return None
+    return getattr(value, "path", None) or Path(getattr(value, "name", value))
+
+
+def _check_outputs(config, perf: PerfSession) -> None:
+    """Every file the run will write on the user's behalf goes through one guard (baselines.output_problem), before
+    any test runs: --benchmark-json, --perf-report, --gpu-mem-report, and pytest-benchmark's --benchmark-csv,
+    --benchmark-histogram and --benchmark-cprofile-dump (their folders: they add suffixes to the name)."""
+    here = config.invocation_params.dir
+    if isinstance(perf.memory_report, str):
+        path = here / perf.memory_report
+        problem = baselines.output_problem(
+            path, overwrite=config.getoption("gpu_mem_report_overwrite"), protected=_protected(config, perf)
         )
-    config.stash[_REPORT_PATH_KEY] = path
+        if problem:
+            raise pytest.UsageError(
+                f"--gpu-mem-report={perf.memory_report}: {problem} (--gpu-mem-report-overwrite replaces a file that "
+                "is not a baseline; checked before running any test)"
+            )
+        config.stash[_REPORT_PATH_KEY] = path
+    markdown = config.stash.get(_MARKDOWN_KEY, None)
+    if markdown is not None:
+        _output_problem(config, perf, f"--perf-report={config.getoption('perf_report')}", markdown, overwrite=False)
+    report = _json_report_path(config.getoption("benchmark_json", None))
+    if report is not None:
+        _output_problem(config, perf, f"--benchmark-json={report}", here / report, overwrite=True)
+    for option in ("csv", "histogram", "cprofile_dump"):
+        for prefix in config.getoption(f"benchmark_{option}", None) or ():
+            if isinstance(prefix, str):
+                name = f"--benchmark-{option.replace('_', '-')}={prefix}"
+                _output_problem(config, perf, name, here / f"{prefix}-report", overwrite=True)
+
+
+def _write_json_atomically(config, bench_session, perf: PerfSession | None) -> None:
+    """Replaces pytest-benchmark's save_json (which opens --benchmark-json and writes into it, so a full disk left a
+    cut-off file in place of the previous report) with an atomic write: a temporary file in the same folder, renamed
+    over the report (baselines.replace_file). In a run of the gate a write that fails is said in the summary and
+    fails the run."""
+    path = _json_report_path(bench_session.json)
+    if path is None:
+        return
+    path = config.invocation_params.dir / path
+
+    def save_json(output_json: dict) -> None:
+        text = safe_dumps(output_json, ensure_ascii=True, indent=4)
+        try:
+            baselines.replace_file(path, text)
+        except OSError as exc:
+            if perf is None or not perf.active:
+                raise
+            line = f"NOT WRITTEN: the --benchmark-json report {path}: {type(exc).__name__}: {exc}"
+            config.stash.setdefault(_UNWRITTEN_KEY, []).append(line)
+            perf.note(line)
+            return
+        bench_session.logger.info(f"Wrote benchmark data in: {path}", purple=True)
+
+    bench_session.save_json = save_json
 
 
 def pytest_collection_finish(session):
@@ -455,6 +523,7 @@ def pytest_collection_finish(session):
             )
         return
     bench_session = config._benchmarksession
+    _write_json_atomically(config, bench_session, perf)
     config.option.benchmark_compare = perf.compare or []
     if not gated and perf.calibrate:
         raise pytest.UsageError("--benchmark-calibrate: no selected test uses gpu_benchmark: nothing to calibrate")
@@ -465,12 +534,12 @@ def pytest_collection_finish(session):
         return
     perf.max_time = _max_time(config)
     perf.storage_path = _storage_path(config, bench_session)
-    _check_memory_report(config, perf)
+    _check_outputs(config, perf)
     perf.activate(bench_session)
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         for line in perf.header_lines():
-            reporter.write_line(line)
+            reporter.write_line(printable(line))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -569,9 +638,68 @@ def pytest_runtest_makereport(item, call):
     perf = item.config.stash.get(SESSION_KEY, None)
     if perf is not None and (report.failed or (report.skipped and hasattr(report, "wasxfail"))):
         perf.failed.add(item.nodeid)
+    if perf is not None and perf.active:
+        _note_outcome(item, report, perf)
     if perf is not None and perf.signalled:
         item.session.shouldstop = "interrupted by SIGINT (a KeyboardInterrupt that the test's code swallowed)"
     return report
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def _note_outcome(item, report, perf: PerfSession) -> None:
+    """Keeps how a test ended, for the baseline entries the run did not judge (_note_unjudged; a test that no longer
+    uses gpu_benchmark keeps its baseline entry), and notes a regression that the test's outcome hides: a failing
+    verdict whose test xfailed (the xfail marker turns the failure into an expected one) or skipped after measuring.
+    Such a regression is still one: the summary names it and the run fails."""
+    outcomes = item.config.stash.setdefault(_OUTCOMES_KEY, {})
+    if report.skipped:
+        xfail = hasattr(report, "wasxfail")
+        reason = report.wasxfail if xfail else _skip_reason(report)
+        outcomes.setdefault(item.nodeid, ("xfailed" if xfail else "skipped") + (f" ({reason})" if reason else ""))
+    elif report.failed:
+        outcomes[item.nodeid] = "failed"
+    elif report.when == "call":
+        outcomes.setdefault(item.nodeid, "passed")
+    record = item.stash.get(RECORD_KEY, None)
+    if report.when != "call" or not report.skipped or record is None or not (record.verdict and record.verdict.failed):
+        return
+    how = "its xfail marker" if hasattr(report, "wasxfail") else "a skip after measuring"
+    line = (f"NOT PASSED: {item.nodeid}: {record.verdict.label}, a regression that {how} hides; it fails the run "
+            f"all the same ({record.verdict.message(record.name).splitlines()[0]})")
+    item.config.stash.setdefault(_HIDDEN_KEY, []).append(line)
+    perf.note(line)
+
+
+def _note_unjudged(config, perf: PerfSession, disabled: bool) -> None:
+    """Names, in the notes, every baseline entry of a test that ran (or skipped) in this compare run and was not
+    judged, grouped by why. A skipped or xfailed test does not fail the run (no GPU, OOM, a full-grid point); a test
+    that failed already fails it; a test that passed without measuring its baselined benchmark (it no longer calls
+    gpu_benchmark) fails it: a gate that passes without comparing. Under --benchmark-disable (nothing is timed, and a
+    note says so) the entries are listed as not measured without failing the run. Deselected tests are not listed."""
+    if not (perf.comparing and perf.baseline_benchmarks):
+        return
+    judged = {record.fullname for record in perf.records}
+    why = {}
+    for nodeid, outcome in config.stash.get(_OUTCOMES_KEY, {}).items():
+        if perf.baseline(nodeid) is None or nodeid in judged:
+            continue
+        if outcome == "passed":
+            outcome = ("not measured: benchmarks are disabled (--benchmark-disable)" if disabled else
+                       "NOT MEASURED: the test passed without measuring it (no gpu_benchmark call): the run fails")
+        elif outcome == "failed":
+            outcome = "not measured: the test failed before measuring"
+        why.setdefault(outcome, []).append(nodeid)
+    for outcome, nodeids in sorted(why.items(), key=lambda item: not item[0].startswith("NOT")):
+        prefix = "NOT JUDGED" if outcome.startswith("NOT MEASURED") else "not judged"
+        perf.note(f"{prefix}: {len(nodeids)} baseline entr{'y' if len(nodeids) == 1 else 'ies'} of the selected "
+                  f"tests, {outcome}: {', '.join(nodeids)}")
+        if prefix == "NOT JUDGED":
+            config.stash.setdefault(_UNMEASURED_KEY, []).extend(nodeids)
 
 
 @pytest.hookimpl(specname="pytest_sessionfinish", wrapper=True, tryfirst=True)
@@ -594,6 +722,7 @@ def pytest_sessionfinish(session):
     perf = config.stash.get(SESSION_KEY, None)
     if perf is None or not perf.active:
         return
+    _note_unjudged(config, perf, config._benchmarksession.disabled)
     path = config.stash.get(_REPORT_PATH_KEY, None)
     if path is not None:
         try:
@@ -608,9 +737,15 @@ def pytest_sessionfinish(session):
             write_new_file(markdown, session_markdown(perf))
         except FileExistsError:
             perf.notes.append(f"markdown report NOT written: {markdown} appeared during the run")
+        except OSError as exc:
+            line = f"NOT WRITTEN: the markdown report {markdown}: {type(exc).__name__}: {exc}"
+            config.stash.setdefault(_UNWRITTEN_KEY, []).append(line)
+            perf.note(line)
         else:
             perf.notes.append(f"markdown report written to {markdown}")
-    if perf.unwritten() and session.exitstatus == pytest.ExitCode.OK:
+    failing = perf.unwritten() or any(config.stash.get(key, None) for key in (_UNWRITTEN_KEY, _HIDDEN_KEY,
+                                                                               _UNMEASURED_KEY))
+    if failing and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 

@@ -6,15 +6,38 @@ markdown by markdown_table.
 """
 
 import os
+import re
 import tempfile
 from pathlib import Path
 
 import pandas as pd
 
+from lmsys.perf import baselines
+from lmsys.perf.baselines import printable
 from lmsys.perf.verdict import Verdict, format_bytes, format_seconds
 from lmsys.perf.session import PerfSession, Record
 
 MEMORY_REPORT_SUFFIXES = (".csv", ".json")
+# What markdown_text escapes with a backslash: the ASCII punctuation that starts markup inline (code, emphasis, links,
+# images, raw HTML, entities, strike-through, table cells) or at the start of a line (headings).
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_\[\]<>!|~&#])")
+
+
+def code_span(text) -> str:
+    """text as a markdown code span that renders literally whatever it holds: fenced by one more backtick than its
+    longest run of backticks, padded with a space where it starts or ends with a backtick or a space (which the
+    padding rule would strip), unprintable characters escaped (printable)."""
+    text = printable(text)
+    longest = max((len(run) for run in re.findall("`+", text)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if text[:1] in ("`", " ") or text[-1:] in ("`", " ") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def markdown_text(text) -> str:
+    """text as markdown that renders literally: markup characters escaped with a backslash (_MARKDOWN_SPECIAL),
+    unprintable characters escaped (printable)."""
+    return _MARKDOWN_SPECIAL.sub(r"\\\1", printable(text))
 
 
 def _percent(value: float | None) -> str:
@@ -105,17 +128,18 @@ def memory_frame(session: PerfSession) -> pd.DataFrame:
 
 
 def write_memory_report(frame: pd.DataFrame, path: Path, overwrite: bool = False) -> None:
-    """Writes the memory table as CSV or JSON (a list of records), chosen by the file's extension; a file that
-    appeared since the run began is only replaced with overwrite."""
+    """Writes the memory table as CSV or JSON (a list of records), chosen by the file's extension, atomically; a file
+    that appeared since the run began is only replaced with overwrite (FileExistsError otherwise)."""
     if path.suffix == ".csv":
         text = frame.to_csv(index=False)
     elif path.suffix == ".json":
         text = frame.to_json(orient="records", indent=2)
     else:
         raise ValueError(f"--gpu-mem-report file must end in {' or '.join(MEMORY_REPORT_SUFFIXES)}, got {path}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w" if overwrite else "x", encoding="utf-8") as fh:
-        fh.write(text)
+    if overwrite:
+        baselines.replace_file(path, text)
+    else:
+        write_new_file(path, text)
 
 
 def _memory_lines(frame: pd.DataFrame) -> list[str]:
@@ -145,7 +169,7 @@ def summary_lines(session: PerfSession) -> list[str]:
     lines += session.saving_notes()
     if session.report_error:
         lines.append(session.report_error)
-    return lines
+    return [printable(line) for line in lines]
 
 
 def memory_report_lines(session: PerfSession, written: Path | None) -> list[str]:
@@ -159,7 +183,7 @@ def memory_report_lines(session: PerfSession, written: Path | None) -> list[str]
         lines = _memory_lines(frame)
     if written is not None:
         lines.append(f"memory report written to {written}")
-    return lines
+    return [printable(line) for line in lines]
 
 
 # --perf-report=md:FILE: the comparison as GitHub markdown (a CI job summary, a pull-request comment).
@@ -203,7 +227,7 @@ def report_frame(records: list[Record], comparing: bool) -> pd.DataFrame:
         rows.append({
             "failed": failed,
             "verdict": f"**{verdict}**" if failed else verdict,
-            "benchmark": f"`{record.name}`",
+            "benchmark": code_span(record.name),
             "median": format_seconds(record.median),
             "time change": (
                 "" if baseline is None else f"{_change(record.median, baseline)} vs {format_seconds(baseline)}"
@@ -222,7 +246,8 @@ def markdown_report(
     frame: pd.DataFrame, device: str, commit: str | None, compared: list[str], notes: list[str], labels: list[str]
 ) -> str:
     """The whole markdown report: a title counting the regressions, the device ('GPU: NAME'), commit and baseline
-    files, the table (report_frame) and the notes. `labels` are the benchmarks' verdict labels ('' if not compared)."""
+    files, the table (report_frame) and the notes; text from outside (names, paths, notes) renders literally
+    (code_span, markdown_text). `labels` are the benchmarks' verdict labels ('' if not compared)."""
     failing = sum(Verdict(label).failed for label in labels if label)
     counts = pd.Series([label for label in labels if label]).value_counts()
     benchmarks = f"{len(labels)} benchmark{'' if len(labels) == 1 else 's'}"
@@ -230,15 +255,16 @@ def markdown_report(
         title = f"## lmsys perf: {failing} of {benchmarks} regressed"
     else:
         title = f"## lmsys perf: {benchmarks}, not compared with a baseline"
-    lines = [title, "", f"- {device}", f"- commit: {commit or 'unknown (not a git checkout)'}"]
+    commit = commit or "unknown (not a git checkout)"
+    lines = [title, "", f"- {markdown_text(device)}", f"- commit: {markdown_text(commit)}"]
     if compared:
-        lines.append("- baselines compared: " + ", ".join(f"`{name}`" for name in compared))
+        lines.append("- baselines compared: " + ", ".join(code_span(name) for name in compared))
     if len(counts):
         lines.append("- verdicts: " + ", ".join(f"{n} {label}" for label, n in counts.items()))
     lines.append("")
     if len(frame):
         lines.append(markdown_table(frame))
-    lines += [f"> {note}" for note in notes]
+    lines += [f"> {markdown_text(note)}" for note in notes]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
@@ -250,6 +276,8 @@ def write_new_file(path: Path, text: str) -> None:
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as fh:
             fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
         os.link(temporary, path)
     finally:
         os.unlink(temporary)

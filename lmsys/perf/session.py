@@ -205,7 +205,9 @@ class PerfSession:
         if self.save:
             problem = baselines.save_problem(self.folder, self.save)
             if problem:
-                raise pytest.UsageError(f"--benchmark-save={self.save}: {problem} (checked before running any test)")
+                raise pytest.UsageError(
+                    f"--benchmark-save={baselines.printable(self.save)}: {problem} (checked before running any test)"
+                )
         if self.calibrate:
             problem = baselines.save_problem(self.folder, "calibration")
             if problem:
@@ -237,6 +239,9 @@ class PerfSession:
                     f"{exc}\nNothing was compared or overwritten: repair or remove the file, "
                     "or name another baseline with --benchmark-compare=NUM."
                 ) from None
+            if not doc["benchmarks"]:
+                self._empty_baseline(path)
+                continue
             recorded = baselines.recorded_machine_id(doc, path)
             if recorded != self.machine_id:
                 if self.compare is not True:
@@ -268,6 +273,16 @@ class PerfSession:
                 text = f"{path} was recorded with other software ({'; '.join(differences)}); compared anyway"
                 self.notes.append(text)
                 bench_session.config.issue_config_time_warning(PerfWarning(text), stacklevel=2)
+
+    def _empty_baseline(self, path: Path) -> None:
+        """A baseline file that holds no benchmarks ("benchmarks": []): named with --benchmark-compare=VALUE it is a
+        usage error (the run would compare nothing); among the files of --benchmark-compare it is noted and skipped."""
+        if self.compare is not True:
+            raise pytest.UsageError(
+                f"--benchmark-compare={self.compare}: {path} holds no benchmarks ('benchmarks' is empty), so nothing "
+                "would be compared; name another baseline"
+            )
+        self.note(f"not compared: {path} holds no benchmarks ('benchmarks' is empty)")
 
     def write_calibration(self, entries: dict[str, dict]) -> Path:
         """Merges a calibration's entries into the GPU's calibration file (atomically); returns its path."""
@@ -343,11 +358,13 @@ class PerfSession:
 
 
 def _storage_key(path: Path, root: Path) -> Path:
-    """The key pytest-benchmark's FileStorage.load gives a file in compared_mapping (its table's source column)."""
+    """The key pytest-benchmark's FileStorage.load gives a file in compared_mapping (its table's source column), with
+    unprintable characters escaped (baselines.printable): pytest-benchmark prints it as it is."""
     try:
-        return path.relative_to(root)
+        key = path.relative_to(root)
     except ValueError:
-        return path
+        key = path
+    return Path(baselines.printable(key))
 
 
 # Where the plugin keeps its state: the session in config.stash, each benchmark's record in its item's stash.
