@@ -7,9 +7,7 @@ stream past it; an online softmax keeps a running row maximum ``m`` and row sum 
 matrix never exists in memory. Scores are computed in base 2: the softmax scale is folded together with
 log2(e) into one multiplier so every exponential is an ``exp2``. With a causal mask, key tiles above the
 diagonal are never loaded; the tiles strictly below it run without any mask (stage 1), and only the diagonal
-tiles pay for the mask (stage 2). There a masked position takes no part even when its key or value is NaN or inf
-(0 * NaN is NaN): masked scores are replaced, the product with V takes the tile's finite entries and sets NaN in the
-rows that see a non-finite one, and the backward's dQ sets masked dS to 0 and takes K's finite entries. Programs run heaviest first across a group of heads whose keys and values fit
+tiles pay for the mask (stage 2). Programs run heaviest first across a group of heads whose keys and values fit
 in L2 (lmsys.attention.launch_order), so a causal launch ends on its cheapest blocks. The forward saves only the
 output and the log-sum-exp (natural log, fp32).
 
@@ -211,15 +209,7 @@ def _fwd_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         v = _load_rows(V, start_n, offs_n, offs_d, stride_vn, N_K, HEAD_DIM, BOUNDS_MASK, USE_TMA)
-        if CAUSAL_MASK:
-            # A masked p is 0, but 0 * NaN is NaN: the product takes v with its non-finite entries zeroed, and the rows
-            # that see one (a product of the mask with their indicator) get NaN in that column.
-            finite = tl.abs(v.to(tl.float32)) < float("inf")
-            seen = tl.dot(keep.to(v.dtype), tl.where(finite, 0.0, 1.0).to(v.dtype), input_precision=DOT_PRECISION)
-            acc = tl.dot(p.to(v.dtype), tl.where(finite, v, 0.0).to(v.dtype), acc, input_precision=DOT_PRECISION)
-            acc = tl.where(seen > 0, float("nan"), acc)
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_ij
     return acc, l_i, m_i
 
@@ -413,11 +403,6 @@ def _bwd_dq_inner(
             p = tl.where(cols[None, :] < N_K, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        if CAUSAL_MASK:
-            # A masked p is 0, but dp there may be NaN (a non-finite v), and 0 * NaN is NaN: masked dS is set to 0, and
-            # the non-finite entries of k to 0 (a row that sees one has a NaN in dS already).
-            ds = tl.where(offs_m[:, None] >= cols[None, :], ds, 0.0)
-            k = tl.where(tl.abs(k.to(tl.float32)) < float("inf"), k, 0.0).to(k.dtype)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
