@@ -42,7 +42,9 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """RoPE (Su et al., 2021): rotate each pair (x[2i], x[2i+1]) of a head by the angle pos * theta^(-2i/D).
 
-    After rotation the dot product of a query at m and a key at n depends only on m - n.
+    After rotation the dot product of a query at m and a key at n depends only on m - n. The rotation is computed
+    in the tables' precision (fp32) whatever the input's, and returned in the input's dtype: a bf16 copy of the
+    tables would round the angles, and would be a tensor of its own that the compiled step writes at every layer.
     """
 
     def __init__(self, head_dim: int, context_length: int, theta: float):
@@ -62,22 +64,31 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angles.sin(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[-2]
-        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)  # (T, D/2)
-        x1, x2 = x[..., 0::2], x[..., 1::2]  # (B, H, T, D/2) each
-        rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, H, T, D/2, 2)
-        return rotated.flatten(-2)  # (B, H, T, D), pairs back in their interleaved places
+        """x (B, T, H, D), positions on dim -3: the layout of the qkv projection's output, which the rotation
+        keeps, so that the attention's output comes back in (B, T, H, D) memory and needs no copy before the
+        output projection (nor its gradient before the qkv projection's)."""
+        T = x.shape[-3]
+        cos, sin = self.cos[:T, None], self.sin[:T, None]  # (T, 1, D/2)
+        compute = torch.promote_types(x.dtype, cos.dtype)
+        x1, x2 = x[..., 0::2].to(compute), x[..., 1::2].to(compute)  # (B, T, H, D/2) each
+        rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, T, H, D/2, 2)
+        return rotated.flatten(-2).to(x.dtype)  # (B, T, H, D), pairs back in their interleaved places
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention with a causal mask; the core (softmax(QK^T / sqrt(D)) V) is a pluggable kernel."""
+    """Multi-head self-attention with a causal mask; the core (softmax(QK^T / sqrt(D)) V) is a pluggable kernel.
 
-    def __init__(self, config: "ModelConfig"):
+    `rope` is the RotaryEmbedding to use, shared by every layer of a model (one table, one input of a compiled
+    graph instead of two per layer); without it the layer builds its own from the config.
+    """
+
+    def __init__(self, config: "ModelConfig", rope: RotaryEmbedding | None = None):
         super().__init__()
         self.num_heads = config.num_heads
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)  # one matmul for Q, K and V
         self.out = nn.Linear(config.d_model, config.d_model, bias=False)
-        self.rope = RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta)
+        self.rope = rope if rope is not None else RotaryEmbedding(config.head_dim, config.context_length,
+                                                                  config.rope_theta)
         self.attend = attention.ATTENTION[config.attention]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,11 +96,12 @@ class CausalSelfAttention(nn.Module):
         with profiling.range("attention"):
             with profiling.range("attention/qkv_proj"):
                 qkv = self.qkv(x).view(B, T, 3, self.num_heads, C // self.num_heads)  # (B, T, 3, H, D)
-                q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, T, D) each
+                q, k, v = qkv.unbind(2)  # (B, T, H, D) each
             with profiling.range("attention/rope"):
                 q, k = self.rope(q), self.rope(k)
             with profiling.range("attention/kernel"):
-                y = self.attend(q, k, v, True)  # (B, H, T, D)
+                # (B, H, T, D) views of (B, T, H, D) memory: the attention's output has that layout too.
+                y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), True)  # (B, H, T, D)
             with profiling.range("attention/out_proj"):
                 return self.out(y.transpose(1, 2).reshape(B, T, C))  # (B, T, C)
 
@@ -111,10 +123,10 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     """A pre-norm Transformer block: attention and feed-forward, each added to the residual stream."""
 
-    def __init__(self, config: "ModelConfig"):
+    def __init__(self, config: "ModelConfig", rope: RotaryEmbedding | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, rope)
         self.ffn_norm = RMSNorm(config.d_model)
         self.ffn = SwiGLU(config.d_model, config.d_ff)
 
@@ -192,7 +204,8 @@ class TransformerLM(nn.Module):
         super().__init__()
         self.config = config
         self.embedding = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        rope = RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta)  # shared by the layers
+        self.layers = nn.ModuleList(Block(config, rope) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.d_model)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self._layer_names = [f"layer_{i}" for i in range(config.num_layers)]

@@ -13,7 +13,10 @@ Two implementations of that update, with the same results:
   is built once per set of tensor sizes and kept on the device; each step copies a small table with every tensor's
   four addresses, size and per-tensor coefficients (its group's hyper-parameters, its own step), staged in pinned
   memory so that the copy does not wait for the device (the host runs ahead into the next step). Loads are
-  vectorized when every address is 16-byte aligned. Under TRITON_INTERPRET=1 the kernel also runs on CPU tensors,
+  vectorized when every address is 16-byte aligned. The host's work per step is what a step without CUDA graphs
+  waits for, so a step that finds everything as the last one left it (same parameters, storages, state and
+  gradient layouts: the training loop's usual case) reuses that step's table and rewrites only the gradients'
+  addresses and the coefficients (`_Plan`). Under TRITON_INTERPRET=1 the kernel also runs on CPU tensors,
   when asked for with `fused=True` (slow: for tests).
 - foreach (the default elsewhere, `fused=False`): a few `torch._foreach_*` calls per dtype and device.
 
@@ -25,6 +28,7 @@ raises with nothing updated.
 import array
 import contextlib
 import math
+import operator
 import struct
 from collections import defaultdict
 
@@ -262,6 +266,7 @@ class AdamW(torch.optim.Optimizer):
         self.fused = fused
         self._chunk_tables = {}  # (device, dtype) -> (tensor sizes, device chunk table)
         self._checked, self._checked_under = {}, None  # see _validated_buckets
+        self._plan = None  # the last step's fused launch, while it can be repeated (see _Plan)
         super().__init__(params, defaults)
 
     def __getstate__(self):
@@ -272,6 +277,7 @@ class AdamW(torch.optim.Optimizer):
         self.fused = state.get("fused")
         self._chunk_tables = {}
         self._checked, self._checked_under = {}, None
+        self._plan = None
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's `add_param_group`, after checking the group's hyper-parameters and parameter dtypes."""
@@ -282,6 +288,7 @@ class AdamW(torch.optim.Optimizer):
             if isinstance(param, torch.Tensor):
                 _check_param(param, f"a parameter of shape {tuple(param.shape)}")
         super().add_param_group({**param_group, "params": params})
+        self._plan = None
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's `load_state_dict`, after checking every group and every parameter's state against this
@@ -317,8 +324,12 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._plan is not None and self._plan.repeat(self):
+            return loss
+        self._plan = None
         buckets, checked = self._validated_buckets()
         # Nothing has changed so far; from here on nothing raises.
+        launches = []
         for (device, dtype, fused), items in buckets.items():
             for item in items:
                 group, param, grad, state, fresh = item
@@ -331,8 +342,13 @@ class AdamW(torch.optim.Optimizer):
                     checked[id(param)] = (param.data_ptr(), param.dtype, state["exp_avg"], state["exp_avg_sq"],
                                           param.shape, param.get_device(), (device, dtype, fused), param)
                 state["step"] += 1
-            (self._fused_update if fused else _foreach_update)(device, dtype, items)
+            if fused:
+                launches.append(self._fused_update(device, dtype, items))
+            else:
+                _foreach_update(device, dtype, items)
         self._checked = checked
+        if len(buckets) == 1 and len(launches) == 1 and launches[0] is not None:
+            self._plan = _Plan.of(self, *next(iter(buckets)), launches[0])
         return loss
 
     def _validated_buckets(self) -> tuple[dict, dict]:
@@ -385,8 +401,9 @@ class AdamW(torch.optim.Optimizer):
             _explain(param, grad, state, fused, f"parameter {position} of group {index} (shape {tuple(param.shape)})")
         return param.device, param.dtype, fused
 
-    def _fused_update(self, device: torch.device, dtype: torch.dtype, items: list) -> None:
-        """One kernel launch over `items` (same device and dtype)."""
+    def _fused_update(self, device: torch.device, dtype: torch.dtype, items: list) -> torch.Tensor | None:
+        """One kernel launch over `items` (same device and dtype); returns its table (CPU, before pinning), or None
+        when no launch was needed or a gradient had to be made contiguous for it."""
         rows, sizes, grads = [], [], []
         last = None  # (group, step) of the previous tensor, and its row tail: usually shared by a whole group
         for group, param, grad, state, _ in items:
@@ -403,15 +420,21 @@ class AdamW(torch.optim.Optimizer):
                      numel, *last[2])
             sizes.append(numel)
         if not sizes:
-            return
+            return None
         table = torch.frombuffer(array.array("q", rows), dtype=torch.int64).view(len(sizes), _ROW)
-        aligned = bool((table[:, :4] % 16 == 0).all())
+        self._launch(device, dtype, table, self._chunk_table(device, dtype, sizes),
+                     bool((table[:, :4] % 16 == 0).all()))
+        return None if grads else table
+
+    @staticmethod
+    def _launch(device: torch.device, dtype: torch.dtype, table: torch.Tensor, chunks: torch.Tensor,
+                aligned: bool) -> None:
+        """The kernel over the tensors of `table` (on the CPU) and the chunks of `chunks` (on `device`)."""
         if device.type == "cuda":
             # Staged in pinned memory: a copy from pageable memory would wait for the device to finish all queued
             # work (the forward and backward of the step), so the host could not run ahead into the next step. The
             # caching host allocator keeps the pinned block until the copy that reads it has finished.
             table = table.pin_memory()
-        chunks = self._chunk_table(device, dtype, sizes)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             _adamw_kernel[(chunks.shape[0],)](
                 table.to(device, non_blocking=True), chunks,
@@ -431,6 +454,100 @@ class AdamW(torch.optim.Optimizer):
         self._chunk_tables[device, dtype] = (sizes, table)
         return table
 
+
+class _Plan:
+    """A fused step to repeat: the table of the last step's one launch, with what it was built from.
+
+    `repeat` does the next step with it when the optimizer is as that step left it: the same groups holding the
+    same parameters, every one with a gradient, storages and state unchanged, one step count shared by all, and
+    gradients of the parameters' dtype, shape and device, contiguous. Then the checks of `_validated_buckets`
+    hold without being made again; `repeat` makes its own over whole lists, one tensor attribute at a time, and
+    writes only the gradients' addresses and the coefficients into the table. Anything else (a missing gradient,
+    new state, `p.data = ...`, another mode) falls back to the full step, which raises the error that names the
+    problem, or builds a new plan.
+    """
+
+    __slots__ = ("under", "state_of", "state_values", "groups", "params", "states", "moments", "param_ptrs",
+                 "shapes", "dtype", "device", "step", "table", "chunks", "aligned")
+
+    @classmethod
+    def of(cls, optimizer: "AdamW", device: torch.device, dtype: torch.dtype, fused: bool,
+           table: torch.Tensor) -> "_Plan | None":
+        """The plan of the step `optimizer` has just made with `table` (one row per parameter with elements, in
+        group order), or None when it cannot be repeated."""
+        params, groups = [], []
+        for group in optimizer.param_groups:
+            groups.append((group, group["params"], len(group["params"]), slice(len(params), None)))
+            params += group["params"]
+            groups[-1] = (*groups[-1][:3], slice(groups[-1][3].start, len(params)))
+        if not fused or any(p.grad is None or p.numel() == 0 for p in params) or table.shape[0] != len(params):
+            return None  # an empty parameter has no row, so rows would not be parameters' indices
+        states = [optimizer.state[param] for param in params]
+        steps = {state["step"] for state in states}
+        if len(steps) != 1:
+            return None
+        plan = cls()
+        plan.under, plan.state_of = optimizer._checked_under, optimizer.state
+        plan.state_values = list(optimizer.state.values())
+        plan.groups, plan.params, plan.states = groups, params, states
+        plan.moments = [(state["exp_avg"], state["exp_avg_sq"]) for state in states]
+        plan.param_ptrs, plan.shapes = [p.data_ptr() for p in params], [p.shape for p in params]
+        plan.dtype, plan.device, plan.step = dtype, device, steps.pop()
+        plan.table, plan.chunks = table.clone(), optimizer._chunk_tables[device, dtype][1]
+        plan.aligned = bool((plan.table[:, [0, 2, 3]] % 16 == 0).all())
+        return plan
+
+    def repeat(self, optimizer: "AdamW") -> bool:
+        """The next step through this plan, if it applies (True); False, with nothing changed, if it does not.
+        An invalid hyper-parameter raises, also with nothing changed."""
+        if optimizer._checked_under != (_INTERPRET, optimizer.fused) or optimizer.state is not self.state_of:
+            return False
+        if len(optimizer.param_groups) != len(self.groups):
+            return False
+        for group, (known, params, count, _) in zip(optimizer.param_groups, self.groups):
+            if group is not known or group["params"] is not params or len(params) != count:
+                return False
+            _check_hyperparameters(group)
+        params, states, is_ = self.params, self.states, operator.is_
+        # The state dicts (a replaced one is new state), their moments and their step counts.
+        if len(self.state_of) != len(self.state_values) or not all(map(is_, self.state_of.values(),
+                                                                        self.state_values)):
+            return False
+        if not all(m is state.get("exp_avg") and v is state.get("exp_avg_sq") and type(state.get("step")) is int
+                   and state["step"] == self.step for (m, v), state in zip(self.moments, states)):
+            return False
+        if list(map(torch.Tensor.data_ptr, params)) != self.param_ptrs:
+            return False
+        # The gradients: present, of the parameters' dtype, device and shape, and contiguous (a sparse gradient
+        # has no is_contiguous and raises: the full step names the problem).
+        grads = [param.grad for param in params]
+        if any(grad is None for grad in grads):
+            return False
+        device = -1 if self.device.type == "cpu" else self.device.index
+        try:
+            if (
+                not all(map(is_, map(operator.attrgetter("dtype"), grads), [self.dtype] * len(grads)))
+                or any(grad.get_device() != device for grad in grads)
+                or list(map(operator.attrgetter("shape"), grads)) != self.shapes
+                or not all(map(torch.Tensor.is_contiguous, grads))
+            ):
+                return False
+        except RuntimeError:
+            return False
+        # Everything a full step checks holds: from here on nothing raises.
+        step = self.step = self.step + 1
+        for state in states:
+            state["step"] = step
+        grad_ptrs = torch.tensor(list(map(torch.Tensor.data_ptr, grads)), dtype=torch.int64)
+        table = self.table
+        table[:, 1] = grad_ptrs
+        for group, _, _, rows in self.groups:
+            table[rows, 5:] = torch.tensor(_coefficient_bits(group, step), dtype=torch.int64)
+        # On CUDA the launch reads a pinned copy of the table, and under the interpreter it has finished when it
+        # returns: the next step can rewrite this one.
+        optimizer._launch(self.device, self.dtype, table, self.chunks,
+                          self.aligned and bool((grad_ptrs % 16 == 0).all()))
+        return True
 
 def _foreach_update(device: torch.device, dtype: torch.dtype, items: list) -> None:
     """The update with torch's foreach ops, one call per operation for `items` (same device and dtype)."""

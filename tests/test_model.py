@@ -223,8 +223,8 @@ def test_rope_keeps_norms_and_makes_scores_depend_only_on_offset(seed):
     D, T = 16, 40
     rope = RotaryEmbedding(D, T, 10_000.0).double()
     q, k = torch.randn(D, dtype=torch.float64), torch.randn(D, dtype=torch.float64)
-    rotated_q = rope(q.expand(1, 1, T, D))[0, 0]  # (T, D): the same query at every position
-    rotated_k = rope(k.expand(1, 1, T, D))[0, 0]
+    rotated_q = rope(q.expand(1, T, 1, D))[0, :, 0]  # (T, D): the same query at every position
+    rotated_k = rope(k.expand(1, T, 1, D))[0, :, 0]
     torch.testing.assert_close(rotated_q.norm(dim=-1), q.norm().expand(T))
     scores = rotated_q @ rotated_k.T  # (T, T), entry (m, n) for query at m, key at n
     for offset in (0, 3, 17):
@@ -234,7 +234,7 @@ def test_rope_keeps_norms_and_makes_scores_depend_only_on_offset(seed):
 
 
 def test_rope_position_zero_is_identity(seed):
-    x = torch.randn(2, 3, 1, 8)
+    x = torch.randn(2, 1, 3, 8)  # (B, T, H, D)
     torch.testing.assert_close(RotaryEmbedding(8, 4, 10_000.0)(x), x)
 
 
@@ -275,3 +275,22 @@ def test_sequence_longer_than_context_raises():
     model = TransformerLM(SIZES["tiny"])
     with pytest.raises(ValueError, match="exceeds the context length"):
         model(torch.zeros(1, SIZES["tiny"].context_length + 1, dtype=torch.long))
+
+
+def test_rope_of_bf16_input_is_rounded_once(seed):
+    """A bf16 input is rotated in fp32 with the fp32 tables and rounded to bf16 once at the end: every element within
+    half a bf16 unit of the float64 rotation (bf16 tables and products would round the angles and each product)."""
+    B, T, H, D = 2, 64, 3, 32
+    rope = RotaryEmbedding(D, T, 10_000.0)
+    x = torch.randn(B, T, H, D).bfloat16()
+    out = rope(x)
+    assert out.dtype == torch.bfloat16
+    exact = rope.double()(x.double())
+    torch.testing.assert_close(out.double(), exact, rtol=2.0**-8, atol=1e-6)
+
+
+def test_layers_share_one_rope_table():
+    model = TransformerLM(dataclasses.replace(SIZES["tiny"], num_layers=3))
+    ropes = {id(layer.attn.rope) for layer in model.layers}
+    assert len(ropes) == 1
+    assert [name for name, _ in model.named_buffers()] == ["layers.0.attn.rope.cos", "layers.0.attn.rope.sin"]

@@ -390,6 +390,45 @@ def test_a_step_checks_in_full_only_what_changed_since_the_last(seed, monkeypatc
     assert step() == [0, 1, 2]
 
 
+def test_steps_through_the_plan_match_full_steps_bit_for_bit(seed, monkeypatch):
+    """The fused step's plan (the last step's table, with new gradient addresses and coefficients) against the full
+    step at every step: the same parameters and state to the bit, through a change of learning rate, a gradient
+    that is not contiguous and a step with a gradient missing (both of which take the full step)."""
+    shapes = [(33, 5), (), (3, 1, 17), (8,)]
+    planned = _params(torch.Generator().manual_seed(seed), torch.float32, FUSED_DEVICE, shapes)
+    full = [p.detach().clone().requires_grad_() for p in planned]
+    optimizers = [AdamW(_groups(params, 1e-2, 0.1), lr=1e-2, weight_decay=0.1, fused=True) for params in (planned, full)]
+    generator = torch.Generator().manual_seed(seed + 1)
+    used_plan = []  # per step of the planned optimizer: whether its plan made the step
+    repeat = optim._Plan.repeat
+    monkeypatch.setattr(optim._Plan, "repeat", lambda plan, optimizer: used_plan.append(repeat(plan, optimizer))
+                        or used_plan[-1])
+    for step in range(8):
+        grads = [torch.randn(shape, generator=generator).to(FUSED_DEVICE) for shape in shapes]
+        if step == 4:
+            grads[0] = grads[0].T.contiguous().T  # the same values, not contiguous
+        for params in (planned, full):
+            for index, (param, grad) in enumerate(zip(params, grads)):
+                param.grad = None if step == 6 and index == 3 else grad.clone()
+        if step == 3:
+            for optimizer in optimizers:
+                optimizer.param_groups[1]["lr"] = 3e-3
+        if optimizers[0]._plan is None:
+            used_plan.append(False)
+        optimizers[0].step()
+        optimizers[1]._plan = None
+        optimizers[1].step()
+    # Step 0 builds the plan and 1 to 3 use it (3 with a new lr). 4 finds a gradient that is not contiguous and
+    # takes the full step, which builds no plan, so 5 takes it too (and plans again); 6 misses a gradient, so it
+    # takes the full step, and 7 too.
+    assert used_plan == [False, True, True, True, False, False, False, False]
+    for mine, reference in zip(planned, full):
+        torch.testing.assert_close(mine, reference, rtol=0, atol=0)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(optimizers[0].state[mine][key], optimizers[1].state[reference][key], rtol=0,
+                                       atol=0)
+
+
 # ------------------------------------------------------------------------------------------- state dicts
 
 

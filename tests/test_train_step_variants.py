@@ -25,6 +25,20 @@ def test_writes_a_row_per_variant(tmp_path, capsys, seed):
     assert printed.count("one step's top 3 operators") == 2
 
 
+def test_interleaved_rounds_and_ours_beside_plain(tmp_path, capsys, seed):
+    """--rounds: the plain model and ours held together, timed in turns; each of ours printed beside plain PyTorch."""
+    main = runpy.run_path(str(SCRIPT))["main"]
+    out = tmp_path / "variants.csv"
+    main([str(out), "--sizes", "tiny", "--variants", "reference", "ours", "ours-unplanned", "--warmup", "1",
+          "--steps", "1", "--rounds", "2", "--batch", "1", "--context", "16", "--compile-backend", "aot_eager"])
+    rows = list(csv.DictReader(out.open()))
+    assert [r["variant"] for r in rows] == ["reference", "ours", "ours-unplanned"]
+    assert all(float(r["median_ms"]) > 0 and float(r["tokens_per_s"]) > 0 for r in rows)
+    printed = capsys.readouterr().out
+    assert "in each of 2 interleaved rounds" in printed
+    assert "| tiny | ours | reference |" in printed and "| tiny | ours-unplanned | reference |" in printed
+
+
 def test_rejects_an_unknown_variant(tmp_path):
     main = runpy.run_path(str(SCRIPT))["main"]
     with pytest.raises(SystemExit):
