@@ -257,7 +257,7 @@ def _bench(rounds: int) -> dict:
     median = (ordered[(rounds - 1) // 2] + ordered[rounds // 2]) / 2
     stats = {"min": ordered[0], "max": ordered[-1], "mean": median, "stddev": 0.0, "median": median, "iqr": 0.0,
              "rounds": rounds, "iterations": 1, "data": data}
-    info = {"cpu_probe_data": [2 * x for x in data]}
+    info = {"eager_data": [2 * x for x in data], "eager_timing": "launch"}
     return {"fullname": "t::a", "name": "a", "stats": stats, "extra_info": info}
 
 
@@ -271,11 +271,11 @@ def test_a_baseline_over_the_size_limit_is_refused_unread(tmp_path, monkeypatch)
 
 def test_a_baseline_with_many_rounds_keeps_a_bounded_evenly_spaced_part(tmp_path):
     path = tmp_path / "0001_many.json"
-    path.write_text(json.dumps({"machine_info": {}, "benchmarks": [_bench(25_001)]}))
+    path.write_text(json.dumps({"machine_info": {"lmsys": {"schema": baselines.SCHEMA}}, "benchmarks": [_bench(25_001)]}))
     [bench] = baselines.read_baseline(path)["benchmarks"]
-    data, probes = bench["stats"]["data"], bench["extra_info"]["cpu_probe_data"]
-    assert len(data) == len(probes) == baselines.MAX_SAMPLES
-    assert probes == [2 * x for x in data]  # still aligned with their rounds
+    data, launch = bench["stats"]["data"], bench["extra_info"]["eager_data"]
+    assert len(data) == len(launch) == baselines.MAX_SAMPLES
+    assert launch == [2 * x for x in data]  # both series thinned alike
     assert data[0] == _bench(25_001)["stats"]["data"][0] and data[-1] == _bench(25_001)["stats"]["data"][-1]
     assert bench["stats"]["rounds"] == 25_001
 

@@ -51,9 +51,6 @@ PEAK_KEYS = ((REQUESTED_KEY, "requested"), (MEMORY_KEY, "allocated"))
 # and how they were timed (EAGER_TIMING_KEY: LAUNCH, from an idle device); rounds saved without it are not compared.
 EAGER_KEY = "eager_data"
 EAGER_TIMING_KEY = "eager_timing"
-# Per-round CPU probe times that files saved by earlier versions hold; they are validated and left unused.
-PROBE_KEY = "cpu_probe_data"
-EAGER_PROBE_KEY = "eager_cpu_probe_data"
 TIMINGS = (EAGER, GRAPH, QUEUED, HOST)
 # The format the gate reads, in machine_info["lmsys"]["schema"]; files of earlier versions: python -m lmsys.perf.migrate.
 SCHEMA = 2
@@ -188,10 +185,6 @@ def _problem(doc) -> str | None:
                 return f"benchmark {bench['fullname']!r} has malformed eager rounds ({EAGER_KEY})"
             if sorted(eager)[(len(eager) - 1) // 2] <= 0:
                 return f"benchmark {bench['fullname']!r} has eager rounds whose median is 0 s"
-        for key in (PROBE_KEY, EAGER_PROBE_KEY):
-            probes = extra.get(key)
-            if probes is not None and not (isinstance(probes, list) and all(is_number(x) and x >= 0 for x in probes)):
-                return f"benchmark {bench['fullname']!r} has malformed CPU probe times ({key})"
     return None
 
 
@@ -222,19 +215,13 @@ def _evenly_spaced(count: int) -> np.ndarray | None:
 
 
 def _thinned(bench: dict) -> None:
-    """Thins a benchmark's rounds to MAX_SAMPLES evenly spaced ones, keeping the CPU probe times beside them aligned
-    (stats.data with cpu_probe_data, eager_data with eager_cpu_probe_data). Its stats (median, rounds) stay those of
-    all its rounds."""
-    extra = bench.get("extra_info") or {}
-    for rounds, key, probe_key in ((bench["stats"], "data", PROBE_KEY), (extra, EAGER_KEY, EAGER_PROBE_KEY)):
+    """Thins a benchmark's rounds (stats.data, and the LAUNCH rounds beside them) to MAX_SAMPLES evenly spaced ones.
+    Its stats (median, rounds) stay those of all its rounds."""
+    for rounds, key in ((bench["stats"], "data"), (bench.get("extra_info") or {}, EAGER_KEY)):
         values = rounds.get(key)
         chosen = None if values is None else _evenly_spaced(len(values))
-        if chosen is None:
-            continue
-        probes = extra.get(probe_key)
-        if isinstance(probes, list) and len(probes) == len(values):
-            extra[probe_key] = [probes[i] for i in chosen]
-        rounds[key] = [values[i] for i in chosen]
+        if chosen is not None:
+            rounds[key] = [values[i] for i in chosen]
 
 
 def read_baseline(path: Path, any_schema: bool = False) -> dict:

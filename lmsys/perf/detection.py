@@ -518,9 +518,9 @@ def _measure(args: argparse.Namespace, cases: list[Case], held: dict) -> list[tu
     return results
 
 
-# The per-round lists a benchmark's extra_info holds beside stats["data"] (the eager rounds of graph and queued mode,
-# the CPU probe's times): with stats["data"], what --compact leaves out of the kept runs.
-ROUND_KEYS = (baselines.EAGER_KEY, baselines.PROBE_KEY, baselines.EAGER_PROBE_KEY)
+# The per-round lists a benchmark's extra_info holds beside stats["data"] (the LAUNCH rounds of graph and queued mode,
+# and the CPU probe's times that runs of the first format kept): with stats["data"], what --compact leaves out.
+ROUND_KEYS = (baselines.EAGER_KEY, "cpu_probe_data", "eager_cpu_probe_data")
 
 
 def compacted(doc: dict) -> dict:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from lmsys.perf import baselines
 
-DROPPED_KEYS = (baselines.PROBE_KEY, baselines.EAGER_PROBE_KEY, "cpu_probe")
+# The CPU probe's per-round times and its kind, which files of the first format hold.
+DROPPED_KEYS = ("cpu_probe_data", "eager_cpu_probe_data", "cpu_probe")
 
 
 def migrated(doc: dict) -> tuple[dict, list[str]]:
