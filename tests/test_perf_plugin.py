@@ -96,6 +96,33 @@ def test_corrupt_baseline_is_a_clear_error_and_stays_untouched(pytester, content
     assert path.read_bytes() == content
 
 
+PLAIN_TEST = "def test_plain(benchmark):\n    benchmark(sum, range(100))\n"
+
+
+def test_plain_pytest_benchmark_tests_keep_pytest_benchmarks_storage(pytester):
+    """In a run with both kinds, the gpu_benchmark results go to baselines/<GPU>/ and the plain pytest-benchmark ones
+    to pytest-benchmark's own .benchmarks/<its machine id>/ (without raw data, as it saves them); a later
+    --benchmark-compare compares each with its own file."""
+    write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=1)
+    pytester.makepyfile(test_plain=PLAIN_TEST)
+    result = run(pytester, "--benchmark-save=x")
+    assert result.ret == 0, result.stdout.str()
+    [ours] = baseline_files(pytester)
+    assert ours.name == "0001_x.json"
+    assert [b["name"] for b in json.loads(ours.read_text())["benchmarks"]] == ["test_a"]
+    [theirs] = (pytester.path / ".benchmarks").glob("*/0001_x.json")
+    assert theirs.parent.name != MACHINE
+    plain = json.loads(theirs.read_text())["benchmarks"]
+    assert [b["name"] for b in plain] == ["test_plain"] and "data" not in plain[0]["stats"]
+
+    write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=2)
+    result = run(pytester, "--benchmark-compare", "-v")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines([f"*compared with *{MACHINE}*0001_x.json", "*test_a*PASS*"])
+    result.stderr.fnmatch_lines([f"*Comparing against benchmarks from: {theirs.parent.name}*0001_x.json*"])
+    result.stdout.fnmatch_lines(["*test_plain (*0001_x)*", "*test_plain (NOW)*"])
+
+
 def test_baseline_of_another_gpu_is_never_compared(pytester):
     save_baseline(pytester, {"test_a": {"ms": 1.0}}, gpu="Fake GPU A")
     write_suite(pytester, {"test_a": {"ms": 2.0}}, seed=2, gpu="Fake GPU B")

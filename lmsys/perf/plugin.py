@@ -535,7 +535,10 @@ def pytest_collection_finish(session):
     perf.max_time = _max_time(config)
     perf.storage_path = _storage_path(config, bench_session)
     _check_outputs(config, perf)
-    perf.activate(bench_session)
+    perf.gated = {item.nodeid for item in gated}
+    bench_session.compare = config.option.benchmark_compare
+    plain = any("benchmark" in getattr(item, "fixturenames", ()) for item in session.items if item not in gated)
+    perf.activate(bench_session, plain=plain)
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         for line in perf.header_lines():
