@@ -119,7 +119,7 @@ def test_a_failing_result_is_saved_only_when_asked(pytester):
     ])
     assert saved_names(baseline_files(pytester)[1]) == ["test_a"]
     # The same slow code again: still compared with the good baseline, still SLOWER.
-    result = run(pytester, "--benchmark-compare")
+    result = run(pytester, "--benchmark-compare", "-v")  # -v: pytest-benchmark's table names each row's file
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*test_b*0001_base*"])
 

@@ -120,7 +120,8 @@ def test_plain_pytest_benchmark_tests_keep_pytest_benchmarks_storage(pytester):
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines([f"*compared with *{MACHINE}*0001_x.json", "*test_a*PASS*"])
     result.stderr.fnmatch_lines([f"*Comparing against benchmarks from: {theirs.parent.name}*0001_x.json*"])
-    result.stdout.fnmatch_lines(["*test_plain (*0001_x)*", "*test_plain (NOW)*"])
+    for row in ("test_plain (*0001_x)*", "test_plain (NOW)*"):  # rows sorted by their times: either may be first
+        result.stdout.fnmatch_lines([row])
 
 
 def test_baseline_of_another_gpu_is_never_compared(pytester):
@@ -158,7 +159,7 @@ def test_each_benchmark_is_compared_with_the_newest_file_that_has_it(pytester, b
     assert run(pytester, "-k", "test_a", "--benchmark-save=part").ret == 0
     assert [p.name for p in baseline_files(pytester)] == ["0001_full.json", "0002_part.json"]
     write_suite(pytester, {"test_a": {"ms": 2.0}, "test_b": {"ms": b_ms}}, seed=2)
-    result = run(pytester, "--benchmark-compare")
+    result = run(pytester, "--benchmark-compare", "-v")  # -v: pytest-benchmark's table too, with each row's file
     failed = int(verdict == "SLOWER")
     result.assert_outcomes(passed=2 - failed, failed=failed)
     result.stdout.fnmatch_lines([
@@ -294,6 +295,62 @@ def test_gpu_mem_report_without_a_gpu_says_so_and_passes(pytester):
     table = pd.read_csv(pytester.path / "mem.csv")
     assert list(table["benchmark"]) == ["test_cpu.py::test_noop"]
     assert table["peak_allocated_bytes"].isna().all()
+
+
+def test_without_a_gpu_the_failed_graph_capture_is_said_once(pytester):
+    pytester.makeini("[pytest]\n")
+    pytester.makeconftest("""
+        from lmsys.perf.backend import CpuBackend
+
+        def pytest_perf_backend(config):
+            return CpuBackend()
+    """)
+    pytester.makepyfile(test_cpu="""
+        def test_one(gpu_benchmark):
+            gpu_benchmark(lambda: None, graph=True)
+
+        def test_two(gpu_benchmark):
+            gpu_benchmark(lambda: None, graph=True)
+    """)
+    result = run(pytester)
+    result.assert_outcomes(passed=2)
+    assert result.outlines.count("no CUDA device: graph=True benchmarks are timed eagerly") == 1
+    assert "capture failed" not in result.stdout.str()
+
+
+def test_a_note_every_benchmark_has_is_said_once(pytester):
+    write_suite(pytester, {}, seed=1)
+    pytester.makepyfile(test_suite="""
+        def test_a(gpu_benchmark, fake):
+            fake.machine.update(other_processes=1)
+            gpu_benchmark(fake.work(1.0, noise=0.01, seed=1))
+
+        def test_b(gpu_benchmark, fake):
+            gpu_benchmark(fake.work(1.0, noise=0.01, seed=2))
+
+        def test_c(gpu_benchmark, fake):
+            fake.machine.update(throttle=["sw_power_cap"])
+            gpu_benchmark(fake.work(1.0, noise=0.01, seed=3))
+    """)
+    result = run(pytester)
+    result.assert_outcomes(passed=3)
+    assert [line for line in result.outlines if "other process" in line] == [
+        "every benchmark: 1 other process(es) on the GPU"]
+    assert "test_c: throttled (sw_power_cap)" in result.outlines
+
+
+def test_pytest_benchmarks_table_only_when_asked(pytester):
+    write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=1)
+    result = run(pytester)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*test_a*1.0* ms*"])
+    assert "Legend:" not in result.stdout.str()
+    for asked in ("-v", "--benchmark-columns=min,max", "--benchmark-sort=max", "--benchmark-group-by=func"):
+        run(pytester, asked).stdout.fnmatch_lines(["*benchmark*: 1 tests*", "*test_a*", "Legend:"])
+    pytester.makepyfile(test_plain=PLAIN_TEST)  # plain pytest-benchmark tests keep their table, without ours
+    out = run(pytester).stdout
+    out.fnmatch_lines(["*benchmark: 1 tests*", "test_plain *", "Legend:"])
+    assert not [line for line in out.lines if line.startswith("test_a ")]
 
 
 def test_gpu_mem_report_file_needs_a_known_extension(pytester):

@@ -752,11 +752,45 @@ def pytest_sessionfinish(session):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+# pytest-benchmark's options that shape its own table: given any of them (or -v), a run of the gate shows that table.
+TABLE_OPTIONS = ("benchmark_columns", "benchmark_sort", "benchmark_group_by", "benchmark_name", "benchmark_histogram",
+                 "benchmark_cprofile", "benchmark_verbose")
+
+
+def _table_asked(config) -> bool:
+    """Whether this run asks for pytest-benchmark's table: -v, or one of its TABLE_OPTIONS set to other than its
+    default."""
+    if config.get_verbosity() >= 1:
+        return True
+    try:
+        defaults = vars(config._parser.parse_known_args([]))
+    except Exception:  # pytest's parser is internal: without its defaults, show the table as pytest-benchmark would
+        return True
+    return any(config.getoption(name, None) != defaults.get(name) for name in TABLE_OPTIONS)
+
+
+def _hide_gate_rows(config, perf: PerfSession) -> None:
+    """Our table has the gate's benchmarks, so pytest-benchmark's wide table (printed after ours) only shows when
+    asked (_table_asked); unasked, it keeps the plain pytest-benchmark tests' rows, and is not printed when there are
+    none. Its --benchmark-compare-fail check runs either way (BenchmarkSession.display runs it when quiet)."""
+    bench_session = config._benchmarksession
+    if not bench_session.groups or _table_asked(config):
+        return
+    groups = [(name, [row for row in rows if row["fullname"] not in perf.gated])
+              for name, rows in bench_session.groups]
+    groups = [(name, rows) for name, rows in groups if rows]
+    if groups:
+        bench_session.groups = groups
+    else:
+        bench_session.quiet = True
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_terminal_summary(terminalreporter, config):
     perf = config.stash.get(SESSION_KEY, None)
     if perf is None or not perf.active:
         return
+    _hide_gate_rows(config, perf)
     lines = summary_lines(perf)
     if lines:
         terminalreporter.write_sep("-", "lmsys perf")
