@@ -254,13 +254,13 @@ def test_bad_tolerance_marker_is_a_usage_error_naming_the_test(pytester, marker,
     result.stderr.fnmatch_lines([f"*test_suite.py::test_marked: bad @pytest.mark.perf_tolerance: {problem}*"])
 
 
-def test_gpu_mem_report_prints_largest_first_and_writes_csv_and_json(pytester):
+def test_perf_mem_report_prints_largest_first_and_writes_csv_and_json(pytester):
     tests = {"test_small": {"ms": 1.0, "memory": 10 * MIB}, "test_big": {"ms": 1.0, "memory": 300 * MIB},
              "test_mid": {"ms": 1.0, "memory": 20 * MIB}}
     save_baseline(pytester, tests)
     tests["test_big"]["memory"] = 303 * MIB
     write_suite(pytester, tests, seed=2)
-    result = run(pytester, "--benchmark-compare", "--gpu-mem-report=reports/mem.csv", "--perf-mem-tolerance=0.05")
+    result = run(pytester, "--benchmark-compare", "--perf-mem-report=reports/mem.csv", "--perf-mem-tolerance=0.05")
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines([
         "*GPU memory high-water marks (largest first)*",
@@ -274,12 +274,12 @@ def test_gpu_mem_report_prints_largest_first_and_writes_csv_and_json(pytester):
     assert list(table["peak_allocated_above_start_bytes"]) == [303 * MIB, 20 * MIB, 10 * MIB]
     assert table["change"][0] == pytest.approx(0.01)
 
-    run(pytester, "--gpu-mem-report=mem.json").assert_outcomes(passed=3)
+    run(pytester, "--perf-mem-report=mem.json").assert_outcomes(passed=3)
     rows = json.loads((pytester.path / "mem.json").read_text())
     assert [row["peak_reserved_above_start_bytes"] for row in rows] == [606 * MIB, 40 * MIB, 20 * MIB]
 
 
-def test_gpu_mem_report_without_a_gpu_says_so_and_passes(pytester):
+def test_perf_mem_report_without_a_gpu_says_so_and_passes(pytester):
     pytester.makeini("[pytest]\n")
     # The real CPU backend, also on a machine that has a GPU.
     pytester.makeconftest("""
@@ -289,7 +289,7 @@ def test_gpu_mem_report_without_a_gpu_says_so_and_passes(pytester):
             return CpuBackend()
     """)
     pytester.makepyfile(test_cpu="def test_noop(gpu_benchmark):\n    gpu_benchmark(lambda: None)\n")
-    result = run(pytester, "--gpu-mem-report=mem.csv")
+    result = run(pytester, "--perf-mem-report=mem.csv")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*no GPU memory readings: this run has no CUDA device (CPU timings only)*"])
     table = pd.read_csv(pytester.path / "mem.csv")
@@ -353,11 +353,11 @@ def test_pytest_benchmarks_table_only_when_asked(pytester):
     assert not [line for line in out.lines if line.startswith("test_a ")]
 
 
-def test_gpu_mem_report_file_needs_a_known_extension(pytester):
+def test_perf_mem_report_file_needs_a_known_extension(pytester):
     write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=1)
-    result = run(pytester, "--gpu-mem-report=mem.txt")
+    result = run(pytester, "--perf-mem-report=mem.txt")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--gpu-mem-report=mem.txt: the file must end in .csv or .json*"])
+    result.stderr.fnmatch_lines(["*--perf-mem-report=mem.txt: the file must end in .csv or .json*"])
 
 
 def test_out_of_memory_skips_with_the_amount_and_the_session_goes_on(pytester):
@@ -384,8 +384,20 @@ def test_full_grid_tests_run_only_with_the_option(pytester):
     write_suite(pytester, {"test_point": {"ms": 1.0, "marker": "full_grid"}, "test_a": {"ms": 1.0}}, seed=1)
     result = run(pytester)
     result.assert_outcomes(passed=1, skipped=1)
-    result.stdout.fnmatch_lines(["SKIPPED*a point of the full grid: run with --full-grid to include it"])
-    run(pytester, "--full-grid").assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["SKIPPED*a point of the full grid: run with --perf-full-grid to include it"])
+    run(pytester, "--perf-full-grid").assert_outcomes(passed=2)
+
+
+def test_the_plugins_options_share_the_perf_prefix_and_gpu_mem_report_stays_an_alias(pytester):
+    write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=1)
+    result = run(pytester, "--gpu-mem-report=mem.csv")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*GPU memory high-water marks (largest first)*", "*memory report written to *mem.csv"])
+    assert list(pd.read_csv(pytester.path / "mem.csv")["benchmark"]) == ["test_suite.py::test_a"]
+    for old in ("--benchmark-calibrate=5", "--benchmark-save-failing", "--full-grid", "--gpu-mem-report-overwrite"):
+        result = run(pytester, old)
+        assert result.ret == pytest.ExitCode.USAGE_ERROR
+        result.stderr.fnmatch_lines([f"*unrecognized arguments: {old}*"])
 
 
 def test_throughput_against_the_device_peak_and_cold_l2(pytester):

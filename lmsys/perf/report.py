@@ -103,7 +103,7 @@ def results_frame(records: list[Record], comparing: bool) -> pd.DataFrame:
 
 
 def memory_frame(session: PerfSession) -> pd.DataFrame:
-    """Every benchmark's memory high-water marks in bytes, largest peak allocated first (the --gpu-mem-report data)."""
+    """Every benchmark's memory high-water marks in bytes, largest peak allocated first (the --perf-mem-report data)."""
     rows = []
     for record in session.records:
         memory = record.memory
@@ -136,7 +136,7 @@ def write_memory_report(frame: pd.DataFrame, path: Path, overwrite: bool = False
     elif path.suffix == ".json":
         text = frame.to_json(orient="records", indent=2)
     else:
-        raise ValueError(f"--gpu-mem-report file must end in {' or '.join(MEMORY_REPORT_SUFFIXES)}, got {path}")
+        raise ValueError(f"--perf-mem-report file must end in {' or '.join(MEMORY_REPORT_SUFFIXES)}, got {path}")
     if overwrite:
         baselines.replace_file(path, text)
     else:
@@ -188,7 +188,7 @@ def summary_lines(session: PerfSession) -> list[str]:
 
 
 def memory_report_lines(session: PerfSession, written: Path | None) -> list[str]:
-    """The --gpu-mem-report table, or why there is none."""
+    """The --perf-mem-report table, or why there is none."""
     frame = memory_frame(session)
     if frame.empty:
         lines = ["no benchmarks ran"]

@@ -99,7 +99,7 @@ class PerfSession:
     injected_memory: int = 0
     # LMSYS_INJECT_CASES: (delay fraction, bytes held) of each regression measured beside every unchanged call
     injected_cases: list[tuple[float, int]] = field(default_factory=list)
-    # --benchmark-calibrate=N: rerun the selected benchmarks N times in fresh processes instead of running them
+    # --perf-calibrate=N: rerun the selected benchmarks N times in fresh processes instead of running them
     calibrate: int | None = None
     # fullname -> calibration entry (calibration.py), from the GPU's folder
     calibration: dict[str, dict] = field(default_factory=dict)
@@ -125,7 +125,7 @@ class PerfSession:
     # storage_path / machine_id, once activate() has resolved the machine id (only when saving or comparing)
     folder: Path | None = None
     storage: BaselineStorage | None = None
-    # why --gpu-mem-report=FILE could not be written at the end, if it could not
+    # why --perf-mem-report=FILE could not be written at the end, if it could not
     report_error: str | None = None
 
     @property
@@ -188,7 +188,7 @@ class PerfSession:
         return Precision(target=PRECISION_SHARE * tolerance.value, time_cap=self.time_cap)
 
     def leaves_out(self, fullname: str) -> bool:
-        """Whether a save leaves this benchmark out: its test failed and --benchmark-save-failing was not given."""
+        """Whether a save leaves this benchmark out: its test failed and --perf-save-failing was not given."""
         return fullname in self.failed and not self.save_failing
 
     def activate(self, bench_session, plain: bool = False) -> None:
@@ -219,11 +219,11 @@ class PerfSession:
         if self.calibrate:
             problem = baselines.save_problem(self.folder, "calibration")
             if problem:
-                raise pytest.UsageError(f"--benchmark-calibrate={self.calibrate}: {problem}")
+                raise pytest.UsageError(f"--perf-calibrate={self.calibrate}: {problem}")
         try:
             self.calibration = calibration.read(self.folder)
         except calibration.CalibrationError as exc:
-            message = f"{exc}\nRepair or remove it, or calibrate again (--benchmark-calibrate=N)."
+            message = f"{exc}\nRepair or remove it, or calibrate again (--perf-calibrate=N)."
             raise pytest.UsageError(message) from None
         if self.comparing:
             self._load(bench_session)
@@ -358,11 +358,11 @@ class PerfSession:
             where = f"left out of {storage.saved}" if storage.saved else "nothing saved"
             lines.append(
                 f"{where}: {len(storage.left_out)} benchmark(s) whose test failed ({', '.join(storage.left_out)}); "
-                "--benchmark-save-failing saves them anyway"
+                "--perf-save-failing saves them anyway"
             )
         failing = sorted(record.fullname for record in self.records if record.fullname in self.failed)
         if storage.saved and self.save_failing and failing:
-            lines.append(f"saved with failing results (--benchmark-save-failing): {', '.join(failing)}")
+            lines.append(f"saved with failing results (--perf-save-failing): {', '.join(failing)}")
         return lines
 
 
