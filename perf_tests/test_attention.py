@@ -23,7 +23,7 @@ accumulates into `.grad` across rounds.
 The default run is a representative subset: the leaderboard and the (4, 16, 8192, 128) causal bf16 forward with
 every provider, and bf16 forward + backward at seq 4096 (d 64 and 128 in the causal grid, d 64 in the seeds' grid)
 with the fused kernels (flash_triton and SDPA's); every other point is marked `full_grid` (run them with
---full-grid).
+--perf-full-grid).
 """
 
 import warnings
@@ -81,7 +81,7 @@ def run_case(gpu_benchmark, device, provider, shape, is_causal, dtype, mode, com
 
 
 def point(shape, causal, dtype, mode, default=False):
-    """One configuration as a pytest.param: behind --full-grid unless it is in the default subset."""
+    """One configuration as a pytest.param: behind --perf-full-grid unless it is in the default subset."""
     marks = [] if default else [pytest.mark.full_grid]
     if shape[-2] <= 1024:
         # Runs of tens of microseconds: launch jitter alone moves them by more than the tolerance's floors.
@@ -137,18 +137,19 @@ def _anchor_points():
 
 
 # Compiling these takes minutes per shape (flash_torch unrolls its tile loop) or they are 10-50x off the fused
-# kernels: they run only with --full-grid, so the default subset times our kernels against SDPA's in about a minute.
+# kernels: they run only with --perf-full-grid, so the default subset times our kernels against SDPA's in about a
+# minute.
 SLOW_PROVIDERS = ("naive", "naive_compiled", "flash_torch_compiled")
 
 
 def providers(names):
-    """Each provider as a pytest.param, the slow ones behind --full-grid."""
+    """Each provider as a pytest.param, the slow ones behind --perf-full-grid."""
     return [pytest.param(name, marks=[pytest.mark.full_grid] if name in SLOW_PROVIDERS else [], id=name)
             for name in names]
 
 
 def with_providers(points):
-    """Each grid point once per provider; a slow provider's default point moves behind --full-grid."""
+    """Each grid point once per provider; a slow provider's default point moves behind --perf-full-grid."""
     params = []
     for p in points:
         for provider in PROVIDERS:

@@ -15,7 +15,7 @@ On a GPU: batch 4, context 512 (as in the plain-PyTorch reference runs). The def
 autocast + torch.compile with the four main providers side by side (MFU in the report's "% of peak"), `large` in
 fp32 and bf16 eager (reference and ours), `large` with the compiled step replayed as CUDA graphs (`bf16-graphs`:
 reference and ours), and `small` in every precision with SDPA and naive attention. The rest (2.7B with every
-provider, medium and xl, naive on large, flash_triton eager and with graphs) runs with --full-grid.
+provider, medium and xl, naive on large, flash_triton eager and with graphs) runs with --perf-full-grid.
 On the CPU: the tiny preset, reference and ours.
 
 A compiled step of `large` spends longer launching its kernels than the GPU spends running them, and that launch

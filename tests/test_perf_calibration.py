@@ -1,4 +1,4 @@
-"""Noise calibration (lmsys.perf.calibration, --benchmark-calibrate): the spread of a benchmark's median between
+"""Noise calibration (lmsys.perf.calibration, --perf-calibrate): the spread of a benchmark's median between
 fresh processes, the tolerance it gives, the file next to the GPU's baselines, and a run that uses it."""
 
 import json
@@ -114,11 +114,11 @@ def test_a_corrupt_calibration_file_is_named_and_left_as_it_was(tmp_path):
 @pytest.mark.parametrize(
     ("args", "kept"),
     [
-        (["perf_tests", "--benchmark-calibrate=5", "-k", "x"], ["perf_tests", "-k", "x"]),
-        (["--benchmark-calibrate", "5", "perf_tests"], ["perf_tests"]),
+        (["perf_tests", "--perf-calibrate=5", "-k", "x"], ["perf_tests", "-k", "x"]),
+        (["--perf-calibrate", "5", "perf_tests"], ["perf_tests"]),
         (["--benchmark-compare", "perf_tests", "--benchmark-save", "x"], ["perf_tests"]),
-        (["--benchmark-compare", "3", "--gpu-mem-report", "-q"], ["-q"]),
-        (["--benchmark-json=a.json", "--benchmark-autosave", "--full-grid"], ["--full-grid"]),
+        (["--benchmark-compare", "3", "--perf-mem-report", "-q"], ["-q"]),
+        (["--benchmark-json=a.json", "--benchmark-autosave", "--perf-full-grid"], ["--perf-full-grid"]),
     ],
 )
 def test_reruns_leave_out_the_parents_own_options(tmp_path, args, kept):
@@ -139,12 +139,12 @@ def test_a(gpu_benchmark, fake):
 
 
 def calibrate(pytester, monkeypatch, suite: str, runs: int):
-    """Runs --benchmark-calibrate=runs over `suite` (its reruns import the fakes and lmsys through PYTHONPATH)."""
+    """Runs --perf-calibrate=runs over `suite` (its reruns import the fakes and lmsys through PYTHONPATH)."""
     tests = Path(__file__).parent
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")]))
     save_baseline(pytester, {"test_a": {"ms": 1.0}})
     pytester.makepyfile(test_suite=suite)
-    return run(pytester, f"--benchmark-calibrate={runs}", "-p", "no:xdist")
+    return run(pytester, f"--perf-calibrate={runs}", "-p", "no:xdist")
 
 
 def test_calibrate_reruns_in_fresh_processes_and_the_next_compare_uses_it(pytester, monkeypatch):
@@ -194,7 +194,7 @@ def test_a_calibration_stopped_partway_keeps_the_runs_it_finished(pytester, monk
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stdout.fnmatch_lines(["lmsys perf: calibration run 2 of 5 done (exit 0); calibration.json holds these 2 runs"])
     result.stderr.fnmatch_lines([
-        "*--benchmark-calibrate=5 stopped (the calibration file holds the first 2 runs): run 3 of 5 ended with exit*"
+        "*--perf-calibrate=5 stopped (the calibration file holds the first 2 runs): run 3 of 5 ended with exit*"
     ])
     entry = calibration.read(pytester.path / "baselines" / MACHINE)["test_suite.py::test_a"]
     assert entry["runs"] == 2
@@ -202,9 +202,9 @@ def test_a_calibration_stopped_partway_keeps_the_runs_it_finished(pytester, monk
 
 def test_calibrate_refuses_to_also_compare_or_save(pytester):
     save_baseline(pytester, {"test_a": {"ms": 1.0}})
-    result = run(pytester, "--benchmark-calibrate=3", "--benchmark-compare")
+    result = run(pytester, "--perf-calibrate=3", "--benchmark-compare")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--benchmark-calibrate runs the benchmarks in other processes*--benchmark-compare"])
+    result.stderr.fnmatch_lines(["*--perf-calibrate runs the benchmarks in other processes*--benchmark-compare"])
 
 
 def test_reruns_are_fresh_processes_whose_json_is_returned_and_kept_when_asked(tmp_path):

@@ -57,7 +57,7 @@ def test_benchmark_json_through_a_symlink_to_a_baseline_is_refused(pytester, whe
     assert folder_state(pytester) == before
 
 
-@pytest.mark.parametrize("option", ["--benchmark-json={}", "--perf-report=md:{}", "--gpu-mem-report={}"])
+@pytest.mark.parametrize("option", ["--benchmark-json={}", "--perf-report=md:{}", "--perf-mem-report={}"])
 @pytest.mark.parametrize("name", ["calibration.json", "0002_x.json", "notes.json"])
 def test_no_report_lands_in_a_baseline_folder(pytester, option, name):
     with_calibration(pytester)
@@ -354,7 +354,7 @@ def test_a_memory_report_is_written_atomically(pytester, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", full)
-    result = run(pytester, "--gpu-mem-report=mem.csv", "--gpu-mem-report-overwrite")
+    result = run(pytester, "--perf-mem-report=mem.csv", "--perf-mem-report-overwrite")
     monkeypatch.undo()
     assert result.ret == TESTS_FAILED
     result.stdout.fnmatch_lines(["NOT WRITTEN: the memory report *mem.csv: *No space left*"])

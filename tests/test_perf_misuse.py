@@ -29,7 +29,7 @@ def saved_names(path) -> list[str]:
 
 @XDIST_DISABLES_BENCHMARKS
 @pytest.mark.parametrize(
-    "asked", [["--benchmark-compare"], ["--benchmark-save=ci"], ["--benchmark-autosave"], ["--gpu-mem-report"]]
+    "asked", [["--benchmark-compare"], ["--benchmark-save=ci"], ["--benchmark-autosave"], ["--perf-mem-report"]]
 )
 def test_comparing_or_saving_under_xdist_is_a_usage_error(pytester, asked):
     save_baseline(pytester, {"test_a": {"ms": 1.0}})
@@ -115,17 +115,17 @@ def test_a_failing_result_is_saved_only_when_asked(pytester):
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
         "left out of *0002_ci.json: 1 benchmark(s) whose test failed (test_suite.py::test_b); "
-        "--benchmark-save-failing saves them anyway"
+        "--perf-save-failing saves them anyway"
     ])
     assert saved_names(baseline_files(pytester)[1]) == ["test_a"]
     # The same slow code again: still compared with the good baseline, still SLOWER.
-    result = run(pytester, "--benchmark-compare")
+    result = run(pytester, "--benchmark-compare", "-v")  # -v: pytest-benchmark's table names each row's file
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*test_b*0001_base*"])
 
-    result = run(pytester, "--benchmark-compare", "--benchmark-save=accepted", "--benchmark-save-failing")
+    result = run(pytester, "--benchmark-compare", "--benchmark-save=accepted", "--perf-save-failing")
     result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["saved with failing results (--benchmark-save-failing): test_suite.py::test_b"])
+    result.stdout.fnmatch_lines(["saved with failing results (--perf-save-failing): test_suite.py::test_b"])
     assert saved_names(baseline_files(pytester)[2]) == ["test_a", "test_b"]
 
 
@@ -219,19 +219,19 @@ def test_a_memory_report_never_replaces_a_baseline_or_an_existing_file(pytester)
     save_baseline(pytester, {"test_a": {"ms": 1.0}})
     (baseline,) = baseline_files(pytester)
     before = baseline.read_bytes()
-    result = run(pytester, "--benchmark-compare", f"--gpu-mem-report={baseline}", "--gpu-mem-report-overwrite")
+    result = run(pytester, "--benchmark-compare", f"--perf-mem-report={baseline}", "--perf-mem-report-overwrite")
     assert result.ret == USAGE_ERROR
     result.stderr.fnmatch_lines(
-        [f"*--gpu-mem-report={baseline}: * is inside *baselines, which holds baselines (and calibrations)*"]
+        [f"*--perf-mem-report={baseline}: * is inside *baselines, which holds baselines (and calibrations)*"]
     )
     assert baseline.read_bytes() == before
 
     (pytester.path / "mem.csv").write_text("mine\n")
-    result = run(pytester, "--gpu-mem-report=mem.csv")
+    result = run(pytester, "--perf-mem-report=mem.csv")
     assert result.ret == USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--gpu-mem-report=mem.csv: *mem.csv exists: choose another name*"])
+    result.stderr.fnmatch_lines(["*--perf-mem-report=mem.csv: *mem.csv exists: choose another name*"])
     assert (pytester.path / "mem.csv").read_text() == "mine\n"
-    run(pytester, "--gpu-mem-report=mem.csv", "--gpu-mem-report-overwrite").assert_outcomes(passed=1)
+    run(pytester, "--perf-mem-report=mem.csv", "--perf-mem-report-overwrite").assert_outcomes(passed=1)
     assert (pytester.path / "mem.csv").read_text().startswith("benchmark,")
 
 
@@ -248,9 +248,9 @@ def test_unwritable_outputs_stop_the_run_before_any_test(pytester):
     result.stderr.fnmatch_lines(["*is longer than the * bytes the file system allows: use a shorter name*"])
 
     pytester.mkdir("report.csv")
-    result = run(pytester, "--gpu-mem-report=report.csv")
+    result = run(pytester, "--perf-mem-report=report.csv")
     assert result.ret == USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--gpu-mem-report=report.csv: *report.csv is a folder*"])
+    result.stderr.fnmatch_lines(["*--perf-mem-report=report.csv: *report.csv is a folder*"])
 
 
 def test_a_project_that_does_not_use_gpu_benchmark_is_left_alone(pytester):

@@ -96,6 +96,34 @@ def test_corrupt_baseline_is_a_clear_error_and_stays_untouched(pytester, content
     assert path.read_bytes() == content
 
 
+PLAIN_TEST = "def test_plain(benchmark):\n    benchmark(sum, range(100))\n"
+
+
+def test_plain_pytest_benchmark_tests_keep_pytest_benchmarks_storage(pytester):
+    """In a run with both kinds, the gpu_benchmark results go to baselines/<GPU>/ and the plain pytest-benchmark ones
+    to pytest-benchmark's own .benchmarks/<its machine id>/ (without raw data, as it saves them); a later
+    --benchmark-compare compares each with its own file."""
+    write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=1)
+    pytester.makepyfile(test_plain=PLAIN_TEST)
+    result = run(pytester, "--benchmark-save=x")
+    assert result.ret == 0, result.stdout.str()
+    [ours] = baseline_files(pytester)
+    assert ours.name == "0001_x.json"
+    assert [b["name"] for b in json.loads(ours.read_text())["benchmarks"]] == ["test_a"]
+    [theirs] = (pytester.path / ".benchmarks").glob("*/0001_x.json")
+    assert theirs.parent.name != MACHINE
+    plain = json.loads(theirs.read_text())["benchmarks"]
+    assert [b["name"] for b in plain] == ["test_plain"] and "data" not in plain[0]["stats"]
+
+    write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=2)
+    result = run(pytester, "--benchmark-compare", "-v")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines([f"*compared with *{MACHINE}*0001_x.json", "*test_a*PASS*"])
+    result.stderr.fnmatch_lines([f"*Comparing against benchmarks from: {theirs.parent.name}*0001_x.json*"])
+    for row in ("test_plain (*0001_x)*", "test_plain (NOW)*"):  # rows sorted by their times: either may be first
+        result.stdout.fnmatch_lines([row])
+
+
 def test_baseline_of_another_gpu_is_never_compared(pytester):
     save_baseline(pytester, {"test_a": {"ms": 1.0}}, gpu="Fake GPU A")
     write_suite(pytester, {"test_a": {"ms": 2.0}}, seed=2, gpu="Fake GPU B")
@@ -131,7 +159,7 @@ def test_each_benchmark_is_compared_with_the_newest_file_that_has_it(pytester, b
     assert run(pytester, "-k", "test_a", "--benchmark-save=part").ret == 0
     assert [p.name for p in baseline_files(pytester)] == ["0001_full.json", "0002_part.json"]
     write_suite(pytester, {"test_a": {"ms": 2.0}, "test_b": {"ms": b_ms}}, seed=2)
-    result = run(pytester, "--benchmark-compare")
+    result = run(pytester, "--benchmark-compare", "-v")  # -v: pytest-benchmark's table too, with each row's file
     failed = int(verdict == "SLOWER")
     result.assert_outcomes(passed=2 - failed, failed=failed)
     result.stdout.fnmatch_lines([
@@ -226,13 +254,13 @@ def test_bad_tolerance_marker_is_a_usage_error_naming_the_test(pytester, marker,
     result.stderr.fnmatch_lines([f"*test_suite.py::test_marked: bad @pytest.mark.perf_tolerance: {problem}*"])
 
 
-def test_gpu_mem_report_prints_largest_first_and_writes_csv_and_json(pytester):
+def test_perf_mem_report_prints_largest_first_and_writes_csv_and_json(pytester):
     tests = {"test_small": {"ms": 1.0, "memory": 10 * MIB}, "test_big": {"ms": 1.0, "memory": 300 * MIB},
              "test_mid": {"ms": 1.0, "memory": 20 * MIB}}
     save_baseline(pytester, tests)
     tests["test_big"]["memory"] = 303 * MIB
     write_suite(pytester, tests, seed=2)
-    result = run(pytester, "--benchmark-compare", "--gpu-mem-report=reports/mem.csv", "--perf-mem-tolerance=0.05")
+    result = run(pytester, "--benchmark-compare", "--perf-mem-report=reports/mem.csv", "--perf-mem-tolerance=0.05")
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines([
         "*GPU memory high-water marks (largest first)*",
@@ -246,12 +274,12 @@ def test_gpu_mem_report_prints_largest_first_and_writes_csv_and_json(pytester):
     assert list(table["peak_allocated_above_start_bytes"]) == [303 * MIB, 20 * MIB, 10 * MIB]
     assert table["change"][0] == pytest.approx(0.01)
 
-    run(pytester, "--gpu-mem-report=mem.json").assert_outcomes(passed=3)
+    run(pytester, "--perf-mem-report=mem.json").assert_outcomes(passed=3)
     rows = json.loads((pytester.path / "mem.json").read_text())
     assert [row["peak_reserved_above_start_bytes"] for row in rows] == [606 * MIB, 40 * MIB, 20 * MIB]
 
 
-def test_gpu_mem_report_without_a_gpu_says_so_and_passes(pytester):
+def test_perf_mem_report_without_a_gpu_says_so_and_passes(pytester):
     pytester.makeini("[pytest]\n")
     # The real CPU backend, also on a machine that has a GPU.
     pytester.makeconftest("""
@@ -261,7 +289,7 @@ def test_gpu_mem_report_without_a_gpu_says_so_and_passes(pytester):
             return CpuBackend()
     """)
     pytester.makepyfile(test_cpu="def test_noop(gpu_benchmark):\n    gpu_benchmark(lambda: None)\n")
-    result = run(pytester, "--gpu-mem-report=mem.csv")
+    result = run(pytester, "--perf-mem-report=mem.csv")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*no GPU memory readings: this run has no CUDA device (CPU timings only)*"])
     table = pd.read_csv(pytester.path / "mem.csv")
@@ -269,11 +297,67 @@ def test_gpu_mem_report_without_a_gpu_says_so_and_passes(pytester):
     assert table["peak_allocated_bytes"].isna().all()
 
 
-def test_gpu_mem_report_file_needs_a_known_extension(pytester):
+def test_without_a_gpu_the_failed_graph_capture_is_said_once(pytester):
+    pytester.makeini("[pytest]\n")
+    pytester.makeconftest("""
+        from lmsys.perf.backend import CpuBackend
+
+        def pytest_perf_backend(config):
+            return CpuBackend()
+    """)
+    pytester.makepyfile(test_cpu="""
+        def test_one(gpu_benchmark):
+            gpu_benchmark(lambda: None, graph=True)
+
+        def test_two(gpu_benchmark):
+            gpu_benchmark(lambda: None, graph=True)
+    """)
+    result = run(pytester)
+    result.assert_outcomes(passed=2)
+    assert result.outlines.count("no CUDA device: graph=True benchmarks are timed eagerly") == 1
+    assert "capture failed" not in result.stdout.str()
+
+
+def test_a_note_every_benchmark_has_is_said_once(pytester):
+    write_suite(pytester, {}, seed=1)
+    pytester.makepyfile(test_suite="""
+        def test_a(gpu_benchmark, fake):
+            fake.machine.update(other_processes=1)
+            gpu_benchmark(fake.work(1.0, noise=0.01, seed=1))
+
+        def test_b(gpu_benchmark, fake):
+            gpu_benchmark(fake.work(1.0, noise=0.01, seed=2))
+
+        def test_c(gpu_benchmark, fake):
+            fake.machine.update(throttle=["sw_power_cap"])
+            gpu_benchmark(fake.work(1.0, noise=0.01, seed=3))
+    """)
+    result = run(pytester)
+    result.assert_outcomes(passed=3)
+    assert [line for line in result.outlines if "other process" in line] == [
+        "every benchmark: 1 other process(es) on the GPU"]
+    assert "test_c: throttled (sw_power_cap)" in result.outlines
+
+
+def test_pytest_benchmarks_table_only_when_asked(pytester):
     write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=1)
-    result = run(pytester, "--gpu-mem-report=mem.txt")
+    result = run(pytester)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*test_a*1.0* ms*"])
+    assert "Legend:" not in result.stdout.str()
+    for asked in ("-v", "--benchmark-columns=min,max", "--benchmark-sort=max", "--benchmark-group-by=func"):
+        run(pytester, asked).stdout.fnmatch_lines(["*benchmark*: 1 tests*", "*test_a*", "Legend:"])
+    pytester.makepyfile(test_plain=PLAIN_TEST)  # plain pytest-benchmark tests keep their table, without ours
+    out = run(pytester).stdout
+    out.fnmatch_lines(["*benchmark: 1 tests*", "test_plain *", "Legend:"])
+    assert not [line for line in out.lines if line.startswith("test_a ")]
+
+
+def test_perf_mem_report_file_needs_a_known_extension(pytester):
+    write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=1)
+    result = run(pytester, "--perf-mem-report=mem.txt")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--gpu-mem-report=mem.txt: the file must end in .csv or .json*"])
+    result.stderr.fnmatch_lines(["*--perf-mem-report=mem.txt: the file must end in .csv or .json*"])
 
 
 def test_out_of_memory_skips_with_the_amount_and_the_session_goes_on(pytester):
@@ -300,8 +384,20 @@ def test_full_grid_tests_run_only_with_the_option(pytester):
     write_suite(pytester, {"test_point": {"ms": 1.0, "marker": "full_grid"}, "test_a": {"ms": 1.0}}, seed=1)
     result = run(pytester)
     result.assert_outcomes(passed=1, skipped=1)
-    result.stdout.fnmatch_lines(["SKIPPED*a point of the full grid: run with --full-grid to include it"])
-    run(pytester, "--full-grid").assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["SKIPPED*a point of the full grid: run with --perf-full-grid to include it"])
+    run(pytester, "--perf-full-grid").assert_outcomes(passed=2)
+
+
+def test_the_plugins_options_share_the_perf_prefix_and_gpu_mem_report_stays_an_alias(pytester):
+    write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=1)
+    result = run(pytester, "--gpu-mem-report=mem.csv")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*GPU memory high-water marks (largest first)*", "*memory report written to *mem.csv"])
+    assert list(pd.read_csv(pytester.path / "mem.csv")["benchmark"]) == ["test_suite.py::test_a"]
+    for old in ("--benchmark-calibrate=5", "--benchmark-save-failing", "--full-grid", "--gpu-mem-report-overwrite"):
+        result = run(pytester, old)
+        assert result.ret == pytest.ExitCode.USAGE_ERROR
+        result.stderr.fnmatch_lines([f"*unrecognized arguments: {old}*"])
 
 
 def test_throughput_against_the_device_peak_and_cold_l2(pytester):

@@ -412,7 +412,7 @@ def _writable_folder_problem(folder: Path) -> str | None:
 
 
 def output_problem(path: Path, overwrite: bool, protected: Iterable[Path] = ()) -> str | None:
-    """Why a report or export (--benchmark-json, --perf-report, --gpu-mem-report) may not be written to path, or
+    """Why a report or export (--benchmark-json, --perf-report, --perf-mem-report) may not be written to path, or
     None. The one guard of every file the gate writes on a user's behalf, checked before any test runs:
 
     - a baseline is never replaced or written beside: the path as given and the real path it leads to (symlinks

@@ -1,6 +1,6 @@
 """Per-benchmark noise: how far a benchmark's median moves between fresh processes, which raises its tolerance.
 
-Pure (no pytest, no torch). `pytest perf_tests --benchmark-calibrate=N` reruns the selected benchmarks N times in
+Pure (no pytest, no torch). `pytest perf_tests --perf-calibrate=N` reruns the selected benchmarks N times in
 fresh processes (reruns.py); `noise` turns those runs' pytest-benchmark JSON into one entry per benchmark, and
 `update` merges them into the GPU's baselines folder, next to its baselines, after every run from the second on:
 

@@ -328,6 +328,9 @@ class GpuBenchmark:
             rates.pop("peak_gbps", None)
             rates.pop("fraction_of_peak_gbps", None)
         launch = measurement.launch_samples
+        own_notes, run_notes = timing.expected_notes(session.backend, measurement.notes)
+        for line in run_notes:
+            session.note(line)
         baseline_info = {} if baseline is None else baseline.get("extra_info") or {}
         baseline_launch = None if baseline is None else baselines.samples(baseline, timing.LAUNCH)
         record = Record(
@@ -344,7 +347,7 @@ class GpuBenchmark:
             timing=measurement.timing,
             launch_median=None if launch is None else median(launch),
             baseline_launch_median=None if baseline_launch is None else median(baseline_launch),
-            notes=list(measurement.notes),
+            notes=list(own_notes),
         )
         readings = measurement.machine or {}
         record.notes += machine.problems(

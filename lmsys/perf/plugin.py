@@ -183,24 +183,25 @@ def pytest_addoption(parser):
         help="Memory growth up to this many bytes never fails. Default: %(default)s (256 KiB)",
     )
     group.addoption(
-        "--benchmark-calibrate", type=_runs, default=None, metavar="N",
+        "--perf-calibrate", type=_runs, default=None, metavar="N",
         help="Instead of running the selected benchmarks, rerun them N times in fresh processes and store each "
         "one's run-to-run spread of the median in calibration.json in this GPU's baselines folder: their time "
         "tolerances then follow from their own noise (README, 'How a regression is decided').",
     )
     group.addoption(
-        "--benchmark-save-failing", action="store_true", default=False,
+        "--perf-save-failing", action="store_true", default=False,
         help="With --benchmark-save/--benchmark-autosave, also save the results of tests that failed (a SLOWER "
         "verdict, an error after measuring). Without it they are left out of the saved baseline.",
     )
     group.addoption(
-        "--gpu-mem-report", nargs="?", const=True, default=None, metavar="FILE",
+        "--perf-mem-report", "--gpu-mem-report", nargs="?", const=True, default=None, metavar="FILE",
         help="At the end, print every benchmark's memory high-water marks, largest first; with =FILE (.csv or "
-        ".json) also write them there (a new file: see --gpu-mem-report-overwrite).",
+        ".json) also write them there (a new file: see --perf-mem-report-overwrite). --gpu-mem-report is the "
+        "same option.",
     )
     group.addoption(
-        "--gpu-mem-report-overwrite", action="store_true", default=False,
-        help="Let --gpu-mem-report=FILE replace an existing FILE (never a baseline).",
+        "--perf-mem-report-overwrite", action="store_true", default=False,
+        help="Let --perf-mem-report=FILE replace an existing FILE (never a baseline).",
     )
     group.addoption(
         "--perf-report", default=None, metavar="md:FILE",
@@ -208,7 +209,7 @@ def pytest_addoption(parser):
         "e.g. for a CI job summary. The file must not exist yet.",
     )
     group.addoption(
-        "--full-grid", action="store_true", default=False,
+        "--perf-full-grid", action="store_true", default=False,
         help="Run the tests marked full_grid (points of the full perf grids), skipped otherwise.",
     )
 
@@ -256,8 +257,8 @@ def _asked(config) -> list[str]:
         "--benchmark-compare": config.getoption("benchmark_compare"),
         "--benchmark-save": config.getoption("benchmark_save"),
         "--benchmark-autosave": config.getoption("benchmark_autosave"),
-        "--gpu-mem-report": config.getoption("gpu_mem_report"),
-        "--benchmark-calibrate": config.getoption("benchmark_calibrate"),
+        "--perf-mem-report": config.getoption("perf_mem_report"),
+        "--perf-calibrate": config.getoption("perf_calibrate"),
     }
     return [name for name, value in names.items() if value]
 
@@ -313,12 +314,12 @@ def pytest_configure(config):
     # Runs before pytest-benchmark's pytest_configure (trylast), which loads --benchmark-compare at once.
     config.addinivalue_line("markers", "perf_tolerance(time=None, memory=None, host=None): per-test "
                             "regression tolerances; host= gates the host-set time")
-    config.addinivalue_line("markers", "full_grid: a point of a full perf grid; runs only with --full-grid")
-    report = config.getoption("gpu_mem_report")
+    config.addinivalue_line("markers", "full_grid: a point of a full perf grid; runs only with --perf-full-grid")
+    report = config.getoption("perf_mem_report")
     if isinstance(report, str) and Path(report).suffix not in MEMORY_REPORT_SUFFIXES:
         raise pytest.UsageError(
-            f"--gpu-mem-report={report}: the file must end in {' or '.join(MEMORY_REPORT_SUFFIXES)} "
-            "(write --gpu-mem-report=FILE, or put --gpu-mem-report after the test paths)"
+            f"--perf-mem-report={report}: the file must end in {' or '.join(MEMORY_REPORT_SUFFIXES)} "
+            "(write --perf-mem-report=FILE, or put --perf-mem-report after the test paths)"
         )
     _check_markdown_report(config)
     if not config.pluginmanager.has_plugin("benchmark"):
@@ -329,11 +330,11 @@ def pytest_configure(config):
     problem = _test_path_problem(config, compare_value)
     if problem:
         raise pytest.UsageError(problem)
-    calibrate = config.getoption("benchmark_calibrate")
-    others = [name for name in _asked(config) if name not in ("--benchmark-calibrate", "--gpu-mem-report")]
+    calibrate = config.getoption("perf_calibrate")
+    others = [name for name in _asked(config) if name not in ("--perf-calibrate", "--perf-mem-report")]
     if calibrate and others:
         raise pytest.UsageError(
-            f"--benchmark-calibrate runs the benchmarks in other processes and only writes the calibration: "
+            f"--perf-calibrate runs the benchmarks in other processes and only writes the calibration: "
             f"leave out {', '.join(others)}"
         )
     delay, held, cases = _injected_delay(), _injected_memory(), _injected_cases()
@@ -352,11 +353,11 @@ def pytest_configure(config):
         calibrate=calibrate,
         memory_tolerance=config.getoption("perf_mem_tolerance"),
         memory_floor=config.getoption("perf_mem_floor"),
-        full_grid=config.getoption("full_grid"),
+        full_grid=config.getoption("perf_full_grid"),
         memory_report=report,
         compare=compare_value,
         save=config.getoption("benchmark_save") or config.getoption("benchmark_autosave"),
-        save_failing=config.getoption("benchmark_save_failing"),
+        save_failing=config.getoption("perf_save_failing"),
         disable_gc=config.getoption("benchmark_disable_gc"),
         min_rounds=config.getoption("benchmark_min_rounds"),
     )
@@ -458,17 +459,17 @@ def _json_report_path(value) -> Path | None:
 
 def _check_outputs(config, perf: PerfSession) -> None:
     """Every file the run will write on the user's behalf goes through one guard (baselines.output_problem), before
-    any test runs: --benchmark-json, --perf-report, --gpu-mem-report, and pytest-benchmark's --benchmark-csv,
+    any test runs: --benchmark-json, --perf-report, --perf-mem-report, and pytest-benchmark's --benchmark-csv,
     --benchmark-histogram and --benchmark-cprofile-dump (their folders: they add suffixes to the name)."""
     here = config.invocation_params.dir
     if isinstance(perf.memory_report, str):
         path = here / perf.memory_report
         problem = baselines.output_problem(
-            path, overwrite=config.getoption("gpu_mem_report_overwrite"), protected=_protected(config, perf)
+            path, overwrite=config.getoption("perf_mem_report_overwrite"), protected=_protected(config, perf)
         )
         if problem:
             raise pytest.UsageError(
-                f"--gpu-mem-report={perf.memory_report}: {problem} (--gpu-mem-report-overwrite replaces a file that "
+                f"--perf-mem-report={perf.memory_report}: {problem} (--perf-mem-report-overwrite replaces a file that "
                 "is not a baseline; checked before running any test)"
             )
         config.stash[_REPORT_PATH_KEY] = path
@@ -526,7 +527,7 @@ def pytest_collection_finish(session):
     _write_json_atomically(config, bench_session, perf)
     config.option.benchmark_compare = perf.compare or []
     if not gated and perf.calibrate:
-        raise pytest.UsageError("--benchmark-calibrate: no selected test uses gpu_benchmark: nothing to calibrate")
+        raise pytest.UsageError("--perf-calibrate: no selected test uses gpu_benchmark: nothing to calibrate")
     if not gated:
         # Not a run of the gate: --benchmark-compare is pytest-benchmark's own business, as if the gate were absent.
         bench_session.compare = config.option.benchmark_compare
@@ -535,7 +536,10 @@ def pytest_collection_finish(session):
     perf.max_time = _max_time(config)
     perf.storage_path = _storage_path(config, bench_session)
     _check_outputs(config, perf)
-    perf.activate(bench_session)
+    perf.gated = {item.nodeid for item in gated}
+    bench_session.compare = config.option.benchmark_compare
+    plain = any("benchmark" in getattr(item, "fixturenames", ()) for item in session.items if item not in gated)
+    perf.activate(bench_session, plain=plain)
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         for line in perf.header_lines():
@@ -544,7 +548,7 @@ def pytest_collection_finish(session):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtestloop(session):
-    # --benchmark-calibrate replaces the run: the selected benchmarks run in fresh processes, not in this one.
+    # --perf-calibrate replaces the run: the selected benchmarks run in fresh processes, not in this one.
     perf = session.config.stash.get(SESSION_KEY, None)
     if perf is None or not perf.active or not perf.calibrate or session.config.option.collectonly:
         return None
@@ -570,7 +574,7 @@ def pytest_runtestloop(session):
         docs = reruns.rerun(args, perf.calibrate, config.invocation_params.dir, progress=progress)
     except reruns.RerunError as exc:
         held = f"the calibration file holds the first {kept[0]} runs" if kept else "nothing was written"
-        raise pytest.UsageError(f"--benchmark-calibrate={perf.calibrate} stopped ({held}): {exc}") from None
+        raise pytest.UsageError(f"--perf-calibrate={perf.calibrate} stopped ({held}): {exc}") from None
     perf.record_calibration(calibration.noise(docs), earlier)
     return True
 
@@ -600,8 +604,8 @@ def pytest_benchmark_update_commit_info(config, commit_info):
 
 def pytest_collection_modifyitems(config, items):
     perf = config.stash.get(SESSION_KEY, None)
-    full_grid = perf.full_grid if perf is not None else config.getoption("full_grid")
-    skip_grid = pytest.mark.skip(reason="a point of the full grid: run with --full-grid to include it")
+    full_grid = perf.full_grid if perf is not None else config.getoption("perf_full_grid")
+    skip_grid = pytest.mark.skip(reason="a point of the full grid: run with --perf-full-grid to include it")
     for item in items:
         for marker in item.iter_markers("perf_tolerance"):
             try:
@@ -726,7 +730,7 @@ def pytest_sessionfinish(session):
     path = config.stash.get(_REPORT_PATH_KEY, None)
     if path is not None:
         try:
-            write_memory_report(memory_frame(perf), path, overwrite=config.getoption("gpu_mem_report_overwrite"))
+            write_memory_report(memory_frame(perf), path, overwrite=config.getoption("perf_mem_report_overwrite"))
         except OSError as exc:
             perf.report_error = f"NOT WRITTEN: the memory report {path}: {exc}"
         else:
@@ -749,11 +753,45 @@ def pytest_sessionfinish(session):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+# pytest-benchmark's options that shape its own table: given any of them (or -v), a run of the gate shows that table.
+TABLE_OPTIONS = ("benchmark_columns", "benchmark_sort", "benchmark_group_by", "benchmark_name", "benchmark_histogram",
+                 "benchmark_cprofile", "benchmark_verbose")
+
+
+def _table_asked(config) -> bool:
+    """Whether this run asks for pytest-benchmark's table: -v, or one of its TABLE_OPTIONS set to other than its
+    default."""
+    if config.get_verbosity() >= 1:
+        return True
+    try:
+        defaults = vars(config._parser.parse_known_args([]))
+    except Exception:  # pytest's parser is internal: without its defaults, show the table as pytest-benchmark would
+        return True
+    return any(config.getoption(name, None) != defaults.get(name) for name in TABLE_OPTIONS)
+
+
+def _hide_gate_rows(config, perf: PerfSession) -> None:
+    """Our table has the gate's benchmarks, so pytest-benchmark's wide table (printed after ours) only shows when
+    asked (_table_asked); unasked, it keeps the plain pytest-benchmark tests' rows, and is not printed when there are
+    none. Its --benchmark-compare-fail check runs either way (BenchmarkSession.display runs it when quiet)."""
+    bench_session = config._benchmarksession
+    if not bench_session.groups or _table_asked(config):
+        return
+    groups = [(name, [row for row in rows if row["fullname"] not in perf.gated])
+              for name, rows in bench_session.groups]
+    groups = [(name, rows) for name, rows in groups if rows]
+    if groups:
+        bench_session.groups = groups
+    else:
+        bench_session.quiet = True
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_terminal_summary(terminalreporter, config):
     perf = config.stash.get(SESSION_KEY, None)
     if perf is None or not perf.active:
         return
+    _hide_gate_rows(config, perf)
     lines = summary_lines(perf)
     if lines:
         terminalreporter.write_sep("-", "lmsys perf")

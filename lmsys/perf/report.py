@@ -16,6 +16,7 @@ from lmsys.perf import baselines
 from lmsys.perf.baselines import printable
 from lmsys.perf.verdict import Verdict, format_bytes, format_seconds
 from lmsys.perf.session import PerfSession, Record
+from lmsys.perf.timing import CAPTURE_FAILED
 
 MEMORY_REPORT_SUFFIXES = (".csv", ".json")
 # What markdown_text escapes with a backslash: the ASCII punctuation that starts markup inline (code, emphasis, links,
@@ -102,7 +103,7 @@ def results_frame(records: list[Record], comparing: bool) -> pd.DataFrame:
 
 
 def memory_frame(session: PerfSession) -> pd.DataFrame:
-    """Every benchmark's memory high-water marks in bytes, largest peak allocated first (the --gpu-mem-report data)."""
+    """Every benchmark's memory high-water marks in bytes, largest peak allocated first (the --perf-mem-report data)."""
     rows = []
     for record in session.records:
         memory = record.memory
@@ -135,7 +136,7 @@ def write_memory_report(frame: pd.DataFrame, path: Path, overwrite: bool = False
     elif path.suffix == ".json":
         text = frame.to_json(orient="records", indent=2)
     else:
-        raise ValueError(f"--gpu-mem-report file must end in {' or '.join(MEMORY_REPORT_SUFFIXES)}, got {path}")
+        raise ValueError(f"--perf-mem-report file must end in {' or '.join(MEMORY_REPORT_SUFFIXES)}, got {path}")
     if overwrite:
         baselines.replace_file(path, text)
     else:
@@ -157,6 +158,15 @@ def _memory_lines(frame: pd.DataFrame) -> list[str]:
     return shown.to_string(index=False).splitlines()
 
 
+def shared_notes(records: list[Record]) -> list[str]:
+    """The notes that every one of several benchmarks has (the machine's state through the whole run): the summary
+    says them once. A failed CUDA graph capture stays with each benchmark: on a GPU it is that call's own news."""
+    if len(records) < 2:
+        return []
+    return [note for note in records[0].notes
+            if CAPTURE_FAILED not in note and all(note in record.notes for record in records[1:])]
+
+
 def summary_lines(session: PerfSession) -> list[str]:
     """The results table (with the comparison when there is one) and the session's notes."""
     lines = []
@@ -164,7 +174,12 @@ def summary_lines(session: PerfSession) -> list[str]:
         lines += [f"compared with {path}" for path in session.compared_files]
     if session.records:
         lines += results_frame(session.records, session.comparing).to_string(index=False).splitlines()
-        lines += [f"{record.name}: {'; '.join(record.notes)}" for record in session.records if record.notes]
+        shared = shared_notes(session.records)
+        for record in session.records:
+            own = [note for note in record.notes if note not in shared]
+            if own:
+                lines.append(f"{record.name}: {'; '.join(own)}")
+        lines += [f"every benchmark: {note}" for note in shared]
     lines += session.notes
     lines += session.saving_notes()
     if session.report_error:
@@ -173,7 +188,7 @@ def summary_lines(session: PerfSession) -> list[str]:
 
 
 def memory_report_lines(session: PerfSession, written: Path | None) -> list[str]:
-    """The --gpu-mem-report table, or why there is none."""
+    """The --perf-mem-report table, or why there is none."""
     frame = memory_frame(session)
     if frame.empty:
         lines = ["no benchmarks ran"]

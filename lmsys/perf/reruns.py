@@ -1,5 +1,5 @@
 """The selected benchmarks rerun in fresh pytest processes, each writing a pytest-benchmark JSON: what the noise
-calibration (--benchmark-calibrate) and the measurement of the gate (detection.py) are made of.
+calibration (--perf-calibrate) and the measurement of the gate (detection.py) are made of.
 
 A fresh process per run, because what moves a median from one run to the next (memory layout, autotuning
 choices, clocks, the allocator's history) is reset only by a new process. No pytest import: the runs are
@@ -19,14 +19,15 @@ RUN_TIMEOUT = 3600.0
 # Options of the parent run that a rerun must not repeat (it would compare, save or write reports again), and
 # whether they take a value: "value" (always), "optional" (nargs='?') or "flag".
 PARENT_ONLY = {
-    "--benchmark-calibrate": "value",
+    "--perf-calibrate": "value",
     "--benchmark-compare": "optional",
     "--benchmark-save": "value",
     "--benchmark-autosave": "flag",
-    "--benchmark-save-failing": "flag",
+    "--perf-save-failing": "flag",
     "--benchmark-json": "value",
+    "--perf-mem-report": "optional",
     "--gpu-mem-report": "optional",
-    "--gpu-mem-report-overwrite": "flag",
+    "--perf-mem-report-overwrite": "flag",
 }
 
 

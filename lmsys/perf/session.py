@@ -5,7 +5,8 @@ The gate switches on after collection, and only when a selected test uses `gpu_b
 that does not use it keeps pytest-benchmark exactly as it is. Once on, pytest-benchmark's session is pointed at
 this GPU: the machine id (the storage sub-folder) becomes the device's slug, saves go through BaselineStorage, and
 --benchmark-compare loads only files recorded on the same device model, chosen by baselines.named and
-baselines.newest_per_benchmark.
+baselines.newest_per_benchmark. Plain pytest-benchmark tests of the same run keep pytest-benchmark's storage: their
+results are saved there, and --benchmark-compare loads theirs from there, as pytest-benchmark would.
 """
 
 from dataclasses import dataclass, field
@@ -98,13 +99,16 @@ class PerfSession:
     injected_memory: int = 0
     # LMSYS_INJECT_CASES: (delay fraction, bytes held) of each regression measured beside every unchanged call
     injected_cases: list[tuple[float, int]] = field(default_factory=list)
-    # --benchmark-calibrate=N: rerun the selected benchmarks N times in fresh processes instead of running them
+    # --perf-calibrate=N: rerun the selected benchmarks N times in fresh processes instead of running them
     calibrate: int | None = None
     # fullname -> calibration entry (calibration.py), from the GPU's folder
     calibration: dict[str, dict] = field(default_factory=dict)
     storage_path: Path | None = None
     # Set by activate(): a selected test uses gpu_benchmark.
     active: bool = False
+    # nodeids of the selected tests that use gpu_benchmark (their benchmarks are the gate's; the others are plain
+    # pytest-benchmark ones)
+    gated: set[str] = field(default_factory=set)
     interrupted: bool = False
     # A SIGINT reached the process during the run (set by the plugin's handler even when the KeyboardInterrupt it
     # raises is swallowed, e.g. by a weakref callback inside torch.compile): the run stops and nothing is saved.
@@ -121,7 +125,7 @@ class PerfSession:
     # storage_path / machine_id, once activate() has resolved the machine id (only when saving or comparing)
     folder: Path | None = None
     storage: BaselineStorage | None = None
-    # why --gpu-mem-report=FILE could not be written at the end, if it could not
+    # why --perf-mem-report=FILE could not be written at the end, if it could not
     report_error: str | None = None
 
     @property
@@ -184,12 +188,13 @@ class PerfSession:
         return Precision(target=PRECISION_SHARE * tolerance.value, time_cap=self.time_cap)
 
     def leaves_out(self, fullname: str) -> bool:
-        """Whether a save leaves this benchmark out: its test failed and --benchmark-save-failing was not given."""
+        """Whether a save leaves this benchmark out: its test failed and --perf-save-failing was not given."""
         return fullname in self.failed and not self.save_failing
 
-    def activate(self, bench_session) -> None:
+    def activate(self, bench_session, plain: bool = False) -> None:
         """Points pytest-benchmark's session at this device's folder and loads what --benchmark-compare asks for;
-        checks that a save can be written. Runs before the first test.
+        checks that a save can be written. Runs before the first test. `plain`: the run also has plain
+        pytest-benchmark tests, which keep pytest-benchmark's storage (their comparison is loaded from it too).
 
         Raises pytest.UsageError for a baseline that is not there or cannot be used, naming it; nothing is written.
         """
@@ -197,10 +202,13 @@ class PerfSession:
         if not (self.save or self.comparing or self.calibrate):
             return
         self.folder = self.storage_path / self.machine_id
+        own_storage, own_data = bench_session.storage, bench_session.save_data
+        plain_compared = _plain_comparison(bench_session) if plain and self.comparing else {}
         bench_session.machine_id = self.machine_id
         bench_session.save_data = True
         bench_session.storage = self.storage = BaselineStorage(
-            self.storage_path, bench_session.logger, self.machine_id, self.leaves_out
+            self.storage_path, bench_session.logger, self.machine_id, self.leaves_out,
+            gated=lambda fullname: fullname in self.gated, plain=own_storage, plain_data=own_data,
         )
         if self.save:
             problem = baselines.save_problem(self.folder, self.save)
@@ -211,14 +219,15 @@ class PerfSession:
         if self.calibrate:
             problem = baselines.save_problem(self.folder, "calibration")
             if problem:
-                raise pytest.UsageError(f"--benchmark-calibrate={self.calibrate}: {problem}")
+                raise pytest.UsageError(f"--perf-calibrate={self.calibrate}: {problem}")
         try:
             self.calibration = calibration.read(self.folder)
         except calibration.CalibrationError as exc:
-            message = f"{exc}\nRepair or remove it, or calibrate again (--benchmark-calibrate=N)."
+            message = f"{exc}\nRepair or remove it, or calibrate again (--perf-calibrate=N)."
             raise pytest.UsageError(message) from None
         if self.comparing:
             self._load(bench_session)
+            bench_session.compared_mapping = {**bench_session.compared_mapping, **plain_compared}
         if bench_session.disabled and self.comparing:
             self.notes.append("benchmarks are disabled (--benchmark-disable): nothing was timed or compared")
 
@@ -349,12 +358,19 @@ class PerfSession:
             where = f"left out of {storage.saved}" if storage.saved else "nothing saved"
             lines.append(
                 f"{where}: {len(storage.left_out)} benchmark(s) whose test failed ({', '.join(storage.left_out)}); "
-                "--benchmark-save-failing saves them anyway"
+                "--perf-save-failing saves them anyway"
             )
         failing = sorted(record.fullname for record in self.records if record.fullname in self.failed)
         if storage.saved and self.save_failing and failing:
-            lines.append(f"saved with failing results (--benchmark-save-failing): {', '.join(failing)}")
+            lines.append(f"saved with failing results (--perf-save-failing): {', '.join(failing)}")
         return lines
+
+
+def _plain_comparison(bench_session) -> dict:
+    """What pytest-benchmark's own loading of --benchmark-compare finds in its own storage (for the plain tests of a
+    run of the gate), with its own messages."""
+    bench_session.handle_loading()
+    return bench_session.compared_mapping
 
 
 def _storage_key(path: Path, root: Path) -> Path:

@@ -275,11 +275,26 @@ def error_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message.splitlines()[0]}" if message else type(exc).__name__
 
 
+# The words every capture_failed_note holds (expected_notes finds them by these).
+CAPTURE_FAILED = "the CUDA graph capture failed"
+# What a run without a GPU says once, in place of every graph=True benchmark's capture_failed_note.
+NO_CUDA_GRAPHS = "no CUDA device: graph=True benchmarks are timed eagerly"
+
+
 def capture_failed_note(backend, error: str, where: str = "") -> str:
     """The note on a call whose CUDA graph capture failed (`error`: error_line; `where`: ' on rank 1'): how it is
     timed instead."""
     how = "timed queued (device time)" if backend.is_gpu else "timed eagerly"
-    return f"{how}: the CUDA graph capture failed{where} ({error})"
+    return f"{how}: {CAPTURE_FAILED}{where} ({error})"
+
+
+def expected_notes(backend, notes: list[str]) -> tuple[list[str], list[str]]:
+    """(the notes that stay the benchmark's own, the lines the run says once instead). Without a GPU a capture
+    always fails and that is expected, so it is said once per run (NO_CUDA_GRAPHS); on a GPU a failed capture is
+    the benchmark's own news."""
+    if backend.is_gpu or not any(CAPTURE_FAILED in note for note in notes):
+        return notes, []
+    return [note for note in notes if CAPTURE_FAILED not in note], [NO_CUDA_GRAPHS]
 
 
 def _capture(backend, call, flush, max_time, min_rounds, notes: list[str]):
