@@ -3,7 +3,7 @@
     python -m lmsys.perf.docs baselines/NVIDIA_H100_80GB_HBM3 --out docs
 
 writes docs/NVIDIA_H100_80GB_HBM3.md and, for each test with a grid of sequence lengths, a TFLOP/s plot per provider
-in docs/NVIDIA_H100_80GB_HBM3/<test>.png (lmsys.perf.providers). Every benchmark shows its newest measurement, the
+in docs/NVIDIA_H100_80GB_HBM3/<test>.png (lmsys.perf.sidebyside). Every benchmark shows its newest measurement, the
 one `pytest perf_tests --benchmark-compare` compares with: the median of the rounds, TFLOP/s, the fraction of the
 GPU's datasheet peak where the baseline has one, and the peak memory allocated above what the call started with.
 A time taken as CUDA-graph replays or queued behind a device-side sleep (device time, no launch cost) says so.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from lmsys.perf import baselines, providers
+from lmsys.perf import baselines, sidebyside
 from lmsys.perf.verdict import format_bytes, format_seconds
 from lmsys.perf.report import markdown_table
 
@@ -71,7 +71,7 @@ def _natural(text: str) -> tuple:
 
 
 def in_order(data: pd.DataFrame) -> pd.DataFrame:
-    """providers.frame rows by configuration family (head dim ascending), sequence length, then provider in the order
+    """sidebyside.frame rows by configuration family (head dim ascending), sequence length, then provider in the order
     first met, so that tables read in order and every plot panel gives a provider the same colour."""
     rank = {provider: i for i, provider in enumerate(dict.fromkeys(data["provider"]))}
     columns = zip(data["family"], data["seq"], data["provider"], strict=True)
@@ -82,7 +82,7 @@ def in_order(data: pd.DataFrame) -> pd.DataFrame:
 def provider_table(data: pd.DataFrame) -> pd.DataFrame:
     """One test's providers side by side (rows in_order first): a row per configuration, a column per provider, cells
     'time, TFLOP/s or GB/s, memory'."""
-    tables = {value: providers.side_by_side(data, value) for value in ("ms", "tflops", "gbps", "mem")}
+    tables = {value: sidebyside.side_by_side(data, value) for value in ("ms", "tflops", "gbps", "mem")}
     timings = {(row.test, row.configuration, row.provider): row.timing for row in data.itertuples()}
     ms = tables["ms"]
     rows = []
@@ -154,7 +154,7 @@ def page(folder: Path, out: Path | None) -> str:
         entries = by_test[test]
         sources = ", ".join(f"`{n}`" for n in sorted({name for name, _ in entries}))
         lines += [f"## {test}", "", f"From {sources}.", ""]
-        data = providers.frame({"benchmarks": [bench for _, bench in entries]})
+        data = sidebyside.frame({"benchmarks": [bench for _, bench in entries]})
         if not data.empty:
             data = in_order(data)
         if data.empty:
@@ -165,7 +165,7 @@ def page(folder: Path, out: Path | None) -> str:
             image = Path(gpu) / f"{test}.png"
             if out is not None:
                 (out / gpu).mkdir(parents=True, exist_ok=True)
-                providers.plot(data, out / image)
+                sidebyside.plot(data, out / image)
             lines += [f"![TFLOP/s per provider, {test}]({image.as_posix()})", ""]
     return "\n".join(lines).rstrip("\n") + "\n"
 

@@ -5,7 +5,7 @@ The test process spawns the ranks itself (lmsys.distributed.launch: a free port,
 traceback), NCCL on GPUs and gloo on the CPU. On every rank:
 
     step = setup(ctx, **kwargs)        the subject is built on the rank (ctx: RankContext); step() takes no arguments
-    one untimed call, one calibration round (the slowest rank's round decides the plan), warmup rounds
+    one untimed call, one calibration round (the slowest rank's round decides the rounds), warmup rounds
     (LMSYS_INJECT_*: the step holds its bytes more, and device-side work of a fraction of the slowest rank's
     round follows it on every rank, a regression of known size as in a single-device benchmark)
     graph=True: every rank captures its step in a CUDA graph (a step that synchronizes or reads a value back
@@ -208,8 +208,8 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
             step = timing.with_allocation(backend, step, settings.extra_memory)
         _, _, calibration = _time_rounds(ctx, step, 1)
         walls = _gather(calibration)
-        plan = timing.plan(max(walls), settings.max_time, settings.min_rounds, settings.warmup_rounds)
-        _time_rounds(ctx, step, plan.warmup_rounds - 1)
+        budget = timing.planned_rounds(max(walls), settings.max_time, settings.min_rounds, settings.warmup_rounds)
+        _time_rounds(ctx, step, budget.warmup_rounds - 1)
         captured, note = _capture(ctx, step) if settings.graph else (None, None)
         timed = step
         if captured is not None:
@@ -243,7 +243,7 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
                 per_rank_spans.append([g[1] for g in gathered])
                 return _slowest([g[0] for g in gathered]), max(g[2] for g in gathered) * rounds
 
-            samples, wall = timing.adapt(timed_rounds, plan.rounds, precision)
+            samples, wall = timing.adapt(timed_rounds, budget.rounds, precision)
             return samples, [sum(batch, []) for batch in zip(*per_rank_spans, strict=True)], wall
 
         try:
@@ -266,7 +266,7 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
     out = {
         "samples": samples,
         "wall": wall,
-        "warmup_rounds": plan.warmup_rounds,
+        "warmup_rounds": budget.warmup_rounds,
         "readings": readings,
         "spans": _span_summary(spans, samples),
         "timing": timing.GRAPH if captured is not None else timing.QUEUED if settings.queued else timing.EAGER,

@@ -83,7 +83,7 @@ class Measurement:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Rounds:
     """How a benchmark is timed: warmup rounds (untimed) and timed rounds."""
 
     warmup_rounds: int
@@ -99,13 +99,13 @@ class Precision:
     time_cap: float = 0.0
 
 
-def plan(round_seconds: float, max_time: float, min_rounds: int, warmup_rounds: int | None) -> Plan:
+def planned_rounds(round_seconds: float, max_time: float, min_rounds: int, warmup_rounds: int | None) -> Rounds:
     """Warmup and timed rounds for a function whose round takes round_seconds of wall time."""
     per_round = max(round_seconds, 1e-9)
     rounds = max(min_rounds, min(ceil(max_time / per_round), MAX_ROUNDS))
     if warmup_rounds is None:
         warmup_rounds = max(1, min(ceil(WARMUP_SHARE * max_time / per_round), MAX_WARMUP_ROUNDS))
-    return Plan(warmup_rounds=warmup_rounds, rounds=rounds)
+    return Rounds(warmup_rounds=warmup_rounds, rounds=rounds)
 
 
 @contextmanager
@@ -192,7 +192,7 @@ def sample(
 
 
 def warm_up(backend, call: Callable[[], Any], flush, max_time: float, min_rounds: int, warmup_rounds: int | None):
-    """Runs the untimed first call (compilation, autotuning), one calibration round and the warmup; returns the plan.
+    """Runs the untimed first call (compilation, autotuning), one calibration round and the warmup; returns the planned rounds.
 
     The calibration round counts as the first warmup round.
     """
@@ -200,7 +200,7 @@ def warm_up(backend, call: Callable[[], Any], flush, max_time: float, min_rounds
     backend.synchronize()
     start = time.perf_counter()
     time_rounds(backend, call, 1, flush)
-    chosen = plan(time.perf_counter() - start, max_time, min_rounds, warmup_rounds)
+    chosen = planned_rounds(time.perf_counter() - start, max_time, min_rounds, warmup_rounds)
     time_rounds(backend, call, chosen.warmup_rounds - 1, flush)
     return chosen
 
@@ -298,7 +298,7 @@ def expected_notes(backend, notes: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _capture(backend, call, flush, max_time, min_rounds, notes: list[str]):
-    """(replay, release, plan of the replays), or None when the capture fails (then noted)."""
+    """(replay, release, the replays' planned rounds), or None when the capture fails (then noted)."""
     try:
         replay, release = backend.capture_graph(call)
     except Exception as exc:  # a capture can fail in many ways (sync, CPU readback, unsupported op)
@@ -347,9 +347,9 @@ def run(
     elif captured is None:
         samples, wall = sample(backend, timed, chosen.rounds, flush, precision)
     else:
-        replay, release, replay_plan = captured
+        replay, release, replay_rounds = captured
         try:
-            samples, wall = sample(backend, replay, replay_plan.rounds, flush, precision)
+            samples, wall = sample(backend, replay, replay_rounds.rounds, flush, precision)
         finally:
             release()
     if queued or captured is not None:

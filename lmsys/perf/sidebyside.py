@@ -4,8 +4,8 @@ Perf tests that take a `provider` parameter (perf_tests/test_attention.py: naive
 measure the same configuration once per provider. This module lines them up, one row per configuration and one
 column per provider, and draws TFLOP/s against sequence length where a grid has several lengths:
 
-    python -m lmsys.perf.providers baselines/NVIDIA_H100_80GB_HBM3/0001_h100.json --plot attention.png
-    python -m lmsys.perf.providers results.json --value tflops --markdown table.md
+    python -m lmsys.perf.sidebyside baselines/NVIDIA_H100_80GB_HBM3/0001_h100.json --plot attention.png
+    python -m lmsys.perf.sidebyside results.json --value tflops --markdown table.md
 """
 
 import argparse
@@ -123,7 +123,7 @@ def plot(data: pd.DataFrame, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lmsys.perf.providers", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lmsys.perf.sidebyside", description=__doc__.split("\n")[0])
     parser.add_argument("results", type=Path, help="pytest-benchmark JSON (a baseline or --benchmark-json output)")
     parser.add_argument("--value", choices=VALUES, default="ms", help="what the table shows (default: ms)")
     parser.add_argument("--markdown", type=Path, help="also write the table as markdown to this (new) file")

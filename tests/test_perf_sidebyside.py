@@ -1,11 +1,11 @@
-"""lmsys.perf.providers: the side-by-side table and plot of providers from pytest-benchmark JSON."""
+"""lmsys.perf.sidebyside: the side-by-side table and plot of providers from pytest-benchmark JSON."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from lmsys.perf import providers
+from lmsys.perf import sidebyside
 
 H100_BASELINE = Path(__file__).parents[1] / "baselines" / "NVIDIA_H100_80GB_HBM3" / "0001_h100.json"
 
@@ -32,19 +32,19 @@ def grid_doc():
 
 
 def test_rows_by_configuration_columns_by_provider():
-    data = providers.frame(grid_doc())
+    data = sidebyside.frame(grid_doc())
     assert len(data) == 7  # the benchmark without a provider is left out
-    table = providers.side_by_side(data, "ms")
+    table = sidebyside.side_by_side(data, "ms")
     assert list(table.columns) == ["ours", "theirs"]
     assert table.loc[("test_grid", "1x2048x64-causal"), "theirs"] == pytest.approx(2048 * 2.0 * 1e-6)
     assert table.loc[("test_grid", "1x4096x64-causal"), "ours"] == pytest.approx(4096 * 1e-6)
-    mem = providers.side_by_side(data, "mem")
+    mem = sidebyside.side_by_side(data, "mem")
     assert mem.loc[("test_board", ""), "ours"] == 3
 
 
 def test_markdown_table():
-    table = providers.side_by_side(providers.frame(grid_doc()), "tflops")
-    text = providers.markdown(table, "tflops")
+    table = sidebyside.side_by_side(sidebyside.frame(grid_doc()), "tflops")
+    text = sidebyside.markdown(table, "tflops")
     assert text.startswith("TFLOP/s")
     assert "| test | configuration | ours | theirs |" in text
     assert "| test_grid | 1x1024x64-causal | 1024 | 512 |" in text
@@ -52,18 +52,18 @@ def test_markdown_table():
 
 def test_plot_draws_grids_and_single_configurations(tmp_path):
     path = tmp_path / "providers.png"
-    providers.plot(providers.frame(grid_doc()), path)
+    sidebyside.plot(sidebyside.frame(grid_doc()), path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_unknown_value_is_rejected():
     with pytest.raises(ValueError, match="value must be one of ms, tflops, gbps, mem"):
-        providers.side_by_side(providers.frame(grid_doc()), "median")
+        sidebyside.side_by_side(sidebyside.frame(grid_doc()), "median")
 
 
 def test_command_line_on_the_committed_h100_baseline(tmp_path, capsys):
     markdown_path = tmp_path / "table.md"
-    assert providers.main([str(H100_BASELINE), "--markdown", str(markdown_path)]) == 0
+    assert sidebyside.main([str(H100_BASELINE), "--markdown", str(markdown_path)]) == 0
     out = capsys.readouterr().out
     assert "test_attention_leaderboard" in out and "flash_triton" in out and "sdpa_cudnn" in out
     assert "| test_attention_anchors | 4x16x8192x128-causal-bf16-fwd |" in markdown_path.read_text()
@@ -73,7 +73,7 @@ def test_command_line_names_a_file_without_providers(tmp_path, capsys):
     path = tmp_path / "plain.json"
     path.write_text(json.dumps({"benchmarks": []}))
     with pytest.raises(SystemExit) as exit_info:
-        providers.main([str(path)])
+        sidebyside.main([str(path)])
     assert exit_info.value.code == 2
     assert f"{path} has no benchmark with a 'provider' parameter" in capsys.readouterr().err
 
@@ -95,10 +95,10 @@ def test_exports_never_replace_a_baseline_or_an_existing_file(tmp_path, capsys):
     ]
     for args, problem in refused:
         with pytest.raises(SystemExit) as exit_info:
-            providers.main([str(results), *args])
+            sidebyside.main([str(results), *args])
         assert exit_info.value.code == 2
         assert problem in capsys.readouterr().err
     assert results.read_bytes() == H100_BASELINE.read_bytes()
     assert mine.read_text() == "mine"
-    assert providers.main([str(results), "--markdown", str(mine), "--overwrite"]) == 0
+    assert sidebyside.main([str(results), "--markdown", str(mine), "--overwrite"]) == 0
     assert mine.read_text().startswith("median ms")
