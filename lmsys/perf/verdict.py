@@ -9,8 +9,7 @@ tested with plain numbers:
   test gates it (``@pytest.mark.perf_tolerance(host=...)`` or ``--perf-host-tolerance``).
 - **The comparison.** SLOWER when the one-sided 95% bootstrap lower bound of (median now / median then) exceeds
   1 + tolerance; MORE-MEMORY when the peak grew by more than max(memory tolerance x baseline, memory floor)
-  (`memory_tolerance`). A
-  SLOWER is measured once more, and the second measurement decides (the fixture does that).
+  (`memory_tolerance`). A SLOWER is measured once more, and the second measurement decides (the fixture does that).
 - **The tolerance** (`time_tolerance`): the marker's or the option's when given; else a floor for the case the
   comparison is in, raised by the benchmark's own noise where a calibration measured it. The case: a baseline saved
   in this start of this machine (the same boot) is compared at SAME_START; one saved on another start, or that does
