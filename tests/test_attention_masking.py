@@ -66,6 +66,18 @@ def _inputs(shape, dtype, device, scale=1.0):
     return tuple((x * (scale if i < 3 else 1.0)).to(dtype=dtype, device=device) for i, x in enumerate((q, k, v, do)))
 
 
+def _assert_only_later_rows_see_it(impl, q, planted, do, expected, tensor, j, dtype, where):
+    """Rows before j of the output and of dq as on clean inputs, dv clean when v holds the planted value, and row j,
+    which sees it, not finite."""
+    expected_o, expected_dq, expected_dv = expected
+    o, dq, _, dv = _attend(impl, q, planted["k"], planted["v"], do, True)
+    _assert_matches(o[..., :j, :], expected_o[..., :j, :], dtype, f"{where}: output rows before {j}")
+    _assert_matches(dq[..., :j, :], expected_dq[..., :j, :], dtype, f"{where}: dq rows before {j}")
+    if tensor == "v":
+        _assert_matches(dv, expected_dv, dtype, f"{where}: dv (independent of v)")
+    assert not torch.isfinite(o[..., j, :]).all(), f"{where}: row {j} sees the planted value but is finite"
+
+
 @pytest.mark.parametrize("impl", GUARDED)
 @pytest.mark.parametrize("tensor", ["v", "k"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
@@ -76,13 +88,8 @@ def test_a_non_finite_key_or_value_reaches_only_the_rows_that_see_it(impl, tenso
     expected_o, expected_dq, _, expected_dv = _reference(q, k, v, do, True)
     planted = {"k": k.clone(), "v": v.clone()}
     planted[tensor][..., j, :] = value
-    o, dq, _, dv = _attend(impl, q, planted["k"], planted["v"], do, True)
-    where = f"{impl}, {value} in {tensor}[{j}]"
-    _assert_matches(o[..., :j, :], expected_o[..., :j, :], dtype, f"{where}: output rows before {j}")
-    _assert_matches(dq[..., :j, :], expected_dq[..., :j, :], dtype, f"{where}: dq rows before {j}")
-    if tensor == "v":
-        _assert_matches(dv, expected_dv, dtype, f"{where}: dv (independent of v)")
-    assert not torch.isfinite(o[..., j, :]).all(), f"{where}: row {j} sees the planted value but is finite"
+    _assert_only_later_rows_see_it(impl, q, planted, do, (expected_o, expected_dq, expected_dv), tensor, j, dtype,
+                                   f"{impl}, {value} in {tensor}[{j}]")
 
 
 @pytest.mark.parametrize("impl", GUARDED)
@@ -94,13 +101,8 @@ def test_one_nan_element_reaches_only_the_rows_that_see_it(impl, tensor, seed):
     expected_o, expected_dq, _, expected_dv = _reference(q, k, v, do, True)
     planted = {"k": k.clone(), "v": v.clone()}
     planted[tensor][..., j, 3] = float("nan")
-    o, dq, _, dv = _attend(impl, q, planted["k"], planted["v"], do, True)
-    where = f"{impl}, NaN in {tensor}[{j}, 3]"
-    _assert_matches(o[..., :j, :], expected_o[..., :j, :], dtype, f"{where}: output rows before {j}")
-    _assert_matches(dq[..., :j, :], expected_dq[..., :j, :], dtype, f"{where}: dq rows before {j}")
-    if tensor == "v":
-        _assert_matches(dv, expected_dv, dtype, f"{where}: dv (independent of v)")
-    assert not torch.isfinite(o[..., j, :]).all(), f"{where}: row {j} sees the planted value but is finite"
+    _assert_only_later_rows_see_it(impl, q, planted, do, (expected_o, expected_dq, expected_dv), tensor, j, dtype,
+                                   f"{impl}, NaN in {tensor}[{j}, 3]")
 
 
 @pytest.mark.parametrize("impl", list(ATTEND))
