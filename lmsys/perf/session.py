@@ -16,9 +16,8 @@ from typing import Any
 
 import pytest
 
-from lmsys.perf import baselines, calibration, environment
+from lmsys.perf import baselines, calibration, environment, verdict
 from lmsys.perf.backend import MemoryReading
-from lmsys.perf import verdict
 from lmsys.perf.verdict import Tolerance, Verdict, format_bytes
 from lmsys.perf.storage import BaselineStorage
 from lmsys.perf.timing import Precision, injected_case_label
