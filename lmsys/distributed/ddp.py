@@ -31,12 +31,14 @@ then runs on the buffer and nothing is copied back. A parameter that fills a buc
 `.grad` is all-reduced.
 
 Reducing in a narrower dtype (DDPBucketed's `reduce_dtype`, torch DDP's bf16 compress hook): each bucket travels
-in a flat buffer of `reduce_dtype` (half the bytes of fp32 for bf16) instead of the gradients' own dtype. The hook
-casts each gradient into its slice; after the all-reduce the average is cast back into the gradient itself, which
-stays the tensor autograd produced (no view of a buffer). On a GPU that write-back runs on a side stream as soon as
-the bucket's all-reduce is done, beside the rest of backward, and `finish_gradient_synchronization()` makes the
-current stream wait for it; elsewhere it runs in `finish_gradient_synchronization()`. The average then carries the
-narrower dtype's rounding (bf16: a relative error of about 2^-8 per element).
+in a flat buffer of `reduce_dtype` (half the bytes of fp32 for bf16) instead of the gradients' own dtype. When the
+bucket is launched its gradients are cast into the buffer; after the all-reduce the average is cast back into the
+gradients themselves, which stay the tensors autograd produced (no views of a buffer). On a GPU both casts run on side
+streams, beside the rest of backward rather than between its kernels: one stream casts in (after the current
+stream's work so far) and launches the all-reduce, the other waits for the all-reduce and casts back, and
+`finish_gradient_synchronization()` makes the current stream wait for both. Elsewhere the cast in runs at launch
+and the cast back in `finish_gradient_synchronization()`. The average carries the narrower dtype's rounding (bf16:
+a relative error of about 2^-8 per element).
 
 Launch order: all-reduces launched from gradient hooks go out in a fixed order (bucket 0, 1, ...), a bucket
 waiting for its predecessors when its gradients happen to be ready first, so that ranks whose backward passes differ
@@ -99,9 +101,6 @@ class _GradBucket:
         elif self.compressed:
             if grad is None:
                 param.grad = torch.zeros_like(param)
-                self.views[index].zero_()
-            else:
-                self.views[index].copy_(grad)
         else:
             view = self.views[index]
             if grad is None:
@@ -119,6 +118,10 @@ class _GradBucket:
     def gradients(self) -> list[torch.Tensor]:
         """The tensors that hold the average after synchronization (a view of `tensor()` unless compressed)."""
         return [p.grad for p in self.params] if self.compressed else [self.tensor()]
+
+    def pack(self) -> None:
+        """Cast the gradients into the buffer (compressed buckets only)."""
+        torch._foreach_copy_(self.views, [p.grad for p in self.params])
 
     def write_back(self) -> None:
         """Cast the reduced buffer back into the gradients (compressed buckets only)."""
@@ -145,12 +148,13 @@ class _DataParallel(nn.Module):
             for bucket in buckets
         ]
         self._next_launch = 0  # the buckets before it have been launched this step
-        # Compressed buckets on a GPU are cast back on this stream as soon as their all-reduce is done (an averaging
-        # all-reduce, so that nothing is left to do after the wait).
-        self._write_back_stream = None
+        # Compressed buckets on a GPU are cast in and launched on one side stream and cast back on another as soon as
+        # their all-reduce is done (an averaging all-reduce, so that nothing is left to do after the wait).
+        self._pack_stream = self._write_back_stream = None
         compressed = [bucket for bucket in self._buckets if bucket.compressed]
         if compressed and self._average_op == dist.ReduceOp.AVG and compressed[0].buffer.device.type == "cuda":
-            self._write_back_stream = torch.cuda.Stream(compressed[0].buffer.device)
+            device = compressed[0].buffer.device
+            self._pack_stream, self._write_back_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
         self._hook_handles = []
         if overlap:
             # The hooks hold the wrapper weakly: deleting the wrapper removes them instead of keeping it alive.
@@ -178,17 +182,19 @@ class _DataParallel(nn.Module):
         self._launch_ready()
         for bucket in self._buckets:
             bucket.work.wait()
-            if bucket.compressed and not self._writes_back_early(bucket):
+            if bucket.compressed and not self._on_side_streams(bucket):
                 bucket.write_back()
             if self._average_op == dist.ReduceOp.SUM:
                 torch._foreach_div_(bucket.gradients(), self.world_size)
             bucket.work = None
             bucket.ready.clear()
         if self._write_back_stream is not None:
-            torch.cuda.current_stream(self._write_back_stream.device).wait_stream(self._write_back_stream)
+            current = torch.cuda.current_stream(self._write_back_stream.device)
+            current.wait_stream(self._pack_stream)
+            current.wait_stream(self._write_back_stream)
         self._next_launch = 0
 
-    def _writes_back_early(self, bucket: _GradBucket) -> bool:
+    def _on_side_streams(self, bucket: _GradBucket) -> bool:
         return bucket.compressed and self._write_back_stream is not None
 
     def _on_grad_ready(self, bucket_index: int, position: int) -> None:
@@ -201,13 +207,20 @@ class _DataParallel(nn.Module):
         """Launch, asynchronously, the complete buckets at the head of the launch order."""
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].complete:
             bucket = self._buckets[self._next_launch]
-            bucket.work = dist.all_reduce(bucket.tensor(), op=self._average_op, async_op=True)
-            if self._writes_back_early(bucket):
-                # The side stream waits for the all-reduce (not the host), then casts the average back while the
-                # current stream goes on with backward.
+            if self._on_side_streams(bucket):
+                # The side streams wait on the device, never the host: the cast in for what the current stream has
+                # computed so far, the cast back for the all-reduce; the current stream goes on with backward.
+                self._pack_stream.wait_stream(torch.cuda.current_stream(self._pack_stream.device))
+                with torch.cuda.stream(self._pack_stream):
+                    bucket.pack()
+                    bucket.work = dist.all_reduce(bucket.tensor(), op=self._average_op, async_op=True)
                 with torch.cuda.stream(self._write_back_stream):
                     bucket.work.wait()
                     bucket.write_back()
+            else:
+                if bucket.compressed:
+                    bucket.pack()
+                bucket.work = dist.all_reduce(bucket.tensor(), op=self._average_op, async_op=True)
             self._next_launch += 1
 
 
