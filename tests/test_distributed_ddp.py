@@ -29,7 +29,13 @@ VARIANTS = {
     "bucketed_per_parameter": lambda module: DDPBucketed(module, bucket_size_mb=1e-6),
     "bucketed_several": lambda module: DDPBucketed(module, bucket_size_mb=0.1),
     "bucketed_one": lambda module: DDPBucketed(module, bucket_size_mb=1000),
+    "bucketed_bf16_reduce": lambda module: DDPBucketed(module, bucket_size_mb=0.1, reduce_dtype=torch.bfloat16),
 }
+# Reducing in bf16 rounds each rank's gradient and the average to 8 significant bits (relative error 2^-8 each): the
+# averaged gradients must be within 2% of the largest element of the single process's fp32 gradient of that parameter.
+# A rank that kept its own gradient, or a bucket never cast back, is off by the gradient's own size.
+BF16_REDUCE = {"bucketed_bf16_reduce"}
+BF16_GRADIENT_TOLERANCE = 2e-2
 STEPS = 3
 TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
 BACKENDS = ["gloo", pytest.param("nccl", marks=TWO_GPUS)]
@@ -94,6 +100,7 @@ def _train_like_single_process(seed: int, model_name: str, variant_names: list[s
             reference = build()
         optimizer = _optimizer(name, ddp.parameters())
         reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.9)
+        start = [p.detach().clone() for p in reference.parameters()]
         generator = torch.Generator().manual_seed(seed + 1)
         for step in range(STEPS):
             inputs, targets = (t.to(device) for t in make_batch(generator, per_rank * world_size))
@@ -102,7 +109,11 @@ def _train_like_single_process(seed: int, model_name: str, variant_names: list[s
             ddp.finish_gradient_synchronization()
             cross_entropy(reference(inputs), targets).backward()
             for (param_name, param), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
-                if expected.grad is not None:
+                if expected.grad is not None and name in BF16_REDUCE:
+                    scale = expected.grad.abs().max().item()
+                    torch.testing.assert_close(param.grad, expected.grad, rtol=0, atol=BF16_GRADIENT_TOLERANCE * scale,
+                                               msg=lambda m: f"{name} {param_name}: {m}")
+                elif expected.grad is not None:
                     torch.testing.assert_close(param.grad, expected.grad, msg=lambda m: f"{name} {param_name}: {m}")
                 elif param.requires_grad:  # no rank produced a gradient: a zero one, the same on every rank
                     assert torch.equal(param.grad, torch.zeros_like(param)), f"{name} {param_name}"
@@ -113,8 +124,13 @@ def _train_like_single_process(seed: int, model_name: str, variant_names: list[s
             # Both ways of clearing: a fresh gradient is copied into its bucket, a kept one is accumulated into.
             optimizer.zero_grad(set_to_none=step % 2 == 0)
             reference_optimizer.zero_grad()
-        for (param_name, param), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(param, expected, msg=lambda m: f"{name} {param_name} after {STEPS} steps: {m}")
+        for (param_name, param), expected, initial in zip(model.named_parameters(), reference.parameters(), start,
+                                                          strict=True):
+            # bf16-reduced updates carry the gradients' rounding: within 2% of how far the parameter moved.
+            moved = (expected - initial).abs().max().item()
+            tolerance = {"rtol": 0, "atol": BF16_GRADIENT_TOLERANCE * moved} if name in BF16_REDUCE else {}
+            torch.testing.assert_close(param, expected, **tolerance,
+                                       msg=lambda m: f"{name} {param_name} after {STEPS} steps: {m}")
         if model_name == "tied_frozen":
             assert model.mark.item() == rank, "buffers are left alone"
             assert model.head.weight is model.embedding.weight
@@ -170,6 +186,13 @@ def test_wrapping_needs_a_process_group():
 def test_bucket_size_must_be_positive():
     with pytest.raises(ValueError, match="bucket_size_mb must be positive, got 0"):
         DDPBucketed(nn.Linear(2, 2), bucket_size_mb=0)
+
+
+def test_reduce_dtype_must_be_a_floating_point_dtype():
+    with pytest.raises(ValueError, match="reduce_dtype must be a floating-point torch.dtype or None, got torch.int8"):
+        DDPBucketed(nn.Linear(2, 2), bucket_size_mb=1, reduce_dtype=torch.int8)
+    with pytest.raises(ValueError, match="got 'bf16'"):
+        DDPBucketed(nn.Linear(2, 2), bucket_size_mb=1, reduce_dtype="bf16")
 
 
 def _cuda_rank() -> RankContext:

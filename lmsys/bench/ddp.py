@@ -2,11 +2,13 @@
 share of it spent waiting for gradient communication, peak memory per rank, weak-scaling efficiency and MFU.
 
 Wrappers (lmsys/distributed/steps.py builds the step on each rank): torch-ddp (torch's DistributedDataParallel);
-lmsys.distributed.ddp's naive, flat, individual and bucketed-{1,10,100,1000}mb; fsdp (lmsys.distributed.fsdp);
-torch-fsdp2 (torch's fully_shard on each block); and single, the model with no wrapper on one rank: the weak-scaling
-reference. Every rank trains on its own batch of --batch sequences; bf16 is autocast under the DDP wrappers, weights
-gathered in bf16 under the fully sharded ones. `--optimizer-state sharded` adds rows with the ZeRO-1 sharded
-optimizer (lmsys.distributed.sharded_optimizer) under the DDP wrappers (the fully sharded ones shard it already).
+lmsys.distributed.ddp's naive, flat, individual, bucketed-{1,10,25,100,1000}mb and bucketed-{25,100}mb-bf16reduce
+(each bucket all-reduced in bf16, half the bytes, the average cast back into the fp32 gradients); fsdp
+(lmsys.distributed.fsdp); torch-fsdp2 (torch's fully_shard on each block); and single, the model with no wrapper on
+one rank: the weak-scaling reference. Every rank trains on its own batch of --batch sequences; bf16 is autocast
+under the DDP wrappers, weights gathered in bf16 under the fully sharded ones. `--optimizer-state sharded` adds rows
+with the ZeRO-1 sharded optimizer (lmsys.distributed.sharded_optimizer) under the DDP wrappers (the fully sharded
+ones shard it already).
 
 Timing (--graph, on by default on a GPU): as the regression gate times the step (perf_tests/test_ddp.py,
 `gpu_benchmark.distributed(graph=True)`): every rank's step is captured in a CUDA graph and the replays are timed,

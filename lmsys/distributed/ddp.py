@@ -30,6 +30,16 @@ gradient (after `zero_grad(set_to_none=True)`) is copied into its slice once; a 
 then runs on the buffer and nothing is copied back. A parameter that fills a bucket alone skips the buffer: its own
 `.grad` is all-reduced.
 
+Reducing in a narrower dtype (DDPBucketed's `reduce_dtype`, torch DDP's bf16 compress hook): each bucket travels
+in a flat buffer of `reduce_dtype` (half the bytes of fp32 for bf16) instead of the gradients' own dtype. When the
+bucket is launched its gradients are cast into the buffer; after the all-reduce the average is cast back into the
+gradients themselves, which stay the tensors autograd produced (no views of a buffer). On a GPU both casts run on side
+streams, beside the rest of backward rather than between its kernels: one stream casts in (after the current
+stream's work so far) and launches the all-reduce, the other waits for the all-reduce and casts back, and
+`finish_gradient_synchronization()` makes the current stream wait for both. Elsewhere the cast in runs at launch
+and the cast back in `finish_gradient_synchronization()`. The average carries the narrower dtype's rounding (bf16:
+a relative error of about 2^-8 per element).
+
 Launch order: all-reduces launched from gradient hooks go out in a fixed order (bucket 0, 1, ...), a bucket
 waiting for its predecessors when its gradients happen to be ready first, so that ranks whose backward passes differ
 (a parameter unused on one rank only) still agree. Buckets still incomplete at `finish_gradient_synchronization()`
@@ -48,16 +58,21 @@ from lmsys.distributed.collectives import broadcast_coalesced
 class _GradBucket:
     """Some parameters of one dtype and device whose gradients travel in one all-reduce.
 
-    With `flat`, the gradients live in one flat buffer (each `.grad` a view of its slice); otherwise the bucket holds
-    one parameter and its `.grad` is reduced as it is.
+    With `reduce_dtype` other than the parameters' dtype, the gradients are cast into one flat buffer of that dtype
+    for the all-reduce and the average is cast back into each `.grad` (`compressed`). Otherwise, with `flat`, the
+    gradients live in one flat buffer (each `.grad` a view of its slice); without it the bucket holds one parameter
+    and its `.grad` is reduced as it is.
     """
 
-    def __init__(self, params: list[nn.Parameter], names: list[str], flat: bool):
+    def __init__(self, params: list[nn.Parameter], names: list[str], flat: bool,
+                 reduce_dtype: torch.dtype | None = None):
         self.params, self.names = params, names
         self.buffer, self.views = None, None
-        if flat:
-            first = params[0]
-            self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
+        first = params[0]
+        self.compressed = reduce_dtype is not None and reduce_dtype != first.dtype
+        if flat or self.compressed:
+            dtype = reduce_dtype if self.compressed else first.dtype
+            self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=first.device)
             self.views, offset = [], 0
             for p in params:
                 self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
@@ -83,6 +98,9 @@ class _GradBucket:
         if self.buffer is None:
             if grad is None:
                 param.grad = torch.zeros_like(param)
+        elif self.compressed:
+            if grad is None:
+                param.grad = torch.zeros_like(param)
         else:
             view = self.views[index]
             if grad is None:
@@ -94,13 +112,27 @@ class _GradBucket:
         self.ready.add(index)
 
     def tensor(self) -> torch.Tensor:
+        """What the all-reduce reads and writes."""
         return self.buffer if self.buffer is not None else self.params[0].grad
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The tensors that hold the average after synchronization (a view of `tensor()` unless compressed)."""
+        return [p.grad for p in self.params] if self.compressed else [self.tensor()]
+
+    def pack(self) -> None:
+        """Cast the gradients into the buffer (compressed buckets only)."""
+        torch._foreach_copy_(self.views, [p.grad for p in self.params])
+
+    def write_back(self) -> None:
+        """Cast the reduced buffer back into the gradients (compressed buckets only)."""
+        torch._foreach_copy_([p.grad for p in self.params], self.views)
 
 
 class _DataParallel(nn.Module):
     """What the four variants share: the broadcast at wrap, forward, the buckets and the synchronization."""
 
-    def __init__(self, module: nn.Module, buckets: list[list[tuple[str, nn.Parameter]]], flat: bool, overlap: bool):
+    def __init__(self, module: nn.Module, buckets: list[list[tuple[str, nn.Parameter]]], flat: bool, overlap: bool,
+                 reduce_dtype: torch.dtype | None = None):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError(f"{type(self).__name__} needs an initialized default process group")
@@ -111,10 +143,18 @@ class _DataParallel(nn.Module):
         with torch.no_grad():
             broadcast_coalesced([p.detach() for p in module.parameters()], src=0)
         self._buckets = [
-            _GradBucket([p for _, p in bucket], [name for name, _ in bucket], flat=flat and len(bucket) > 1)
+            _GradBucket([p for _, p in bucket], [name for name, _ in bucket], flat=flat and len(bucket) > 1,
+                        reduce_dtype=reduce_dtype)
             for bucket in buckets
         ]
         self._next_launch = 0  # the buckets before it have been launched this step
+        # Compressed buckets on a GPU are cast in and launched on one side stream and cast back on another as soon as
+        # their all-reduce is done (an averaging all-reduce, so that nothing is left to do after the wait).
+        self._pack_stream = self._write_back_stream = None
+        compressed = [bucket for bucket in self._buckets if bucket.compressed]
+        if compressed and self._average_op == dist.ReduceOp.AVG and compressed[0].buffer.device.type == "cuda":
+            device = compressed[0].buffer.device
+            self._pack_stream, self._write_back_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
         self._hook_handles = []
         if overlap:
             # The hooks hold the wrapper weakly: deleting the wrapper removes them instead of keeping it alive.
@@ -142,11 +182,20 @@ class _DataParallel(nn.Module):
         self._launch_ready()
         for bucket in self._buckets:
             bucket.work.wait()
+            if bucket.compressed and not self._on_side_streams(bucket):
+                bucket.write_back()
             if self._average_op == dist.ReduceOp.SUM:
-                bucket.tensor().div_(self.world_size)
+                torch._foreach_div_(bucket.gradients(), self.world_size)
             bucket.work = None
             bucket.ready.clear()
+        if self._write_back_stream is not None:
+            current = torch.cuda.current_stream(self._write_back_stream.device)
+            current.wait_stream(self._pack_stream)
+            current.wait_stream(self._write_back_stream)
         self._next_launch = 0
+
+    def _on_side_streams(self, bucket: _GradBucket) -> bool:
+        return bucket.compressed and self._write_back_stream is not None
 
     def _on_grad_ready(self, bucket_index: int, position: int) -> None:
         bucket = self._buckets[bucket_index]
@@ -158,7 +207,20 @@ class _DataParallel(nn.Module):
         """Launch, asynchronously, the complete buckets at the head of the launch order."""
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].complete:
             bucket = self._buckets[self._next_launch]
-            bucket.work = dist.all_reduce(bucket.tensor(), op=self._average_op, async_op=True)
+            if self._on_side_streams(bucket):
+                # The side streams wait on the device, never the host: the cast in for what the current stream has
+                # computed so far, the cast back for the all-reduce; the current stream goes on with backward.
+                self._pack_stream.wait_stream(torch.cuda.current_stream(self._pack_stream.device))
+                with torch.cuda.stream(self._pack_stream):
+                    bucket.pack()
+                    bucket.work = dist.all_reduce(bucket.tensor(), op=self._average_op, async_op=True)
+                with torch.cuda.stream(self._write_back_stream):
+                    bucket.work.wait()
+                    bucket.write_back()
+            else:
+                if bucket.compressed:
+                    bucket.pack()
+                bucket.work = dist.all_reduce(bucket.tensor(), op=self._average_op, async_op=True)
             self._next_launch += 1
 
 
@@ -223,11 +285,15 @@ class DDPBucketed(_DataParallel):
 
     Buckets take the parameters in reverse registration order (roughly the order backward produces their
     gradients), one dtype and device per bucket; a parameter larger than the bucket size gets a bucket of its own.
+    The size counts the gradients' own bytes. With `reduce_dtype` (e.g. torch.bfloat16 for fp32 gradients), each
+    bucket is all-reduced in that dtype and the average cast back into the gradients (module docstring).
     """
 
-    def __init__(self, module: nn.Module, bucket_size_mb: float):
+    def __init__(self, module: nn.Module, bucket_size_mb: float, reduce_dtype: torch.dtype | None = None):
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
+        if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
+            raise ValueError(f"reduce_dtype must be a floating-point torch.dtype or None, got {reduce_dtype!r}")
         limit = bucket_size_mb * 2**20
         buckets: list[list[tuple[str, nn.Parameter]]] = []
         size = 0
@@ -239,5 +305,6 @@ class DDPBucketed(_DataParallel):
                 size = 0
             buckets[-1].append((name, p))
             size += nbytes
-        super().__init__(module, buckets, flat=True, overlap=True)
+        super().__init__(module, buckets, flat=True, overlap=True, reduce_dtype=reduce_dtype)
         self.bucket_size_mb = bucket_size_mb
+        self.reduce_dtype = reduce_dtype

@@ -33,13 +33,21 @@ from lmsys.model import SIZES, TransformerLM
 from lmsys.optim import AdamW
 from lmsys.train import cross_entropy, random_batch
 
-BUCKET_SIZES_MB = (1, 10, 100, 1000)
+BUCKET_SIZES_MB = (1, 10, 25, 100, 1000)
+# Bucket sizes also run with every bucket all-reduced in bf16 (DDPBucketed's reduce_dtype): half the bytes of fp32.
+BF16_REDUCE_BUCKET_SIZES_MB = (25, 100)
+BUCKETED = (
+    *(f"bucketed-{mb}mb" for mb in BUCKET_SIZES_MB),
+    *(f"bucketed-{mb}mb-bf16reduce" for mb in BF16_REDUCE_BUCKET_SIZES_MB),
+)
 WRAPPERS = {
     "torch-ddp": None,  # built in wrap(): it needs the rank's device
     "naive": DDPNaive,
     "flat": DDPFlat,
     "individual": DDPIndividualParameters,
     **{f"bucketed-{mb}mb": functools.partial(DDPBucketed, bucket_size_mb=mb) for mb in BUCKET_SIZES_MB},
+    **{f"bucketed-{mb}mb-bf16reduce": functools.partial(DDPBucketed, bucket_size_mb=mb, reduce_dtype=torch.bfloat16)
+       for mb in BF16_REDUCE_BUCKET_SIZES_MB},
 }
 # torch's AdamW runs fused on a GPU (the reference numbers' optimizer); lmsys's is fused by construction.
 OPTIMIZERS = {"torch-adamw": torch.optim.AdamW, "adamw": AdamW}
@@ -47,7 +55,7 @@ OPTIMIZERS = {"torch-adamw": torch.optim.AdamW, "adamw": AdamW}
 SHARDED_WRAPPERS = ("fsdp", "torch-fsdp2")
 # The steps whose CUDA graph replays are tested to train like the eager step (tests/test_distributed_ddp.py), with the
 # optimizer state replicated: graph mode captures these only, the others refuse the capture and are timed uncaptured.
-CAPTURED = ("single", "naive", "flat", "individual", *(f"bucketed-{mb}mb" for mb in BUCKET_SIZES_MB))
+CAPTURED = ("single", "naive", "flat", "individual", *BUCKETED)
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
