@@ -216,6 +216,13 @@ class TransformerLM(nn.Module):
         init_weights(self, self.config.num_layers)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.features(tokens)
+        with profiling.range("lm_head"):
+            return self.lm_head(x)  # (B, T, V)
+
+    def features(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Tokens (B, T) -> the final norm's output (B, T, C), the LM head's input: for a loss that fuses the head
+        (`lmsys.train.linear_cross_entropy`)."""
         if tokens.shape[-1] > self.config.context_length:
             raise ValueError(
                 f"sequence length {tokens.shape[-1]} exceeds the context length {self.config.context_length}"
@@ -224,8 +231,7 @@ class TransformerLM(nn.Module):
         for name, layer in zip(self._layer_names, self.layers, strict=True):
             with profiling.range(name):
                 x = layer(x)
-        with profiling.range("lm_head"):
-            return self.lm_head(self.norm(x))  # (B, T, V)
+        return self.norm(x)
 
     def num_parameters(self, embedding: bool = True) -> int:
         """Parameter count; `embedding=False` leaves out the token embedding (a lookup, not a matmul)."""

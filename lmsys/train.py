@@ -24,6 +24,85 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return (torch.logsumexp(logits, dim=-1) - target_logits).mean()
 
 
+class _LinearCrossEntropy(torch.autograd.Function):
+    """cross_entropy(hidden @ weight.T, targets) and its gradients, a chunk of `chunk_size` rows at a time.
+
+    The forward computes the gradients wrt `hidden` and `weight` along with the loss (the softmax is at hand there)
+    and saves them; the backward only scales them by the loss's incoming gradient. Per chunk: the logits in
+    `compute_dtype`, their logsumexp and the target's logit in fp32 (or float64), the softmax minus the one-hot of
+    the target, divided by the number of rows, back in `compute_dtype` for the two gradient matmuls. The weight's
+    gradient is summed over the chunks in the weight's dtype, at least fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size, compute_dtype):
+        rows, vocab = hidden.shape[0], weight.shape[0]
+        accumulate = torch.promote_types(compute_dtype, torch.float32)
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        w = weight.to(compute_dtype)  # (V, C)
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) \
+            if want_weight else None
+        total = torch.zeros((), dtype=accumulate, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, rows, chunk_size):
+                h = hidden[start:start + chunk_size].to(compute_dtype)  # (n, C)
+                t = targets[start:start + chunk_size]  # (n,)
+                logits = (h @ w.T).to(accumulate)  # (n, V)
+                lse = torch.logsumexp(logits, dim=-1)  # (n,)
+                total = total + (lse - logits.gather(-1, t.unsqueeze(-1)).squeeze(-1)).sum()
+                if want_hidden or want_weight:
+                    probs = torch.exp(logits - lse.unsqueeze(-1))
+                    is_target = torch.arange(vocab, device=t.device) == t.unsqueeze(-1)  # (n, V)
+                    grad_logits = (torch.where(is_target, probs - 1, probs) / rows).to(compute_dtype)
+                    if want_hidden:
+                        grad_hidden[start:start + chunk_size] = grad_logits @ w
+                    if want_weight:
+                        grad_weight += grad_logits.T @ h
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return total / rows
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (
+            None if grad_hidden is None else grad_hidden * grad_loss.to(grad_hidden.dtype),
+            None if grad_weight is None else grad_weight * grad_loss.to(grad_weight.dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int = 1024
+) -> torch.Tensor:
+    """cross_entropy(hidden @ weight.T, targets) for hidden (..., C), weight (V, C), targets (...,), without the
+    (..., V) logits: `chunk_size` rows of them at a time, each chunk's gradients computed in the forward.
+
+    The matmuls run in the dtype `F.linear` would use: autocast's where it is on for the device, else the inputs'.
+    The loss is fp32 (float64 for float64 inputs); the gradients have the dtypes of `hidden` and `weight`. Not
+    differentiable twice.
+    """
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} must be targets {tuple(targets.shape)} plus a feature dimension"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight {tuple(weight.shape)} must be (vocab, {hidden.shape[-1]})")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    else:
+        compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    return _LinearCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), chunk_size, compute_dtype
+    )
+
+
 def random_batch(
     batch_size: int,
     context_length: int,
@@ -54,6 +133,7 @@ def make_train_step(
     compile: bool = False,
     compile_loss: bool = False,
     compile_optimizer: bool = False,
+    fused_loss: bool = False,
     compile_backend: str = "inductor",
     cuda_graphs: bool = False,
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -70,6 +150,9 @@ def make_train_step(
       never materialized as separate passes.
     - `compile_optimizer=True`: `optimizer.step` is compiled too (torch's recipe for its foreach optimizers; it
       lets inductor fuse the update). Not for `lmsys.optim.AdamW`, which is one fused kernel already.
+    - `fused_loss=True`: the LM head and the cross-entropy are one `linear_cross_entropy` on `model.features`
+      (a `lmsys.model.TransformerLM`): the (tokens, vocab) logits are never stored, and the head's gradients are
+      computed in the forward. With `compile`, the loss is compiled with the model.
     """
     if autocast_dtype not in (None, torch.bfloat16):
         raise ValueError(
@@ -82,6 +165,12 @@ def make_train_step(
             "compile_optimizer=True is for torch's optimizers; lmsys.optim.AdamW is one fused kernel already (and its "
             "step builds tables on the host that the compiler cannot trace)"
         )
+    if fused_loss and not (hasattr(model, "features") and isinstance(getattr(model, "lm_head", None), nn.Linear)
+                           and model.lm_head.bias is None):
+        raise ValueError(
+            f"fused_loss=True needs a model with features(tokens) and a bias-free nn.Linear lm_head (such as "
+            f"lmsys.model.TransformerLM), not {type(model).__name__}"
+        )
     device_type = next(model.parameters()).device.type
     if cuda_graphs and not compile:
         raise ValueError("cuda_graphs=True records the compiled model's kernels as CUDA graphs: it needs compile=True")
@@ -89,11 +178,14 @@ def make_train_step(
         raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, not {device_type}")
 
     def model_loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if fused_loss:
+            return linear_cross_entropy(model.features(inputs), model.lm_head.weight, targets)
         return cross_entropy(forward(inputs), targets)
 
     mode = "reduce-overhead" if cuda_graphs else None
-    forward = torch.compile(model, backend=compile_backend, mode=mode) if compile and not compile_loss else model
-    loss_of = torch.compile(model_loss, backend=compile_backend, mode=mode) if compile_loss else model_loss
+    whole = compile and (compile_loss or fused_loss)  # the loss compiled with the model
+    forward = torch.compile(model, backend=compile_backend, mode=mode) if compile and not whole else model
+    loss_of = torch.compile(model_loss, backend=compile_backend, mode=mode) if whole else model_loss
     optimizer_step = torch.compile(optimizer.step, backend=compile_backend) if compile_optimizer else optimizer.step
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

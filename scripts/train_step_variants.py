@@ -22,6 +22,11 @@ Variants (model, attention, optimizer, make_train_step options):
     ours-flash_triton-compile-loss  ... with our Triton FlashAttention as the attention
     ours-flash_triton             lmsys.model, flash_triton, lmsys AdamW, the loss outside the compiled model
     ours-compiled-foreach         lmsys.model, SDPA, torch's foreach AdamW with its step compiled (compile_optimizer)
+    ours-fused-loss               lmsys.model, SDPA, lmsys AdamW, the LM head and cross-entropy fused
+                                  (linear_cross_entropy, fused_loss), compiled with the model
+    ours-fused-loss-cuda-graphs   ... replayed as CUDA graphs
+    ours-compile-loss-cuda-graphs lmsys.model, SDPA, lmsys AdamW, the plain cross-entropy compiled with the model,
+                                  replayed as CUDA graphs
 
 With `--top N`, each variant's timing is followed by the torch.profiler table of one more step (the N operators
 with the most device time), to see where two variants differ. With `--profile`, each variant also gets a row of
@@ -29,8 +34,9 @@ what one step launches and what the host spends on it: kernels per step (by kind
 step's span in one profiled step, and the host's time to issue the forward, backward and optimizer step (no
 profiler; medians over --steps steps, each started on an idle device).
 
-Variants that share a model (class and attention) run on one model object, one after the other, each with a fresh
-optimizer; dynamo reuses the model's compiled graph where it can. Models are freed between groups and sizes. Without
+Variants without CUDA graphs that share a model (class and attention) run on one model object, one after the other,
+each with a fresh optimizer; dynamo reuses the model's compiled graph where it can. Each CUDA-graph variant has a
+model of its own. Models are freed between groups and sizes. Without
 CUDA the script runs on the CPU (wall-clock timing, no MFU), for a smoke test with `--sizes tiny`.
 """
 
@@ -94,6 +100,10 @@ VARIANTS = {
     "ours-cuda-graphs": Variant(TransformerLM, "sdpa", "lmsys", dict(cuda_graphs=True)),
     "ours-flash_triton-cuda-graphs": Variant(TransformerLM, "flash_triton", "lmsys", dict(cuda_graphs=True)),
     "reference-cuda-graphs": Variant(ReferenceLM, "sdpa", "torch-fused", dict(cuda_graphs=True)),
+    "ours-fused-loss": Variant(TransformerLM, "sdpa", "lmsys", dict(fused_loss=True)),
+    "ours-fused-loss-cuda-graphs": Variant(TransformerLM, "sdpa", "lmsys", dict(fused_loss=True, cuda_graphs=True)),
+    "ours-compile-loss-cuda-graphs": Variant(TransformerLM, "sdpa", "lmsys",
+                                             dict(compile_loss=True, cuda_graphs=True)),
 }
 DEFAULT_VARIANTS = ["reference", "ours-torch-adamw", "ours", "ours-cuda-graphs", "ours-flash_triton-cuda-graphs",
                     "reference-cuda-graphs"]
@@ -408,12 +418,12 @@ def main(argv=None) -> None:
     if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
         parser.error("--warmup, --steps and --rounds must be at least 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    # Variants that share a model class and attention run on one model, in the order given; those recorded as CUDA
-    # graphs get a model of their own, so that the graphs' memory pool goes with it.
+    # Variants that share a model class and attention run on one model, in the order given; each variant recorded
+    # as CUDA graphs gets a model of its own, so that the graphs' memory pool goes with it.
     groups = {}
     for name in args.variants:
         variant = VARIANTS[name]
-        key = variant.model, variant.attention, variant.options.get("cuda_graphs", False)
+        key = variant.model, variant.attention, name if variant.options.get("cuda_graphs", False) else False
         groups.setdefault(key, []).append(name)
     order = {name: index for index, name in enumerate(args.variants)}
     rows = []

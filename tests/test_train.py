@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from lmsys import profiling
 from lmsys.model import SIZES, TransformerLM
 from lmsys.optim import AdamW
-from lmsys.train import cross_entropy, make_train_step, random_batch
+from lmsys.reference_model import ReferenceLM
+from lmsys.train import cross_entropy, linear_cross_entropy, make_train_step, random_batch
 
 TINY = SIZES["tiny"]
 
@@ -42,6 +43,131 @@ def test_cross_entropy_of_bf16_logits_is_fp32_with_fp32_gradients(seed):
 def test_cross_entropy_shape_mismatch_raises():
     with pytest.raises(ValueError, match="vocabulary dimension"):
         cross_entropy(torch.zeros(2, 3, 10), torch.zeros(2, 4, dtype=torch.long))
+
+
+def _leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def _relative_error(mine: torch.Tensor, reference: torch.Tensor) -> float:
+    reference = reference.double()
+    return float((mine.double() - reference).norm() / reference.norm())
+
+
+def _unfused_head_loss(hidden, weight, targets):
+    """The LM head then the cross-entropy, as the plain step computes them."""
+    return cross_entropy(F.linear(hidden, weight), targets)
+
+
+@pytest.mark.parametrize("rows, chunk_size", [(1, 1), (21, 4), (21, 7), (37, 1024), (64, 16)])
+def test_linear_cross_entropy_matches_fp64(seed, rows, chunk_size):
+    """Loss and both gradients against the float64 logits and F.cross_entropy, for chunks that do and do not divide
+    the rows."""
+    hidden, weight = torch.randn(rows, 24, dtype=torch.float64) * 2, torch.randn(97, 24, dtype=torch.float64)
+    targets = torch.randint(97, (rows,))
+    h, w = _leaves(hidden, weight)
+    loss = linear_cross_entropy(h, w, targets, chunk_size=chunk_size)
+    loss.backward()
+    rh, rw = _leaves(hidden, weight)
+    expected = F.cross_entropy(rh @ rw.T, targets)
+    expected.backward()
+    assert loss.dtype == h.grad.dtype == w.grad.dtype == torch.float64
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(h.grad, rh.grad)
+    torch.testing.assert_close(w.grad, rw.grad)
+
+
+def test_linear_cross_entropy_scales_the_incoming_gradient_and_keeps_batch_dims(seed):
+    hidden, weight = torch.randn(3, 5, 8, dtype=torch.float64), torch.randn(11, 8, dtype=torch.float64)
+    targets = torch.randint(11, (3, 5))
+    h, w = _leaves(hidden, weight)
+    (linear_cross_entropy(h, w, targets, chunk_size=4) * -2.5).backward()
+    rh, rw = _leaves(hidden, weight)
+    (F.cross_entropy((rh @ rw.T).reshape(-1, 11), targets.reshape(-1)) * -2.5).backward()
+    assert h.grad.shape == (3, 5, 8)
+    torch.testing.assert_close(h.grad, rh.grad)
+    torch.testing.assert_close(w.grad, rw.grad)
+
+
+@pytest.mark.parametrize("chunk_size", [5, 1024])
+def test_linear_cross_entropy_under_bf16_autocast_matches_the_unfused_head(seed, chunk_size):
+    """Under autocast the matmuls run in bf16 as F.linear's do: the loss and the fp32 gradients agree with the
+    unfused head + cross_entropy to bf16 rounding, and both with float64 to bf16 accuracy."""
+    hidden, weight, targets = torch.randn(2, 19, 32), torch.randn(301, 32) * 0.5, torch.randint(301, (2, 19))
+    h, w = _leaves(hidden, weight)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(h, w, targets, chunk_size=chunk_size)
+    loss.backward()
+    uh, uw = _leaves(hidden, weight)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        unfused = _unfused_head_loss(uh, uw, targets)
+    unfused.backward()
+    rh, rw = _leaves(hidden.double(), weight.double())
+    exact = F.cross_entropy((rh @ rw.T).reshape(-1, 301), targets.reshape(-1))
+    exact.backward()
+    assert loss.dtype == h.grad.dtype == w.grad.dtype == torch.float32
+    torch.testing.assert_close(loss, unfused, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss.double(), exact, rtol=2e-2, atol=0.0)
+    # Elementwise, a chunk's bf16 partial sum of a near-zero weight gradient differs from the whole sum's rounding
+    # by more than any tolerance of its own size: compare the gradients as vectors.
+    for mine, unfused_grad, reference in ((h.grad, uh.grad, rh.grad), (w.grad, uw.grad, rw.grad)):
+        assert _relative_error(mine, unfused_grad) <= 1e-2
+        assert _relative_error(mine, reference) <= 2e-2
+
+
+def test_linear_cross_entropy_computes_only_the_gradients_asked_for(seed):
+    hidden, weight, targets = torch.randn(9, 8), torch.randn(13, 8), torch.randint(13, (9,))
+    expected = F.cross_entropy(hidden @ weight.T, targets)
+    w = weight.clone().requires_grad_()
+    linear_cross_entropy(hidden, w, targets, chunk_size=4).backward()
+    h = hidden.clone().requires_grad_()
+    linear_cross_entropy(h, weight, targets, chunk_size=4).backward()
+    assert w.grad is not None and h.grad is not None
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(h, w, targets, chunk_size=4), expected)
+
+
+@pytest.mark.parametrize(
+    "shapes, chunk_size, message",
+    [
+        (((2, 3, 8), (10, 8), (2, 4)), 4, "plus a feature dimension"),
+        (((2, 3, 8), (10, 7), (2, 3)), 4, "must be \\(vocab, 8\\)"),
+        (((2, 3, 8), (10, 8), (2, 3)), 0, "chunk_size must be a positive integer"),
+    ],
+)
+def test_linear_cross_entropy_bad_input_raises(shapes, chunk_size, message):
+    hidden, weight, target_shape = torch.zeros(shapes[0]), torch.zeros(shapes[1]), shapes[2]
+    with pytest.raises(ValueError, match=message):
+        linear_cross_entropy(hidden, weight, torch.zeros(target_shape, dtype=torch.long), chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float64", "bf16-autocast"])
+def test_fused_head_loss_gives_every_parameter_the_unfused_gradient(seed, autocast):
+    """Through the whole tiny model: the loss of model.features + linear_cross_entropy and every parameter's
+    gradient against the model's logits + F.cross_entropy (float64), or + the plain step's cross_entropy (bf16
+    autocast, same rounding up to the order of the sums)."""
+    fused = TransformerLM(TINY)
+    unfused = TransformerLM(TINY)
+    unfused.load_state_dict(fused.state_dict())
+    if not autocast:
+        fused, unfused = fused.double(), unfused.double()
+    inputs, targets = random_batch(3, 21, TINY.vocab_size, "cpu")  # 63 tokens, not a multiple of the chunk
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = linear_cross_entropy(fused.features(inputs), fused.lm_head.weight, targets, chunk_size=16)
+        logits = unfused(inputs)
+        expected = (cross_entropy(logits, targets) if autocast
+                    else F.cross_entropy(logits.reshape(-1, TINY.vocab_size), targets.reshape(-1)))
+    loss.backward()
+    expected.backward()
+    tolerance = dict(rtol=1e-5, atol=1e-5) if autocast else {}
+    torch.testing.assert_close(loss, expected.to(loss.dtype), **tolerance)
+    for (name, mine), reference in zip(fused.named_parameters(), unfused.parameters(), strict=True):
+        assert mine.grad.dtype == mine.dtype, name
+        if autocast:
+            error = _relative_error(mine.grad, reference.grad)
+            assert error <= 2e-2, f"{name}: relative error {error:.3g}"
+        else:
+            torch.testing.assert_close(mine.grad, reference.grad, msg=name)
 
 
 def test_random_batch_targets_are_inputs_shifted_by_one():
@@ -142,8 +268,10 @@ def _twin_steps(config, optimizer_class, **options):
     [
         (dict(compile=True, compile_loss=True), AdamW),
         (dict(compile_optimizer=True), functools.partial(torch.optim.AdamW, foreach=True)),
+        (dict(fused_loss=True), AdamW),
+        (dict(compile=True, fused_loss=True), AdamW),
     ],
-    ids=["compile_loss", "compile_optimizer"],
+    ids=["compile_loss", "compile_optimizer", "fused_loss", "compiled_fused_loss"],
 )
 def test_step_options_match_the_plain_step(seed, options, optimizer_class):
     """The model and loss compiled together, or torch's optimizer step compiled, train as the eager step does
@@ -173,6 +301,30 @@ def test_step_options_that_cannot_work_are_refused(options, message):
     model = TransformerLM(TINY)
     with pytest.raises(ValueError, match=message):
         make_train_step(model, AdamW(model.parameters()), **options)
+
+
+def test_fused_loss_is_refused_for_a_model_without_features():
+    model = ReferenceLM(TINY)
+    with pytest.raises(ValueError, match="fused_loss=True needs a model with features"):
+        make_train_step(model, AdamW(model.parameters()), fused_loss=True)
+
+
+@pytest.mark.slow
+def test_bf16_fused_loss_step_matches_the_plain_bf16_step(seed):
+    """Under bf16 autocast, compiled (aot_eager), the fused-loss step trains as the plain step does."""
+    torch.compiler.reset()
+    config = dataclasses.replace(TINY, num_layers=1)
+    plain, fused = TransformerLM(config), TransformerLM(config)
+    fused.load_state_dict(plain.state_dict())
+    options = dict(autocast_dtype=torch.bfloat16, compile=True, compile_backend="aot_eager")
+    # eps=1e-4: see test_compiled_step_matches_eager_with_ranges_off_and_on.
+    plain_step = make_train_step(plain, AdamW(plain.parameters(), eps=1e-4), **options)
+    fused_step = make_train_step(fused, AdamW(fused.parameters(), eps=1e-4), fused_loss=True, **options)
+    batch = random_batch(2, 16, config.vocab_size, "cpu")
+    for _ in range(3):
+        torch.testing.assert_close(fused_step(*batch), plain_step(*batch), rtol=1e-3, atol=1e-3)
+    for mine, reference in zip(fused.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(mine, reference, rtol=1e-2, atol=2e-3)
 
 
 @pytest.mark.gpu

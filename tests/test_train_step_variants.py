@@ -39,6 +39,27 @@ def test_interleaved_rounds_and_ours_beside_plain(tmp_path, capsys, seed):
     assert "| tiny | ours | reference |" in printed and "| tiny | ours-unplanned | reference |" in printed
 
 
+def test_fused_loss_variant_shares_the_model_of_ours(tmp_path, capsys, seed):
+    main = runpy.run_path(str(SCRIPT))["main"]
+    out = tmp_path / "variants.csv"
+    main([str(out), "--sizes", "tiny", "--variants", "reference", "ours", "ours-fused-loss", "--warmup", "1",
+          "--steps", "2", "--batch", "1", "--context", "16", "--compile-backend", "aot_eager"])
+    rows = list(csv.DictReader(out.open()))
+    assert [r["variant"] for r in rows] == ["reference", "ours", "ours-fused-loss"]
+    assert all(float(r["median_ms"]) > 0 and not r["error"] for r in rows)
+    assert "| tiny | ours-fused-loss | reference |" in capsys.readouterr().out
+
+
+def test_each_cuda_graph_variant_gets_a_model_of_its_own(tmp_path):
+    """Two CUDA-graph variants of one model class and attention are two groups (their graphs' memory pools go with
+    their models); the variants without graphs share one."""
+    main, groups = runpy.run_path(str(SCRIPT))["main"], []
+    main.__globals__["run_group"] = lambda size, names, *rest, **kwargs: groups.append(names)
+    main([str(tmp_path / "x.csv"), "--sizes", "tiny", "--variants", "ours", "ours-fused-loss", "ours-cuda-graphs",
+          "ours-fused-loss-cuda-graphs"])
+    assert groups == [["ours", "ours-fused-loss"], ["ours-cuda-graphs"], ["ours-fused-loss-cuda-graphs"]]
+
+
 def test_rejects_an_unknown_variant(tmp_path):
     main = runpy.run_path(str(SCRIPT))["main"]
     with pytest.raises(SystemExit):
