@@ -360,10 +360,11 @@ def test_custom_ops_pass_opcheck(shape, q_layout, kv_layout, is_causal, dtype, s
 
 # The Triton kernels' tiles are a power of two wide along the head dim (80 -> 128, 48 -> 64, 8 -> 16): the padding
 # columns must load as zeros (so Q K^T, P V and the gradients' products are unchanged) and never be stored.
-# 80: the 2.7B preset's head dim, padded to 128; 48 and 8 are padded to 64 and 16.
+# 80: the 2.7B preset's head dim, padded to 128, as is 96 (the training grid's); 48 and 8 are padded to 64 and 16.
 PADDED_HEAD_DIMS = [
     pytest.param(80, torch.float32, id="d80-fp32"),
     pytest.param(80, torch.float16, id="d80-fp16"),
+    pytest.param(96, torch.float16, id="d96-fp16"),
     pytest.param(48, torch.float16, id="d48-fp16"),
     pytest.param(8, torch.float32, id="d8-fp32"),
 ]
@@ -427,6 +428,7 @@ def test_forward_tiles_are_those_of_the_padded_width(d, table, monkeypatch):
         pytest.param((4, 32, 512, 80), 512, "transposed", True, id="d80-2.7B"),
         pytest.param((2, 4, 1000, 80), 1000, "contiguous", True, id="d80-causal-ragged"),
         pytest.param((1, 3, 1537, 80), 1000, "contiguous", False, id="d80-full-ragged"),
+        pytest.param((2, 4, 1000, 96), 1000, "transposed", True, id="d96-causal-ragged"),
         pytest.param((2, 4, 2048, 96), 2048, "transposed", False, id="d96-full"),
         pytest.param((3, 1000, 48), 1000, "contiguous", True, id="d48-3d-causal"),
         pytest.param((2, 4, 777, 72), 777, "transposed", True, id="d72-causal"),
