@@ -382,6 +382,33 @@ def test_flash_triton_padded_head_dim(d, dtype, is_causal, layout, seed):
     check_flash("triton", q, k, v, is_causal, do)
 
 
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d, dtype, layout", [
+    pytest.param(80, torch.float32, "contiguous", id="d80-fp32"),
+    pytest.param(96, torch.float16, "transposed", id="d96-fp16"),
+    pytest.param(72, torch.float32, "transposed", id="d72-fp32"),  # a second chunk of 8 columns in a tile of 16
+])
+def test_flash_triton_split_head_dim(d, dtype, layout, is_causal, monkeypatch, seed):
+    """SPLIT_HEAD_DIMS: the head dim as a chunk of 64 columns and one of the rest (16 or 32 wide), forward and
+    backward, against float64 at lengths ragged for every tile."""
+    monkeypatch.setattr(flash_triton, "SPLIT_HEAD_DIMS", frozenset({d}))
+    assert flash_triton._head_chunks(d)[2] == d - 64
+    n_q, n_k = 37, 37 if is_causal else 23
+    q, do = (_strided((2, 2, n_q, d), layout, dtype, TRITON_DEVICE) for _ in range(2))
+    k, v = (_strided((2, 2, n_k, d), layout, dtype, TRITON_DEVICE) for _ in range(2))
+    check_flash("triton", q, k, v, is_causal, do)
+
+
+def test_head_chunks(monkeypatch):
+    """Only the listed head dims split, and only where the chunks are narrower than the padded tile (65 to 96)."""
+    monkeypatch.setattr(flash_triton, "SPLIT_HEAD_DIMS", frozenset({48, 72, 80, 96, 112, 128}))
+    chunks = {d: flash_triton._head_chunks(d) for d in (48, 64, 72, 80, 96, 112, 128)}
+    assert chunks == {48: (48, 64, 0, 16), 64: (64, 64, 0, 16), 72: (64, 64, 8, 16), 80: (64, 64, 16, 16),
+                      96: (64, 64, 32, 32), 112: (112, 128, 0, 16), 128: (128, 128, 0, 16)}
+    monkeypatch.setattr(flash_triton, "SPLIT_HEAD_DIMS", frozenset())
+    assert flash_triton._head_chunks(80) == (80, 128, 0, 16)
+
+
 @pytest.mark.parametrize(
     "shape, layout, dtype, descriptors",
     [
@@ -407,15 +434,18 @@ def test_block_d_is_the_padded_power_of_two():
                                                                                        128, 128]
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["padded", "split"])
 @pytest.mark.parametrize("d, table", [(80, 128), (96, 128), (48, 64), (8, 64), (128, 128)])
-def test_forward_tiles_are_those_of_the_padded_width(d, table, monkeypatch):
+def test_forward_tiles_are_those_of_the_padded_width(d, table, split, monkeypatch):
     """On a GPU the forward's autotuner keeps the tile table of the tiles' width (BLOCK_D), not of the head dim: a
-    head dim of 80 runs 128-wide tiles. (The interpreter skips the tables; here they are looked up as on a GPU.)"""
+    head dim of 80 runs 128-wide tiles, and split (SPLIT_HEAD_DIMS, 64 + 16 columns) the configs of 128 too. (The
+    interpreter skips the tables; here they are looked up as on a GPU.)"""
     monkeypatch.setattr(flash_triton, "_INTERPRET", False)
+    monkeypatch.setattr(flash_triton, "SPLIT_HEAD_DIMS", frozenset({d} if split else ()))
     configs = list(dict.fromkeys(c for cs in flash_triton._FWD_CONFIGS.values() for c in cs))
     q = torch.empty(1, 1, 8192, d, dtype=torch.bfloat16, device="meta")
     kept = flash_triton._prune_configs(configs, {"Q": q, "N_Q": 8192, "N_K": 8192}, rows="BLOCK_M",
-                                       tiles=flash_triton._FWD_CONFIGS, HEAD_DIM=d, BLOCK_D=flash_triton._block_d(d))
+                                       tiles=flash_triton._FWD_CONFIGS, **flash_triton._chunk_constexprs(d))
     assert kept == flash_triton._FWD_CONFIGS[table]
 
 
