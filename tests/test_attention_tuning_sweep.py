@@ -63,3 +63,12 @@ def test_summary_takes_ratios_and_the_fastest_config_that_matched(sweep):
     assert row["default/cudnn"] == pytest.approx(1.5) and row["split/cudnn"] == pytest.approx(1.1)
     assert (row["best split"], row["best split ms"]) == ("b", 2.1)  # "a" is faster but wrong
     assert (row["best padded"], row["best padded ms"]) == ("c", 2.9)
+
+
+def test_phase_two_forces_the_configs_of_the_kernels_that_run(sweep):
+    settings = sweep["Settings"]()
+    split = sweep["phase_two"](80, settings)
+    assert [(layout, dims, mode) for layout, dims, mode, _ in split] == [
+        ("padded", (), "fwd"), ("padded", (), "bwd"), ("split", (80,), "fwd"), ("split", (80,), "bwd")]
+    assert [mode for _, _, mode, _ in sweep["phase_two"](64, settings)] == ["fwd"]
+    assert sweep["phase_two"](128, settings) == []
