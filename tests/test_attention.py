@@ -472,6 +472,25 @@ def test_flash_triton_padded_head_dim_gpu(gpu, shape, k_len, layout, is_causal, 
     check_flash("triton", q, k, v, is_causal, do)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "shape, k_len, layout, is_causal",
+    [
+        pytest.param((4, 32, 512, 80), 512, "transposed", True, id="d80-2.7B"),
+        pytest.param((1, 3, 1537, 80), 1000, "contiguous", False, id="d80-full-ragged"),
+        pytest.param((2, 4, 1000, 96), 1000, "transposed", True, id="d96-causal-ragged"),
+        pytest.param((2, 4, 777, 72), 777, "contiguous", True, id="d72-causal"),
+    ],
+)
+def test_flash_triton_split_head_dim_gpu(gpu, shape, k_len, layout, is_causal, dtype, monkeypatch, seed):
+    """SPLIT_HEAD_DIMS on the GPU (the config the autotuner chooses) against float64."""
+    monkeypatch.setattr(flash_triton, "SPLIT_HEAD_DIMS", frozenset({shape[-1]}))
+    q, do = (_strided(shape, layout, dtype, gpu) for _ in range(2))
+    k, v = (_strided((*shape[:-2], k_len, shape[-1]), layout, dtype, gpu) for _ in range(2))
+    check_flash("triton", q, k, v, is_causal, do)
+
+
 # --------------------------------------------------------------------------------------- GPU, realistic sizes
 
 
@@ -523,11 +542,14 @@ TILE_CONFIGS = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128, 80], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("head_dim, split", [(64, False), (128, False), (80, False), (80, True), (96, True)],
+                         ids=["d64", "d128", "d80", "d80-split", "d96-split"])
 @pytest.mark.parametrize("kernel, config", TILE_CONFIGS)
-def test_every_tile_config_gpu(gpu, kernel, config, head_dim, monkeypatch):
+def test_every_tile_config_gpu(gpu, kernel, config, head_dim, split, monkeypatch):
     """Each tile config a kernel's autotuner may pick, forced, against float64 (the autotuner runs only the fastest);
-    at d=80 the tiles are 128 wide, the descriptors of the USE_TMA configs 80."""
+    at d=80 the tiles are 128 wide, the descriptors of the USE_TMA configs 80; split (SPLIT_HEAD_DIMS), 64 + 16 or 32
+    wide, through pointers."""
+    monkeypatch.setattr(flash_triton, "SPLIT_HEAD_DIMS", frozenset({head_dim} if split else ()))
     _force_config(monkeypatch, getattr(flash_triton, kernel), config)
     for q_shape, k_shape, is_causal in FORCED_CONFIG_PROBLEMS:
         q, k, v = make_inputs(q_shape[:-1] + (head_dim,), k_shape[:-1] + (head_dim,), torch.bfloat16, gpu)
