@@ -26,8 +26,8 @@ accumulates into `.grad` across rounds.
 
 The default run is a representative subset: the leaderboard and the (4, 16, 8192, 128) causal bf16 forward with
 every provider, and bf16 forward + backward at seq 4096 (d 64 and 128 in the causal grid, d 64 in the seeds' grid)
-with the fused kernels (flash_triton and SDPA's), and four training shapes' forward + backward (TRAINING_DEFAULT, one per
-head dim) with flash_triton and cuDNN; every other point is marked `full_grid` (run them with
+with the fused kernels (flash_triton and SDPA's), and four training shapes' forward + backward (TRAINING_DEFAULT, one
+per head dim) with flash_triton and cuDNN; every other point is marked `full_grid` (run them with
 --perf-full-grid).
 """
 

@@ -1,5 +1,5 @@
-"""flash_triton's launch configs and head-dim layouts at the training grid's points, beside cuDNN and FA2, in one process
-(issue 63: which configs to keep per shape).
+"""flash_triton's launch configs and head-dim layouts at the training grid's points, beside cuDNN and FA2, in one
+process (issue 63: which configs to keep per shape).
 
 Points: lmsys.bench.attention's training grid (`lmsys-bench attention --grid training`), bf16, filtered by --head-dims,
 --seqs and --masks. At each point, in two phases (phase 1 at every point before phase 2 at any, so that a run cut short
@@ -54,7 +54,8 @@ FWD_64_CANDIDATES = [c for c in flash_triton._FWD_CONFIGS[64] if c.kwargs["BLOCK
 # Largest difference from SDPA's flash backend, relative to its largest magnitude, for a bf16 row to count as right.
 TOLERANCE = 3e-2
 DEVICE, DTYPE = "cuda", torch.bfloat16
-COLUMNS = ["batch", "heads", "seq", "d", "causal", "phase", "variant", "mode", "config", "ms", "ratio_cudnn", "err", "ok"]
+COLUMNS = ["batch", "heads", "seq", "d", "causal", "phase", "variant", "mode", "config", "ms", "ratio_cudnn", "err",
+           "ok"]
 
 
 def config_name(config) -> str:
@@ -145,8 +146,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.csv.suffix != ".csv" or args.csv.exists():
         parser.error(f"give a new file ending in .csv, got {args.csv}")
+    masks = {"causal": True, "full": False}
     wanted = [(shape, causal) for shape, causal in training_grid()
-              if shape[3] in args.head_dims and shape[2] in args.seqs and ("causal" if causal else "full") in args.masks]
+              if shape[3] in args.head_dims and shape[2] in args.seqs and causal in {masks[m] for m in args.masks}]
     if not wanted:
         parser.error("no point of the training grid has these --head-dims, --seqs and --masks")
     if not torch.cuda.is_available():

@@ -121,8 +121,9 @@ def _even_flags(rows: str, cols: str) -> dict:
 def _prune_configs(configs, named_args, rows, tiles=None, **kwargs):
     """Drop tiles much taller (`rows`) than the problem, and for fp32 all but the small tiles verified on the H100
     to fit shared memory up to d=128 (fp32 operands take twice the room). With `tiles` (head dim -> configs), keep
-    only the configs listed for the tiles' width along the head dim (BLOCK_D, plus BLOCK_D1 when the head dim is split:
-    a head dim of 80 has the tiles of 128 either way), in their order. Up to _SMALL_PROBLEM tokens, keep one config of each tile height."""
+    only the configs listed for the tiles' width along the head dim (BLOCK_D, plus BLOCK_D1 when the head dim is
+    split: a head dim of 80 has the tiles of 128 either way), in their order. Up to _SMALL_PROBLEM tokens, keep one
+    config of each tile height."""
     n = max(named_args["N_Q"], named_args["N_K"])
     fp32 = named_args["Q"].element_size() == 4
     if tiles is not None and not _INTERPRET:

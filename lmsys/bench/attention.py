@@ -65,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", nargs="+", choices=ATTENTION_MODES, default=["fwd_bwd"], help="default: fwd_bwd")
     parser.add_argument("--causal", action="store_true", help="causal masking (default: full attention)")
     parser.add_argument("--grid", choices=GRIDS,
-                        help="training: the training-shapes grid (d 64, 80, 96, 128 x seq 512 ... 16384 at 16384 tokens "
-                        "a batch, causal and not) in place of --seq, --dims, --batch, --heads and --causal")
+                        help="training: the training-shapes grid (d 64, 80, 96, 128 x seq 512 ... 16384 at 16384 "
+                        "tokens a batch, causal and not) in place of --seq, --dims, --batch, --heads and --causal")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls after the first (default: 3)")
     parser.add_argument("--steps", type=int, default=10, help="timed calls (default: 10)")
     parser.add_argument("--clock", choices=sweep.CLOCKS, default="eager",
