@@ -12,6 +12,10 @@ Configurations, from the CS336 seeds (GPU sizes; the CPU runs one small point of
 - `test_attention_causal_grid`: batch 1, causal, (B, T, D), seq 128 ... 65536 (powers of two) x d in
   {16, 32, 64, 128} x {bf16, fp32}.
 - `test_attention_anchors`: (batch, heads, seq, d) reference points (ANCHOR_SHAPES), e.g. (4, 16, 8192, 128) causal.
+- `test_attention_training_grid`: the shapes language models train with (lmsys.bench.attention's `training_grid`,
+  also `lmsys-bench attention --grid training`): d in {64, 80, 96, 128} x seq 512 ... 16384 at 16384 tokens a batch,
+  heads (B, H, T, d) with H*d of 1536 to 2560, causal and not, bf16; flash_triton beside SDPA's cuDNN and flash
+  backends.
 - `test_attention_leaderboard`: the CS336 leaderboard, q, k, v of shape (16, 16384, 64), bf16, causal, forward +
   backward, every provider under torch.compile.
 - `test_attention_launch_cost`: the CPU's time per call (host timing) of flash_triton and SDPA at (1, 1, 4096, 64)
@@ -22,7 +26,8 @@ accumulates into `.grad` across rounds.
 
 The default run is a representative subset: the leaderboard and the (4, 16, 8192, 128) causal bf16 forward with
 every provider, and bf16 forward + backward at seq 4096 (d 64 and 128 in the causal grid, d 64 in the seeds' grid)
-with the fused kernels (flash_triton and SDPA's); every other point is marked `full_grid` (run them with
+with the fused kernels (flash_triton and SDPA's), and four training shapes' forward + backward (TRAINING_DEFAULT, one
+per head dim) with flash_triton and cuDNN; every other point is marked `full_grid` (run them with
 --perf-full-grid).
 """
 
@@ -32,6 +37,7 @@ import pytest
 import torch
 
 from lmsys.attention.providers import NEEDS_CUDA, SDPA_BACKENDS, attention_function, sdpa_with, timed_call
+from lmsys.bench.attention import training_grid
 from lmsys.flops import attention_flops
 
 PROVIDERS = ("naive", "naive_compiled", "flash_torch_compiled", "flash_triton", "sdpa_flash", "sdpa_cudnn")
@@ -148,13 +154,14 @@ def providers(names):
             for name in names]
 
 
-def with_providers(points):
-    """Each grid point once per provider; a slow provider's default point moves behind --perf-full-grid."""
+def with_providers(points, names=PROVIDERS, full_grid_only=SLOW_PROVIDERS):
+    """Each grid point once per provider of `names`; the default point of a provider in `full_grid_only` moves behind
+    --perf-full-grid."""
     params = []
     for p in points:
-        for provider in PROVIDERS:
+        for provider in names:
             marks = list(p.marks)
-            if provider in SLOW_PROVIDERS and not any(m.name == "full_grid" for m in marks):
+            if provider in full_grid_only and not any(m.name == "full_grid" for m in marks):
                 marks.append(pytest.mark.full_grid)
             params.append(pytest.param(provider, *p.values, marks=marks, id=f"{p.id}-{provider}"))
     return params
@@ -173,6 +180,33 @@ def test_attention_causal_grid(gpu_benchmark, fresh_compiler, device, seed, prov
 @pytest.mark.parametrize("provider", providers(PROVIDERS))
 @pytest.mark.parametrize("shape, causal, dtype, mode", _anchor_points())
 def test_attention_anchors(gpu_benchmark, fresh_compiler, device, seed, provider, shape, causal, dtype, mode):
+    run_case(gpu_benchmark, device, provider, shape, causal, DTYPES[dtype], mode)
+
+
+# The training grid's providers (sdpa_flash only with --perf-full-grid), and its points in the default subset (forward +
+# backward, flash_triton and cuDNN): one per head dim, causal as language models train, one full.
+TRAINING_PROVIDERS = ("flash_triton", "sdpa_cudnn", "sdpa_flash")
+TRAINING_DEFAULT = (
+    ((16, 32, 1024, 64), True),
+    ((4, 32, 4096, 80), True),
+    ((8, 16, 2048, 96), True),
+    ((4, 16, 4096, 128), False),
+)
+
+
+def _training_params():
+    """Each training point once per provider, behind --perf-full-grid but for TRAINING_DEFAULT's forward + backward
+    with flash_triton and cuDNN (the CPU: one small point at d=80)."""
+    if not HAS_CUDA:
+        points = [point((1, 2, 64, 80), True, "fp32", "fwd_bwd", default=True)]
+    else:
+        points = [point(shape, causal, "bf16", mode, default=(shape, causal) in TRAINING_DEFAULT and mode == "fwd_bwd")
+                  for shape, causal in training_grid() for mode in MODES]
+    return with_providers(points, TRAINING_PROVIDERS, full_grid_only=("sdpa_flash",))
+
+
+@pytest.mark.parametrize("provider, shape, causal, dtype, mode", _training_params())
+def test_attention_training_grid(gpu_benchmark, fresh_compiler, device, seed, provider, shape, causal, dtype, mode):
     run_case(gpu_benchmark, device, provider, shape, causal, DTYPES[dtype], mode)
 
 

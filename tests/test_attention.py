@@ -360,10 +360,11 @@ def test_custom_ops_pass_opcheck(shape, q_layout, kv_layout, is_causal, dtype, s
 
 # The Triton kernels' tiles are a power of two wide along the head dim (80 -> 128, 48 -> 64, 8 -> 16): the padding
 # columns must load as zeros (so Q K^T, P V and the gradients' products are unchanged) and never be stored.
-# 80: the 2.7B preset's head dim, padded to 128; 48 and 8 are padded to 64 and 16.
+# 80: the 2.7B preset's head dim, padded to 128, as is 96 (the training grid's); 48 and 8 are padded to 64 and 16.
 PADDED_HEAD_DIMS = [
     pytest.param(80, torch.float32, id="d80-fp32"),
     pytest.param(80, torch.float16, id="d80-fp16"),
+    pytest.param(96, torch.float16, id="d96-fp16"),
     pytest.param(48, torch.float16, id="d48-fp16"),
     pytest.param(8, torch.float32, id="d8-fp32"),
 ]
@@ -379,6 +380,33 @@ def test_flash_triton_padded_head_dim(d, dtype, is_causal, layout, seed):
     q, do = (_strided((2, 2, n_q, d), layout, dtype, TRITON_DEVICE) for _ in range(2))
     k, v = (_strided((2, 2, n_k, d), layout, dtype, TRITON_DEVICE) for _ in range(2))
     check_flash("triton", q, k, v, is_causal, do)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d, dtype, layout", [
+    pytest.param(80, torch.float32, "contiguous", id="d80-fp32"),
+    pytest.param(96, torch.float16, "transposed", id="d96-fp16"),
+    pytest.param(72, torch.float32, "transposed", id="d72-fp32"),  # a second chunk of 8 columns in a tile of 16
+])
+def test_flash_triton_split_head_dim(d, dtype, layout, is_causal, monkeypatch, seed):
+    """SPLIT_HEAD_DIMS: the head dim as a chunk of 64 columns and one of the rest (16 or 32 wide), forward and
+    backward, against float64 at lengths ragged for every tile."""
+    monkeypatch.setattr(flash_triton, "SPLIT_HEAD_DIMS", frozenset({d}))
+    assert flash_triton._head_chunks(d)[2] == d - 64
+    n_q, n_k = 37, 37 if is_causal else 23
+    q, do = (_strided((2, 2, n_q, d), layout, dtype, TRITON_DEVICE) for _ in range(2))
+    k, v = (_strided((2, 2, n_k, d), layout, dtype, TRITON_DEVICE) for _ in range(2))
+    check_flash("triton", q, k, v, is_causal, do)
+
+
+def test_head_chunks(monkeypatch):
+    """Only the listed head dims split, and only where the chunks are narrower than the padded tile (65 to 96)."""
+    monkeypatch.setattr(flash_triton, "SPLIT_HEAD_DIMS", frozenset({48, 72, 80, 96, 112, 128}))
+    chunks = {d: flash_triton._head_chunks(d) for d in (48, 64, 72, 80, 96, 112, 128)}
+    assert chunks == {48: (48, 64, 0, 16), 64: (64, 64, 0, 16), 72: (64, 64, 8, 16), 80: (64, 64, 16, 16),
+                      96: (64, 64, 32, 32), 112: (112, 128, 0, 16), 128: (128, 128, 0, 16)}
+    monkeypatch.setattr(flash_triton, "SPLIT_HEAD_DIMS", frozenset())
+    assert flash_triton._head_chunks(80) == (80, 128, 0, 16)
 
 
 @pytest.mark.parametrize(
@@ -406,15 +434,18 @@ def test_block_d_is_the_padded_power_of_two():
                                                                                        128, 128]
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["padded", "split"])
 @pytest.mark.parametrize("d, table", [(80, 128), (96, 128), (48, 64), (8, 64), (128, 128)])
-def test_forward_tiles_are_those_of_the_padded_width(d, table, monkeypatch):
+def test_forward_tiles_are_those_of_the_padded_width(d, table, split, monkeypatch):
     """On a GPU the forward's autotuner keeps the tile table of the tiles' width (BLOCK_D), not of the head dim: a
-    head dim of 80 runs 128-wide tiles. (The interpreter skips the tables; here they are looked up as on a GPU.)"""
+    head dim of 80 runs 128-wide tiles, and split (SPLIT_HEAD_DIMS, 64 + 16 columns) the configs of 128 too. (The
+    interpreter skips the tables; here they are looked up as on a GPU.)"""
     monkeypatch.setattr(flash_triton, "_INTERPRET", False)
+    monkeypatch.setattr(flash_triton, "SPLIT_HEAD_DIMS", frozenset({d} if split else ()))
     configs = list(dict.fromkeys(c for cs in flash_triton._FWD_CONFIGS.values() for c in cs))
     q = torch.empty(1, 1, 8192, d, dtype=torch.bfloat16, device="meta")
     kept = flash_triton._prune_configs(configs, {"Q": q, "N_Q": 8192, "N_K": 8192}, rows="BLOCK_M",
-                                       tiles=flash_triton._FWD_CONFIGS, HEAD_DIM=d, BLOCK_D=flash_triton._block_d(d))
+                                       tiles=flash_triton._FWD_CONFIGS, **flash_triton._chunk_constexprs(d))
     assert kept == flash_triton._FWD_CONFIGS[table]
 
 
@@ -427,6 +458,7 @@ def test_forward_tiles_are_those_of_the_padded_width(d, table, monkeypatch):
         pytest.param((4, 32, 512, 80), 512, "transposed", True, id="d80-2.7B"),
         pytest.param((2, 4, 1000, 80), 1000, "contiguous", True, id="d80-causal-ragged"),
         pytest.param((1, 3, 1537, 80), 1000, "contiguous", False, id="d80-full-ragged"),
+        pytest.param((2, 4, 1000, 96), 1000, "transposed", True, id="d96-causal-ragged"),
         pytest.param((2, 4, 2048, 96), 2048, "transposed", False, id="d96-full"),
         pytest.param((3, 1000, 48), 1000, "contiguous", True, id="d48-3d-causal"),
         pytest.param((2, 4, 777, 72), 777, "transposed", True, id="d72-causal"),
@@ -435,6 +467,25 @@ def test_forward_tiles_are_those_of_the_padded_width(d, table, monkeypatch):
     ],
 )
 def test_flash_triton_padded_head_dim_gpu(gpu, shape, k_len, layout, is_causal, dtype, seed):
+    q, do = (_strided(shape, layout, dtype, gpu) for _ in range(2))
+    k, v = (_strided((*shape[:-2], k_len, shape[-1]), layout, dtype, gpu) for _ in range(2))
+    check_flash("triton", q, k, v, is_causal, do)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "shape, k_len, layout, is_causal",
+    [
+        pytest.param((4, 32, 512, 80), 512, "transposed", True, id="d80-2.7B"),
+        pytest.param((1, 3, 1537, 80), 1000, "contiguous", False, id="d80-full-ragged"),
+        pytest.param((2, 4, 1000, 96), 1000, "transposed", True, id="d96-causal-ragged"),
+        pytest.param((2, 4, 777, 72), 777, "contiguous", True, id="d72-causal"),
+    ],
+)
+def test_flash_triton_split_head_dim_gpu(gpu, shape, k_len, layout, is_causal, dtype, monkeypatch, seed):
+    """SPLIT_HEAD_DIMS on the GPU (the config the autotuner chooses) against float64."""
+    monkeypatch.setattr(flash_triton, "SPLIT_HEAD_DIMS", frozenset({shape[-1]}))
     q, do = (_strided(shape, layout, dtype, gpu) for _ in range(2))
     k, v = (_strided((*shape[:-2], k_len, shape[-1]), layout, dtype, gpu) for _ in range(2))
     check_flash("triton", q, k, v, is_causal, do)
@@ -491,11 +542,14 @@ TILE_CONFIGS = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128, 80], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("head_dim, split", [(64, False), (128, False), (80, False), (80, True), (96, True)],
+                         ids=["d64", "d128", "d80", "d80-split", "d96-split"])
 @pytest.mark.parametrize("kernel, config", TILE_CONFIGS)
-def test_every_tile_config_gpu(gpu, kernel, config, head_dim, monkeypatch):
+def test_every_tile_config_gpu(gpu, kernel, config, head_dim, split, monkeypatch):
     """Each tile config a kernel's autotuner may pick, forced, against float64 (the autotuner runs only the fastest);
-    at d=80 the tiles are 128 wide, the descriptors of the USE_TMA configs 80."""
+    at d=80 the tiles are 128 wide, the descriptors of the USE_TMA configs 80; split (SPLIT_HEAD_DIMS), 64 + 16 or 32
+    wide, through pointers."""
+    monkeypatch.setattr(flash_triton, "SPLIT_HEAD_DIMS", frozenset({head_dim} if split else ()))
     _force_config(monkeypatch, getattr(flash_triton, kernel), config)
     for q_shape, k_shape, is_causal in FORCED_CONFIG_PROBLEMS:
         q, k, v = make_inputs(q_shape[:-1] + (head_dim,), k_shape[:-1] + (head_dim,), torch.bfloat16, gpu)

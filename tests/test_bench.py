@@ -178,6 +178,28 @@ def test_attention_table_plots_and_unsupported_providers(tmp_path):
         assert png(tmp_path / "plots" / name)
 
 
+def test_attention_training_grid_preset(tmp_path, capsys):
+    grid = attention_bench.training_grid()
+    assert {shape[3] for shape, _ in grid} == {64, 80, 96, 128}
+    assert {shape[2] for shape, _ in grid} == {512, 1024, 2048, 4096, 8192, 16384}
+    assert all(batch * seq == 16384 and 1536 <= heads * d <= 2560 for (batch, heads, seq, d), _ in grid)
+    assert len(grid) == len(set(grid)) == 4 * 6 * 2  # every (shape, causal) once, causal and not
+    # On the CPU both providers are rows saying they need CUDA; on a GPU this would time the whole grid.
+    if torch.cuda.is_available():
+        pytest.skip("times the whole training grid on a GPU")
+    status = main(["attention", "--grid", "training", "--providers", "flash_triton", "sdpa_cudnn", "--modes", "fwd",
+                   "fwd_bwd", "-o", str(tmp_path / "a.csv")])
+    assert status == 0 and "causal and full" in capsys.readouterr().out
+    table = pd.read_csv(tmp_path / "a.csv")
+    assert len(table) == len(grid) * 2 * 2
+    got = {((r.batch, r.heads, r.seq, r.d), r.causal) for r in table.itertuples()}
+    assert got == set(grid)
+    assert table["status"].str.startswith("needs CUDA").all()
+    with pytest.raises(SystemExit):
+        main(["attention", "--grid", "inference"])
+    assert "invalid choice: 'inference'" in capsys.readouterr().err
+
+
 def test_attention_out_of_memory_is_a_row(tmp_path, monkeypatch):
     real = attention_bench.attention_function
 

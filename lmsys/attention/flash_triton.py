@@ -34,8 +34,10 @@ works out from its inputs' signature is kept per signature (lmsys.attention.plan
 length works: boundary masks are compiled in only when a length is not a multiple of the tile (``EVEN_*`` heuristics).
 Any head dim up to 128 works (the 2.7B model's is 80): tiles are BLOCK_D wide, the head dim rounded up to a power of two
 (at least 16), and the padding columns load as zeros, which leaves every product over the head dim unchanged, and are
-never stored; a power-of-two head dim compiles without those masks. With ``TRITON_INTERPRET=1`` the same kernels run on
-the CPU (small shapes, for tests).
+never stored; a power-of-two head dim compiles without those masks. A head dim in SPLIT_HEAD_DIMS (from 65 to 96) runs
+split instead: tiles of its first 64 columns and tiles of the rest, 16 or 32 wide (`_head_chunks`), every product over
+the head dim the sum of the two chunks' (the forward's second chunk loads through pointers, not descriptors). With
+``TRITON_INTERPRET=1`` the same kernels run on the CPU (small shapes, for tests).
 """
 
 import functools
@@ -74,6 +76,28 @@ def _block_d(head_dim):
     return max(16, triton.next_power_of_2(head_dim))
 
 
+# Head dims from 65 to 96 (80: the 2.7B model's; 96) may run split along the head dim: tiles of the first 64 columns
+# and tiles of the rest, 16 or 32 wide, so that every product over the head dim does 80 or 96 columns' work rather
+# than a padded 128's. SPLIT_HEAD_DIMS: the head dims that run so (empty: every head dim runs one padded tile, until a
+# GPU's measurements choose: scripts/attention_tuning_sweep.py times the two side by side).
+SPLIT_HEAD_DIMS = frozenset()
+_SPLIT_AT = 64
+
+
+def _head_chunks(head_dim):
+    """(HEAD_DIM, BLOCK_D, HEAD_DIM1, BLOCK_D1): the kernels' constexprs for the head dim's columns, chunk 0 (its real
+    width and tile width) and chunk 1 (HEAD_DIM1 = 0: no second chunk; its tile width is then a placeholder)."""
+    if head_dim in SPLIT_HEAD_DIMS and _SPLIT_AT < head_dim and _SPLIT_AT + _block_d(head_dim - _SPLIT_AT) < _block_d(
+            head_dim):
+        return _SPLIT_AT, _SPLIT_AT, head_dim - _SPLIT_AT, _block_d(head_dim - _SPLIT_AT)
+    return head_dim, _block_d(head_dim), 0, 16
+
+
+def _chunk_constexprs(head_dim) -> dict:
+    """The kernels' head-dim constexprs (`_head_chunks`) by name."""
+    return dict(zip(("HEAD_DIM", "BLOCK_D", "HEAD_DIM1", "BLOCK_D1"), _head_chunks(head_dim), strict=True))
+
+
 def _autotune_key(n_q, n_k):
     """Sequence lengths rounded up to a power of two: one tuning per size class, not per odd length."""
     return triton.next_power_of_2(max(n_q, n_k))
@@ -97,12 +121,14 @@ def _even_flags(rows: str, cols: str) -> dict:
 def _prune_configs(configs, named_args, rows, tiles=None, **kwargs):
     """Drop tiles much taller (`rows`) than the problem, and for fp32 all but the small tiles verified on the H100
     to fit shared memory up to d=128 (fp32 operands take twice the room). With `tiles` (head dim -> configs), keep
-    only the configs listed for the tile width along the head dim (BLOCK_D: a head dim of 80 has the tiles of 128),
-    in their order. Up to _SMALL_PROBLEM tokens, keep one config of each tile height."""
+    only the configs listed for the tiles' width along the head dim (BLOCK_D, plus BLOCK_D1 when the head dim is
+    split: a head dim of 80 has the tiles of 128 either way), in their order. Up to _SMALL_PROBLEM tokens, keep one
+    config of each tile height."""
     n = max(named_args["N_Q"], named_args["N_K"])
     fp32 = named_args["Q"].element_size() == 4
     if tiles is not None and not _INTERPRET:
-        configs = [c for c in tiles[min(d for d in tiles if d >= kwargs["BLOCK_D"])] if c in configs]
+        width = kwargs["BLOCK_D"] + (kwargs["BLOCK_D1"] if kwargs["HEAD_DIM1"] else 0)
+        configs = [c for c in tiles[min(d for d in tiles if d >= width)] if c in configs]
     kept = [
         c for c in configs
         if c.kwargs[rows] <= max(64, triton.next_power_of_2(n))
@@ -180,18 +206,23 @@ def _store_rows(dst, value, rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.const
 
 @triton.jit
 def _fwd_inner(
-    acc, l_i, m_i, q, K, V,
+    acc, acc1, l_i, m_i, q, q1, K, V, K1, V1,
     stride_kn, stride_vn,
-    offs_m, offs_d, lo, hi, N_K, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    offs_m, offs_d, offs_d1, lo, hi, N_K, qk_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM1: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+    BOUNDS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
+    """The online softmax over the key tiles [lo, hi). With HEAD_DIM1 the head dim is split: q1, acc1 and K1, V1 (the
+    columns from HEAD_DIM on, through pointers; offs_d1 wide, HEAD_DIM1 real) are its second chunk."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         k = _load_rows(K, start_n, offs_n, offs_d, stride_kn, N_K, HEAD_DIM, BOUNDS_MASK, USE_TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        if HEAD_DIM1 > 0:
+            k1 = _load_rows(K1, start_n, offs_n, offs_d1, stride_kn, N_K, HEAD_DIM1, BOUNDS_MASK, False)
+            qk = tl.dot(q1, tl.trans(k1), qk, input_precision=DOT_PRECISION)
         if CAUSAL_MASK or BOUNDS_MASK:
             if CAUSAL_MASK and BOUNDS_MASK:
                 keep = (offs_m[:, None] >= cols[None, :]) & (cols[None, :] < N_K)
@@ -210,13 +241,17 @@ def _fwd_inner(
         acc = acc * alpha[:, None]
         v = _load_rows(V, start_n, offs_n, offs_d, stride_vn, N_K, HEAD_DIM, BOUNDS_MASK, USE_TMA)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        if HEAD_DIM1 > 0:
+            acc1 = acc1 * alpha[:, None]
+            v1 = _load_rows(V1, start_n, offs_n, offs_d1, stride_vn, N_K, HEAD_DIM1, BOUNDS_MASK, False)
+            acc1 = tl.dot(p.to(v1.dtype), v1, acc1, input_precision=DOT_PRECISION)
         m_i = m_ij
-    return acc, l_i, m_i
+    return acc, acc1, l_i, m_i
 
 
 @triton.autotune(
     configs=_fwd_configs(),
-    key=["N_BUCKET", "HEAD_DIM", "CAUSAL"],
+    key=["N_BUCKET", "HEAD_DIM", "HEAD_DIM1", "CAUSAL"],
     prune_configs_by={"early_config_prune": functools.partial(_prune_configs, rows="BLOCK_M", tiles=_FWD_CONFIGS)},
     cache_results=True,
 )
@@ -229,8 +264,8 @@ def _flash_fwd_kernel(
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA_OK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM1: tl.constexpr, BLOCK_D1: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_OK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
@@ -246,6 +281,12 @@ def _flash_fwd_kernel(
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    # The head dim's second chunk (columns HEAD_DIM to HEAD_DIM + HEAD_DIM1) when it is split; else placeholders that
+    # nothing reads.
+    offs_d1 = tl.arange(0, BLOCK_D1)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
+    K1 = K + HEAD_DIM
+    V1 = V + HEAD_DIM
     if TMA:
         # Global shapes of the real head dim, tiles of the padded one: the padding columns load as zeros.
         q_src = tl.make_tensor_descriptor(Q, [N_Q, HEAD_DIM], [stride_qm, 1], [BLOCK_M, BLOCK_D])
@@ -254,6 +295,11 @@ def _flash_fwd_kernel(
     else:
         q_src = Q
     q = _load_rows(q_src, start_m * BLOCK_M, tl.arange(0, BLOCK_M), offs_d, stride_qm, N_Q, HEAD_DIM, not EVEN_M, TMA)
+    if HEAD_DIM1 > 0:
+        q1 = _load_rows(Q + HEAD_DIM, start_m * BLOCK_M, tl.arange(0, BLOCK_M), offs_d1, stride_qm, N_Q, HEAD_DIM1,
+                        not EVEN_M, False)
+    else:
+        q1 = acc1.to(Q.dtype.element_ty)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -261,29 +307,29 @@ def _flash_fwd_kernel(
     if CAUSAL:
         # Stage 1: key tiles strictly below the diagonal, no mask at all.
         diag = start_m * BLOCK_M
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, K, V, stride_kn, stride_vn,
-            offs_m, offs_d, 0, diag, N_K, qk_scale,
-            HEAD_DIM, BLOCK_N, False, False, DOT_PRECISION, TMA,
+        acc, acc1, l_i, m_i = _fwd_inner(
+            acc, acc1, l_i, m_i, q, q1, K, V, K1, V1, stride_kn, stride_vn,
+            offs_m, offs_d, offs_d1, 0, diag, N_K, qk_scale,
+            HEAD_DIM, HEAD_DIM1, BLOCK_N, False, False, DOT_PRECISION, TMA,
         )
         # Stage 2: the diagonal tiles, masked (and bounds-checked when the length is ragged).
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, K, V, stride_kn, stride_vn,
-            offs_m, offs_d, diag, tl.minimum(diag + BLOCK_M, N_K), N_K, qk_scale,
-            HEAD_DIM, BLOCK_N, True, not EVEN_N, DOT_PRECISION, TMA,
+        acc, acc1, l_i, m_i = _fwd_inner(
+            acc, acc1, l_i, m_i, q, q1, K, V, K1, V1, stride_kn, stride_vn,
+            offs_m, offs_d, offs_d1, diag, tl.minimum(diag + BLOCK_M, N_K), N_K, qk_scale,
+            HEAD_DIM, HEAD_DIM1, BLOCK_N, True, not EVEN_N, DOT_PRECISION, TMA,
         )
     else:
         n_full = (N_K // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, K, V, stride_kn, stride_vn,
-            offs_m, offs_d, 0, n_full, N_K, qk_scale,
-            HEAD_DIM, BLOCK_N, False, False, DOT_PRECISION, TMA,
+        acc, acc1, l_i, m_i = _fwd_inner(
+            acc, acc1, l_i, m_i, q, q1, K, V, K1, V1, stride_kn, stride_vn,
+            offs_m, offs_d, offs_d1, 0, n_full, N_K, qk_scale,
+            HEAD_DIM, HEAD_DIM1, BLOCK_N, False, False, DOT_PRECISION, TMA,
         )
         if not EVEN_N:
-            acc, l_i, m_i = _fwd_inner(
-                acc, l_i, m_i, q, K, V, stride_kn, stride_vn,
-                offs_m, offs_d, n_full, N_K, N_K, qk_scale,
-                HEAD_DIM, BLOCK_N, False, True, DOT_PRECISION, TMA,
+            acc, acc1, l_i, m_i = _fwd_inner(
+                acc, acc1, l_i, m_i, q, q1, K, V, K1, V1, stride_kn, stride_vn,
+                offs_m, offs_d, offs_d1, n_full, N_K, N_K, qk_scale,
+                HEAD_DIM, HEAD_DIM1, BLOCK_N, False, True, DOT_PRECISION, TMA,
             )
 
     acc = acc / l_i[:, None]
@@ -293,6 +339,8 @@ def _flash_fwd_kernel(
     else:
         tl.store(LSE + offs_m, lse, mask=offs_m < N_Q)
     _store_rows(O, acc, offs_m, offs_d, stride_om, N_Q, HEAD_DIM, not EVEN_M)
+    if HEAD_DIM1 > 0:
+        _store_rows(O + HEAD_DIM, acc1 / l_i[:, None], offs_m, offs_d1, stride_om, N_Q, HEAD_DIM1, not EVEN_M)
 
 
 # ------------------------------------------------------------------------------------------------ backward
@@ -344,13 +392,15 @@ def _bwd_configs():
 
 @triton.jit
 def _bwd_dkdv_inner(
-    dk, dv, k, v, Q, DO, LSE, DELTA,
+    dk, dv, dk1, dv1, k, v, k1, v1, Q, DO, LSE, DELTA,
     stride_qm, stride_dom,
-    offs_n, offs_d, lo, hi, N_Q, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    offs_n, offs_d, offs_d1, lo, hi, N_Q, qk_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM1: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+    BOUNDS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Accumulate dK, dV of one key tile over the query tiles [lo, hi). Works on transposed scores (keys x queries)."""
+    """Accumulate dK, dV of one key tile over the query tiles [lo, hi). Works on transposed scores (keys x queries).
+    With HEAD_DIM1 the head dim is split: dk1, dv1, k1, v1 and the columns of Q and dO from HEAD_DIM on are its
+    second chunk."""
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -363,6 +413,11 @@ def _bwd_dkdv_inner(
         else:
             lse2 = tl.load(LSE + offs_m) * LOG2E
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        if HEAD_DIM1 > 0:
+            q1 = _load_rows(Q + HEAD_DIM, start_m, offs_m0, offs_d1, stride_qm, N_Q, HEAD_DIM1, BOUNDS_MASK, False)
+            qkT = tl.dot(k1, tl.trans(q1), qkT, input_precision=DOT_PRECISION)
+        else:
+            q1 = q
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
         if CAUSAL_MASK:
             pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
@@ -373,20 +428,27 @@ def _bwd_dkdv_inner(
             delta = tl.load(DELTA + offs_m)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if HEAD_DIM1 > 0:
+            do1 = _load_rows(DO + HEAD_DIM, start_m, offs_m0, offs_d1, stride_dom, N_Q, HEAD_DIM1, BOUNDS_MASK, False)
+            dv1 = tl.dot(pT.to(do1.dtype), do1, dv1, input_precision=DOT_PRECISION)
+            dpT = tl.dot(v1, tl.trans(do1), dpT, input_precision=DOT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-    return dk, dv
+        if HEAD_DIM1 > 0:
+            dk1 = tl.dot(dsT.to(q1.dtype), q1, dk1, input_precision=DOT_PRECISION)
+    return dk, dv, dk1, dv1
 
 
 @triton.jit
 def _bwd_dq_inner(
-    dq, q, do, lse2, delta, K, V,
+    dq, dq1, q, q1, do, do1, lse2, delta, K, V,
     stride_kn, stride_vn,
-    offs_m, offs_d, lo, hi, N_K, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    offs_m, offs_d, offs_d1, lo, hi, N_K, qk_scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM1: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+    BOUNDS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Accumulate dQ of one query tile over the key tiles [lo, hi)."""
+    """Accumulate dQ of one query tile over the key tiles [lo, hi). With HEAD_DIM1 the head dim is split: dq1, q1,
+    do1 and the columns of K and V from HEAD_DIM on are its second chunk."""
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -394,6 +456,14 @@ def _bwd_dq_inner(
         k = _load_rows(K, start_n, offs_n0, offs_d, stride_kn, N_K, HEAD_DIM, BOUNDS_MASK, False)
         v = _load_rows(V, start_n, offs_n0, offs_d, stride_vn, N_K, HEAD_DIM, BOUNDS_MASK, False)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if HEAD_DIM1 > 0:
+            k1 = _load_rows(K + HEAD_DIM, start_n, offs_n0, offs_d1, stride_kn, N_K, HEAD_DIM1, BOUNDS_MASK, False)
+            v1 = _load_rows(V + HEAD_DIM, start_n, offs_n0, offs_d1, stride_vn, N_K, HEAD_DIM1, BOUNDS_MASK, False)
+            qk = tl.dot(q1, tl.trans(k1), qk, input_precision=DOT_PRECISION)
+            dp = tl.dot(do1, tl.trans(v1), dp, input_precision=DOT_PRECISION)
+        else:
+            k1 = k
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if CAUSAL_MASK and BOUNDS_MASK:
             p = tl.where((offs_m[:, None] >= cols[None, :]) & (cols[None, :] < N_K), p, 0.0)
@@ -401,15 +471,16 @@ def _bwd_dq_inner(
             p = tl.where(offs_m[:, None] >= cols[None, :], p, 0.0)
         elif BOUNDS_MASK:
             p = tl.where(cols[None, :] < N_K, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
-    return dq
+        if HEAD_DIM1 > 0:
+            dq1 = tl.dot(ds.to(k1.dtype), k1, dq1, input_precision=DOT_PRECISION)
+    return dq, dq1
 
 
 @triton.autotune(
     configs=_bwd_configs(),
-    key=["N_BUCKET", "HEAD_DIM", "CAUSAL"],
+    key=["N_BUCKET", "HEAD_DIM", "HEAD_DIM1", "CAUSAL"],
     prune_configs_by={"early_config_prune": functools.partial(_prune_configs, rows="BLOCK_BIG")},
     cache_results=True,
 )
@@ -425,11 +496,14 @@ def _flash_bwd_kernel(
     stride_dqb, stride_dqh, stride_dqm,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM1: tl.constexpr, BLOCK_D1: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_BIG: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     # dK/dV: a key tile of BLOCK_BIG rows visits query tiles of BLOCK_M1 rows.
     # dQ: a query tile of BLOCK_BIG rows visits key tiles of BLOCK_N2 rows.
+    # A split head dim (HEAD_DIM1 > 0): every tile along it is two, columns [0, HEAD_DIM) and [HEAD_DIM, HEAD_DIM +
+    # HEAD_DIM1) (`_head_chunks`); without one the second chunk's values are placeholders that nothing reads.
     tl.static_assert(BLOCK_BIG % BLOCK_M1 == 0)
     tl.static_assert(BLOCK_BIG % BLOCK_N2 == 0)
     pid = tl.program_id(0)
@@ -446,6 +520,7 @@ def _flash_bwd_kernel(
     LSE += off_bh.to(tl.int64) * N_Q
     DELTA += off_bh.to(tl.int64) * N_Q
     offs_d = tl.arange(0, BLOCK_D)
+    offs_d1 = tl.arange(0, BLOCK_D1)
 
     start_n = pid * BLOCK_BIG
     if start_n < N_K:
@@ -454,28 +529,50 @@ def _flash_bwd_kernel(
         v = _load_rows(V, start_n, tl.arange(0, BLOCK_BIG), offs_d, stride_vn, N_K, HEAD_DIM, not EVEN_N, False)
         dk = tl.zeros([BLOCK_BIG, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_BIG, BLOCK_D], dtype=tl.float32)
+        dk1 = tl.zeros([BLOCK_BIG, BLOCK_D1], dtype=tl.float32)
+        dv1 = tl.zeros([BLOCK_BIG, BLOCK_D1], dtype=tl.float32)
+        if HEAD_DIM1 > 0:
+            k1 = _load_rows(K + HEAD_DIM, start_n, tl.arange(0, BLOCK_BIG), offs_d1, stride_kn, N_K, HEAD_DIM1,
+                            not EVEN_N, False)
+            v1 = _load_rows(V + HEAD_DIM, start_n, tl.arange(0, BLOCK_BIG), offs_d1, stride_vn, N_K, HEAD_DIM1,
+                            not EVEN_N, False)
+        else:
+            k1 = dk1.to(K.dtype.element_ty)
+            v1 = k1
         lo = 0
         if CAUSAL:
             # Query tiles on the diagonal need the mask; those above it (earlier queries) are skipped entirely.
             lo = start_n + BLOCK_BIG
-            dk, dv = _bwd_dkdv_inner(
-                dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_dom,
-                offs_n, offs_d, start_n, tl.minimum(lo, N_Q), N_Q, qk_scale,
-                HEAD_DIM, BLOCK_M1, True, not EVEN_M, DOT_PRECISION,
+            dk, dv, dk1, dv1 = _bwd_dkdv_inner(
+                dk, dv, dk1, dv1, k, v, k1, v1, Q, DO, LSE, DELTA, stride_qm, stride_dom,
+                offs_n, offs_d, offs_d1, start_n, tl.minimum(lo, N_Q), N_Q, qk_scale,
+                HEAD_DIM, HEAD_DIM1, BLOCK_M1, True, not EVEN_M, DOT_PRECISION,
             )
-        dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_dom,
-            offs_n, offs_d, lo, N_Q, N_Q, qk_scale,
-            HEAD_DIM, BLOCK_M1, False, not EVEN_M, DOT_PRECISION,
+        dk, dv, dk1, dv1 = _bwd_dkdv_inner(
+            dk, dv, dk1, dv1, k, v, k1, v1, Q, DO, LSE, DELTA, stride_qm, stride_dom,
+            offs_n, offs_d, offs_d1, lo, N_Q, N_Q, qk_scale,
+            HEAD_DIM, HEAD_DIM1, BLOCK_M1, False, not EVEN_M, DOT_PRECISION,
         )
         _store_rows(DK, dk * sm_scale, offs_n, offs_d, stride_dkn, N_K, HEAD_DIM, not EVEN_N)
         _store_rows(DV, dv, offs_n, offs_d, stride_dvn, N_K, HEAD_DIM, not EVEN_N)
+        if HEAD_DIM1 > 0:
+            _store_rows(DK + HEAD_DIM, dk1 * sm_scale, offs_n, offs_d1, stride_dkn, N_K, HEAD_DIM1, not EVEN_N)
+            _store_rows(DV + HEAD_DIM, dv1, offs_n, offs_d1, stride_dvn, N_K, HEAD_DIM1, not EVEN_N)
 
     start_m = pid * BLOCK_BIG
     if start_m < N_Q:
         offs_m = start_m + tl.arange(0, BLOCK_BIG)
         q = _load_rows(Q, start_m, tl.arange(0, BLOCK_BIG), offs_d, stride_qm, N_Q, HEAD_DIM, not EVEN_M, False)
         do = _load_rows(DO, start_m, tl.arange(0, BLOCK_BIG), offs_d, stride_dom, N_Q, HEAD_DIM, not EVEN_M, False)
+        dq1 = tl.zeros([BLOCK_BIG, BLOCK_D1], dtype=tl.float32)
+        if HEAD_DIM1 > 0:
+            q1 = _load_rows(Q + HEAD_DIM, start_m, tl.arange(0, BLOCK_BIG), offs_d1, stride_qm, N_Q, HEAD_DIM1,
+                            not EVEN_M, False)
+            do1 = _load_rows(DO + HEAD_DIM, start_m, tl.arange(0, BLOCK_BIG), offs_d1, stride_dom, N_Q, HEAD_DIM1,
+                             not EVEN_M, False)
+        else:
+            q1 = dq1.to(Q.dtype.element_ty)
+            do1 = q1
         if EVEN_M:
             lse2 = tl.load(LSE + offs_m) * LOG2E
             delta = tl.load(DELTA + offs_m)
@@ -485,23 +582,25 @@ def _flash_bwd_kernel(
             delta = tl.load(DELTA + offs_m, mask=rows, other=0.0)
         dq = tl.zeros([BLOCK_BIG, BLOCK_D], dtype=tl.float32)
         if CAUSAL:
-            dq = _bwd_dq_inner(
-                dq, q, do, lse2, delta, K, V, stride_kn, stride_vn,
-                offs_m, offs_d, 0, start_m, N_K, qk_scale,
-                HEAD_DIM, BLOCK_N2, False, False, DOT_PRECISION,
+            dq, dq1 = _bwd_dq_inner(
+                dq, dq1, q, q1, do, do1, lse2, delta, K, V, stride_kn, stride_vn,
+                offs_m, offs_d, offs_d1, 0, start_m, N_K, qk_scale,
+                HEAD_DIM, HEAD_DIM1, BLOCK_N2, False, False, DOT_PRECISION,
             )
-            dq = _bwd_dq_inner(
-                dq, q, do, lse2, delta, K, V, stride_kn, stride_vn,
-                offs_m, offs_d, start_m, tl.minimum(start_m + BLOCK_BIG, N_K), N_K, qk_scale,
-                HEAD_DIM, BLOCK_N2, True, not EVEN_N, DOT_PRECISION,
+            dq, dq1 = _bwd_dq_inner(
+                dq, dq1, q, q1, do, do1, lse2, delta, K, V, stride_kn, stride_vn,
+                offs_m, offs_d, offs_d1, start_m, tl.minimum(start_m + BLOCK_BIG, N_K), N_K, qk_scale,
+                HEAD_DIM, HEAD_DIM1, BLOCK_N2, True, not EVEN_N, DOT_PRECISION,
             )
         else:
-            dq = _bwd_dq_inner(
-                dq, q, do, lse2, delta, K, V, stride_kn, stride_vn,
-                offs_m, offs_d, 0, N_K, N_K, qk_scale,
-                HEAD_DIM, BLOCK_N2, False, not EVEN_N, DOT_PRECISION,
+            dq, dq1 = _bwd_dq_inner(
+                dq, dq1, q, q1, do, do1, lse2, delta, K, V, stride_kn, stride_vn,
+                offs_m, offs_d, offs_d1, 0, N_K, N_K, qk_scale,
+                HEAD_DIM, HEAD_DIM1, BLOCK_N2, False, not EVEN_N, DOT_PRECISION,
             )
         _store_rows(DQ, dq * sm_scale, offs_m, offs_d, stride_dqm, N_Q, HEAD_DIM, not EVEN_M)
+        if HEAD_DIM1 > 0:
+            _store_rows(DQ + HEAD_DIM, dq1 * sm_scale, offs_m, offs_d1, stride_dqm, N_Q, HEAD_DIM1, not EVEN_M)
 
 
 # ------------------------------------------------------------------------------------------------ wrappers
@@ -583,7 +682,8 @@ class _ForwardPlan:
         k_strides, v_strides = _dims(k)[1], _dims(v)[1]
         # The interpreter runs tensor descriptors too (zero-filling out of bounds as TMA does), for tests that force
         # a config with USE_TMA; its own config has none.
-        self.tma = (q.is_cuda or _INTERPRET) and _tma_ok(q, k, v)
+        # A split head dim reads its second chunk through pointers: descriptors only without one.
+        self.tma = (q.is_cuda or _INTERPRET) and _tma_ok(q, k, v) and _head_chunks(head_dim)[2] == 0
         self.scalars = (n_q, n_k, heads, batch * heads, launch_order.group_heads(k, batch * heads),
                         _autotune_key(n_q, n_k), LOG2E.value / math.sqrt(head_dim), *q_strides, *k_strides, *v_strides,
                         *_new_strides(q.shape))
@@ -591,8 +691,7 @@ class _ForwardPlan:
             _flash_fwd_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * batch * heads,),
             # o and lse are new (aligned, contiguous): the rest of the launch follows from these.
             (q.device, q.dtype, q.shape, n_k, q_strides, k_strides, v_strides, launcher.aligned(q, k, v)),
-            HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
-            TMA_OK=self.tma,
+            **_chunk_constexprs(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype), TMA_OK=self.tma,
         )
 
 
@@ -655,7 +754,7 @@ class _BackwardPlan:
             _flash_bwd_kernel, lambda meta: (triton.cdiv(max(n_q, n_k), meta["BLOCK_BIG"]), batch * heads),
             # dq, dk, dv and delta are new; lse is contiguous, one row per head.
             (q.device, q.dtype, q.shape, k.shape, q_strides, k_strides, v_strides, do_strides, aligned),
-            HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
+            **_chunk_constexprs(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
         )
 
 

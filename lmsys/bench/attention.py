@@ -11,6 +11,10 @@ PyTorch), flash_triton, PyTorch's sdpa (its own choice of backend) and sdpa_flas
 sdpa_math (one SDPA backend each); `_compiled` after naive or flash_torch wraps it in torch.compile. A provider
 that cannot run a point is a row whose status says why (SDPA's own words when a backend refuses the inputs); running
 out of memory is a row 'OOM: ...'.
+
+`--grid training` replaces the sequence x head-dim grid (and --seq, --dims, --batch, --heads, --causal) with the
+training-shapes grid (`training_grid`, also perf_tests/test_attention.py's `test_attention_training_grid`): the head
+dims language models train with at 16384 tokens a batch, causal and not.
 """
 
 import argparse
@@ -32,6 +36,19 @@ COLUMNS = [
 ]
 HAS_CUDA = torch.cuda.is_available()
 
+# The training-shapes grid: head dim -> heads (a model width of 2048 at d=64 and 128; at d=80 the 2.7B model's 32 heads
+# of 80, at d=96 16 heads), every length with TRAINING_TOKENS tokens a batch (batch x seq), causal and not.
+TRAINING_HEADS = {64: 32, 80: 32, 96: 16, 128: 16}
+TRAINING_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+TRAINING_TOKENS = 16384
+GRIDS = ("training",)
+
+
+def training_grid() -> list[tuple[tuple[int, int, int, int], bool]]:
+    """The training-shapes grid's points: ((batch, heads, seq, d), causal), by head dim, then length, causal first."""
+    return [((TRAINING_TOKENS // seq, heads, seq, d), causal) for d, heads in TRAINING_HEADS.items()
+            for seq in TRAINING_SEQS for causal in (True, False)]
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     gpu = HAS_CUDA
@@ -47,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="bf16" if gpu else "fp32")
     parser.add_argument("--modes", nargs="+", choices=ATTENTION_MODES, default=["fwd_bwd"], help="default: fwd_bwd")
     parser.add_argument("--causal", action="store_true", help="causal masking (default: full attention)")
+    parser.add_argument("--grid", choices=GRIDS,
+                        help="training: the training-shapes grid (d 64, 80, 96, 128 x seq 512 ... 16384 at 16384 "
+                        "tokens a batch, causal and not) in place of --seq, --dims, --batch, --heads and --causal")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls after the first (default: 3)")
     parser.add_argument("--steps", type=int, default=10, help="timed calls (default: 10)")
     parser.add_argument("--clock", choices=sweep.CLOCKS, default="eager",
@@ -149,6 +169,13 @@ def plot(frame: pd.DataFrame, directory: Path) -> list[Path]:
     return written
 
 
+def grid_points(args: argparse.Namespace) -> list[tuple[tuple[int, int, int, int], bool]]:
+    """The ((batch, heads, seq, d), causal) points the arguments ask for: the named grid's, or --dims x --seq."""
+    if args.grid == "training":
+        return training_grid()
+    return [((args.batch, args.heads, s, d), args.causal) for d in args.dims for s in args.seq]
+
+
 def run(args: argparse.Namespace) -> int:
     sweep.check_outputs(args.output)
     for name, values, least in (("--seq", args.seq, 1), ("--dims", args.dims, 1), ("--batch", [args.batch], 1),
@@ -157,16 +184,15 @@ def run(args: argparse.Namespace) -> int:
         if min(values) < least:
             raise sweep.UsageError(f"{name} must be at least {least}, got {min(values)}")
     device = sweep.backend()
-    points = [(p, (args.batch, args.heads, s, d), m) for d in args.dims for s in args.seq for m in args.modes
-              for p in args.providers]
+    points = [(p, shape, m, causal) for shape, causal in grid_points(args) for m in args.modes for p in args.providers]
+    masking = "causal and full" if args.grid else "causal" if args.causal else "full"
     print(f"lmsys-bench attention on {device.name} (torch {torch.__version__}): {len(points)} points, "
-          f"{args.dtype}, {'causal' if args.causal else 'full'}, {args.warmup} warmup + {args.steps} timed calls "
-          f"({args.clock} clock)")
+          f"{args.dtype}, {masking}, {args.warmup} warmup + {args.steps} timed calls ({args.clock} clock)")
     progress = sweep.Progress(len(points))
     rows = []
-    for provider, shape, mode in points:
-        progress.start(f"{provider} {'x'.join(map(str, shape))} {mode}")
-        rows.append(run_point(provider, shape, args.dtype, mode, args.causal, args, device))
+    for provider, shape, mode, causal in points:
+        progress.start(f"{provider} {'x'.join(map(str, shape))}{' causal' if causal else ''} {mode}")
+        rows.append(run_point(provider, shape, args.dtype, mode, causal, args, device))
         sweep.write_outputs(pd.DataFrame(rows).reindex(columns=COLUMNS), args.output)  # kept if the sweep stops
     progress.close()
     frame = pd.DataFrame(rows).reindex(columns=COLUMNS)
