@@ -9,9 +9,9 @@ that has it), otherwise a first run saves a fresh reference into a temporary sto
 calibration.json, so calibrated tolerances apply); before it, an untimed run (--benchmark-disable) fills the
 compilation caches (--no-warm-up: none). The cases take turns (a round is one run of each), so a drift of the
 machine over the measurement (warming up, another start) falls on every case alike, and a measurement stopped
-partway has as many runs of each case. LMSYS_INJECT_DELAY=f makes every benchmarked call queue device-side work of f
-times its own time (tensor-core multiplies, CudaBackend.make_work), LMSYS_INJECT_MEMORY=B hold B more bytes
-on the device while it runs. --in-process measures every case in each run instead: a fresh process judges each
+partway has as many runs of each case. Their runs load the injection plugin (-p lmsys.perf.injection), where
+LMSYS_INJECT_DELAY=f makes every benchmarked call queue device-side work of f times its own time (tensor-core
+multiplies, CudaBackend.make_work), LMSYS_INJECT_MEMORY=B hold B more bytes on the device while it runs. --in-process measures every case in each run instead: a fresh process judges each
 benchmark unchanged (the A/A case), then once more per injected case (LMSYS_INJECT_CASES, judged against the same
 reference, failing nothing): the cases share each run's process, and its start-up and compilations are paid once (on
 the H100 such a run of the default subset took 982 s, a plain warm run 330 s: the timing of the cases, not the
@@ -44,9 +44,11 @@ import pandas as pd
 
 from lmsys.perf import baselines, calibration, report, reruns
 from lmsys.perf.verdict import MORE_MEMORY, Verdict, format_bytes
-from lmsys.perf.timing import INJECT_CASES, INJECT_DELAY, INJECT_MEMORY, INJECTED_CASES_KEY
+from lmsys.perf.injection import INJECT_CASES, INJECT_DELAY, INJECT_MEMORY, INJECTED_CASES_KEY
 
 UNCHANGED = {INJECT_DELAY: "0", INJECT_MEMORY: "0"}
+# What the runs of the cases add to the tests' arguments: the plugin that reads the variables above.
+INJECTION = ["-p", "lmsys.perf.injection"]
 AA_COLUMN = "A/A false alarms"
 
 
@@ -479,8 +481,8 @@ def _measure_in_process(args: argparse.Namespace, cases: list[Case], held: dict
         compare = _compare_args(args, Path(folder))
         print(f"{args.runs} runs, each measuring every case", file=sys.stderr, flush=True)
         while len(docs) < args.runs:
-            docs += reruns.rerun([*args.pytest_args, *compare, DURATIONS], 1, Path.cwd(), env=env, timeout=args.timeout,
-                                 progress=_progress("every case", args.runs),
+            docs += reruns.rerun([*INJECTION, *args.pytest_args, *compare, DURATIONS], 1, Path.cwd(), env=env,
+                                 timeout=args.timeout, progress=_progress("every case", args.runs),
                                  keep=None if args.keep is None else args.keep / IN_PROCESS, first=len(docs))
             if len(docs) < args.runs:  # what is measured so far, in case the rest never finishes
                 print(f"after {len(docs)} of {args.runs} runs:", file=sys.stderr)
@@ -508,8 +510,8 @@ def _measure(args: argparse.Namespace, cases: list[Case], held: dict) -> list[tu
                     if len(docs[name]) > index:
                         continue
                     kept = None if args.keep is None else args.keep / name
-                    docs[name] += reruns.rerun([*args.pytest_args, *compare, DURATIONS], 1, Path.cwd(), env=env,
-                                               timeout=args.timeout, progress=_progress(column, args.runs),
+                    docs[name] += reruns.rerun([*INJECTION, *args.pytest_args, *compare, DURATIONS], 1, Path.cwd(),
+                                               env=env, timeout=args.timeout, progress=_progress(column, args.runs),
                                                keep=kept, first=len(docs[name]))
                 results = [(case.column, docs[case.name], case.counted) for case in cases]
                 if index + 1 < args.runs:  # what is measured so far, in case the rest never finishes

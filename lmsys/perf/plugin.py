@@ -39,7 +39,6 @@ from lmsys.perf.report import (
     write_new_file,
 )
 from lmsys.perf.session import RECORD_KEY, SESSION_KEY, PerfSession
-from lmsys.perf.timing import INJECT_CASES, INJECT_DELAY, INJECT_MEMORY
 
 __all__ = ["gpu_benchmark"]
 
@@ -263,47 +262,6 @@ def _asked(config) -> list[str]:
     return [name for name, value in names.items() if value]
 
 
-def _injected_delay() -> float:
-    text = os.environ.get(INJECT_DELAY, "0")
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and 0 <= value <= 10):
-        raise pytest.UsageError(f"{INJECT_DELAY}={text}: must be a fraction of a call's time between 0 and 10")
-    return value
-
-
-def _injected_memory() -> int:
-    text = os.environ.get(INJECT_MEMORY, "0")
-    try:
-        return _byte_count(text)
-    except argparse.ArgumentTypeError as exc:
-        raise pytest.UsageError(f"{INJECT_MEMORY}={text}: {exc} (a number of bytes held during every call)") from None
-
-
-def _injected_cases() -> list[tuple[float, int]]:
-    """LMSYS_INJECT_CASES ("DELAY[:BYTES],..."): the regressions measured beside each unchanged call."""
-    text = os.environ.get(INJECT_CASES, "").strip()
-    if not text:
-        return []
-    cases = []
-    for case in text.split(","):
-        delay, _, held = case.strip().partition(":")
-        try:
-            fraction = float(delay)
-            nbytes = _byte_count(held) if held else 0
-        except (ValueError, argparse.ArgumentTypeError):
-            fraction, nbytes = math.nan, 0
-        if not (math.isfinite(fraction) and 0 <= fraction <= 10) or not (fraction or nbytes):
-            raise pytest.UsageError(
-                f"{INJECT_CASES}={text}: each case is DELAY[:BYTES], a fraction of a call's time between 0 and 10 and "
-                "the bytes held during every call, not both zero (e.g. 0.03:1048576,0.05:1048576)"
-            )
-        cases.append((fraction, nbytes))
-    return cases
-
-
 @pytest.hookimpl(trylast=True)
 def pytest_perf_backend(config):
     return detect_backend(load_timer(config.getoption("benchmark_timer")).target)
@@ -337,19 +295,12 @@ def pytest_configure(config):
             f"--perf-calibrate runs the benchmarks in other processes and only writes the calibration: "
             f"leave out {', '.join(others)}"
         )
-    delay, held, cases = _injected_delay(), _injected_memory(), _injected_cases()
-    if cases and (delay or held):
-        raise pytest.UsageError(f"{INJECT_CASES} measures each call unchanged first: leave out {INJECT_DELAY} and "
-                                f"{INJECT_MEMORY}")
     config.stash[SESSION_KEY] = PerfSession(
         backend=config.hook.pytest_perf_backend(config=config),
         rootpath=config.rootpath,
         time_tolerance=config.getoption("perf_time_tolerance"),
         host_tolerance=config.getoption("perf_host_tolerance"),
         time_cap=config.getoption("perf_max_time"),
-        injected_delay=delay,
-        injected_memory=held,
-        injected_cases=cases,
         calibrate=calibrate,
         memory_tolerance=config.getoption("perf_mem_tolerance"),
         memory_floor=config.getoption("perf_mem_floor"),

@@ -20,7 +20,7 @@ from lmsys.perf import baselines, calibration, environment, verdict
 from lmsys.perf.backend import MemoryReading
 from lmsys.perf.verdict import Tolerance, Verdict, format_bytes
 from lmsys.perf.storage import BaselineStorage
-from lmsys.perf.timing import Precision, injected_case_label
+from lmsys.perf.timing import Precision
 
 # The adaptive rounds aim at a median known to within this share of the tolerance (95% interval, half-width).
 PRECISION_SHARE = 0.25
@@ -92,12 +92,8 @@ class PerfSession:
     host_tolerance: float | None = None
     # seconds of timed rounds a benchmark may spend on adaptive rounds (0: the planned rounds only)
     time_cap: float = 0.0
-    # LMSYS_INJECT_DELAY: a device-side delay after every benchmarked call, as a fraction of its time
-    injected_delay: float = 0.0
-    # LMSYS_INJECT_MEMORY: bytes held on the device during every benchmarked call
-    injected_memory: int = 0
-    # LMSYS_INJECT_CASES: (delay fraction, bytes held) of each regression measured beside every unchanged call
-    injected_cases: list[tuple[float, int]] = field(default_factory=list)
+    # the regression injected into every benchmarked call when the gate is measured (lmsys.perf.injection)
+    injection: Any = None
     # --perf-calibrate=N: rerun the selected benchmarks N times in fresh processes instead of running them
     calibrate: int | None = None
     # fullname -> calibration entry (calibration.py), from the GPU's folder
@@ -323,20 +319,6 @@ class PerfSession:
                 f"lmsys perf: noise calibration of {len(self.calibration)} benchmark(s) in "
                 f"{self.folder / calibration.FILE_NAME}"
             )
-        if self.injected_delay:
-            lines.append(
-                f"lmsys perf: LMSYS_INJECT_DELAY={self.injected_delay}: every benchmarked call gets a device-side "
-                f"delay of {self.injected_delay:.1%} of its time (measuring the gate)"
-            )
-        if self.injected_memory:
-            lines.append(
-                f"lmsys perf: LMSYS_INJECT_MEMORY={self.injected_memory}: every benchmarked call holds "
-                f"{format_bytes(self.injected_memory)} more on the device (measuring the gate)"
-            )
-        if self.injected_cases:
-            cases = ", ".join(injected_case_label(*case) for case in self.injected_cases)
-            lines.append(f"lmsys perf: LMSYS_INJECT_CASES: every benchmark is measured again with {cases}, judged "
-                         "beside its own verdict (measuring the gate; these verdicts fail no test)")
         return lines + [f"lmsys perf: comparing with {path}" for path in self.compared_files]
 
     def unwritten(self) -> bool:
