@@ -31,7 +31,7 @@ from lmsys.perf import baselines, verdict
 from lmsys.perf.timing import HOST, LAUNCH
 from lmsys.perf.verdict import format_bytes
 
-FILE_NAME = "calibration.json"
+FILE_NAME = baselines.CALIBRATION_FILE
 MIN_RUNS = 2
 TIMINGS = baselines.TIMINGS
 

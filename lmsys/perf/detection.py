@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import pandas as pd
 
-from lmsys.perf import baselines, calibration, report, reruns
+from lmsys.perf import baselines, calibration, reruns
 from lmsys.perf.verdict import MORE_MEMORY, Verdict, format_bytes
 from lmsys.perf.injection import INJECT_CASES, INJECT_DELAY, INJECT_MEMORY, INJECTED_CASES_KEY
 
@@ -610,11 +610,11 @@ def compact(src: Path, dest: Path) -> str:
     written = read = 0
     if there is None:
         text = (src / MANIFEST).read_text(encoding="utf-8")
-        report.write_new_file(dest / MANIFEST, text)
+        baselines.write_new_file(dest / MANIFEST, text)
         written += len(text.encode())
         read += (src / MANIFEST).stat().st_size
     for path, target, text in new:
-        report.write_new_file(target, text)
+        baselines.write_new_file(target, text)
         written += len(text.encode())
         read += path.stat().st_size
     renumbered = f" ({len(renamed)} renumbered, their names taken: {', '.join(renamed)})" if renamed else ""

@@ -25,7 +25,7 @@ import torch
 from pytest_benchmark.fixture import FixtureAlreadyUsed
 
 from lmsys import flops as flops_formulas
-from lmsys.perf import baselines, machine, multirank, timing, verdict
+from lmsys.perf import baselines, machine, timing, verdict
 from lmsys.perf.backend import CudaBackend
 from lmsys.perf.session import RECORD_KEY, SESSION_KEY, Record
 from lmsys.perf.verdict import Tolerance
@@ -202,6 +202,8 @@ class GpuBenchmark:
         times the replays (device time even for a step whose CPU time exceeds its device time), with LAUNCH rounds
         beside; when a rank cannot capture its step, queued rounds on a GPU, eager ones on the CPU, with a note.
         """
+        from lmsys.perf import multirank  # the ranks' machinery: imported by the tests that spawn ranks
+
         _check_arguments(flops, bytes, warmup_rounds, precision, graph)
         if not _is_count(world_size) or world_size < 1:
             raise ValueError(f"gpu_benchmark.distributed: world_size must be a positive int, got {world_size!r}")

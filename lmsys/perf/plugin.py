@@ -23,21 +23,10 @@ import torch
 from pytest_benchmark.storage.file import FileStorage
 from pytest_benchmark.utils import load_timer, safe_dumps
 
-from lmsys.perf import baselines, calibration, hookspecs, reruns, verdict
+from lmsys.perf import baselines, hookspecs, report, verdict
 from lmsys.perf.backend import detect_backend
 from lmsys.perf.environment import COMMIT_VARIABLE
 from lmsys.perf.fixture import gpu_benchmark, oom_reason
-from lmsys.perf.report import (
-    MEMORY_REPORT_SUFFIXES,
-    memory_frame,
-    memory_report_lines,
-    summary_lines,
-    parse_report_option,
-    printable,
-    session_markdown,
-    write_memory_report,
-    write_new_file,
-)
 from lmsys.perf.session import RECORD_KEY, SESSION_KEY, PerfSession
 
 __all__ = ["gpu_benchmark"]
@@ -97,6 +86,8 @@ def _runs(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of runs") from None
+    from lmsys.perf import calibration
+
     if value < calibration.MIN_RUNS:
         raise argparse.ArgumentTypeError(f"{text!r}: a calibration needs at least {calibration.MIN_RUNS} runs")
     return value
@@ -273,10 +264,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "perf_tolerance(time=None, memory=None, host=None): per-test "
                             "regression tolerances; host= gates the host-set time")
     config.addinivalue_line("markers", "full_grid: a point of a full perf grid; runs only with --perf-full-grid")
-    report = config.getoption("perf_mem_report")
-    if isinstance(report, str) and Path(report).suffix not in MEMORY_REPORT_SUFFIXES:
+    mem_report = config.getoption("perf_mem_report")
+    if isinstance(mem_report, str) and Path(mem_report).suffix not in report.MEMORY_REPORT_SUFFIXES:
         raise pytest.UsageError(
-            f"--perf-mem-report={report}: the file must end in {' or '.join(MEMORY_REPORT_SUFFIXES)} "
+            f"--perf-mem-report={mem_report}: the file must end in {' or '.join(report.MEMORY_REPORT_SUFFIXES)} "
             "(write --perf-mem-report=FILE, or put --perf-mem-report after the test paths)"
         )
     _check_markdown_report(config)
@@ -305,7 +296,7 @@ def pytest_configure(config):
         memory_tolerance=config.getoption("perf_mem_tolerance"),
         memory_floor=config.getoption("perf_mem_floor"),
         full_grid=config.getoption("perf_full_grid"),
-        memory_report=report,
+        memory_report=mem_report,
         compare=compare_value,
         save=config.getoption("benchmark_save") or config.getoption("benchmark_autosave"),
         save_failing=config.getoption("perf_save_failing"),
@@ -359,8 +350,10 @@ def _check_markdown_report(config) -> None:
     value = config.getoption("perf_report")
     if value is None:
         return
+    from lmsys.perf import markdown
+
     try:
-        _, path = parse_report_option(value)
+        _, path = markdown.parse_report_option(value)
     except ValueError as exc:
         raise pytest.UsageError(f"--perf-report={value}: {exc}") from None
     path = config.invocation_params.dir / path
@@ -427,9 +420,9 @@ def _check_outputs(config, perf: PerfSession) -> None:
     markdown = config.stash.get(_MARKDOWN_KEY, None)
     if markdown is not None:
         _output_problem(config, perf, f"--perf-report={config.getoption('perf_report')}", markdown, overwrite=False)
-    report = _json_report_path(config.getoption("benchmark_json", None))
-    if report is not None:
-        _output_problem(config, perf, f"--benchmark-json={report}", here / report, overwrite=True)
+    json_report = _json_report_path(config.getoption("benchmark_json", None))
+    if json_report is not None:
+        _output_problem(config, perf, f"--benchmark-json={json_report}", here / json_report, overwrite=True)
     for option in ("csv", "histogram", "cprofile_dump"):
         for prefix in config.getoption(f"benchmark_{option}", None) or ():
             if isinstance(prefix, str):
@@ -494,7 +487,7 @@ def pytest_collection_finish(session):
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         for line in perf.header_lines():
-            reporter.write_line(printable(line))
+            reporter.write_line(baselines.printable(line))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -503,6 +496,8 @@ def pytest_runtestloop(session):
     perf = session.config.stash.get(SESSION_KEY, None)
     if perf is None or not perf.active or not perf.calibrate or session.config.option.collectonly:
         return None
+    from lmsys.perf import calibration, reruns
+
     config = session.config
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     earlier = set(perf.calibration)
@@ -681,7 +676,8 @@ def pytest_sessionfinish(session):
     path = config.stash.get(_REPORT_PATH_KEY, None)
     if path is not None:
         try:
-            write_memory_report(memory_frame(perf), path, overwrite=config.getoption("perf_mem_report_overwrite"))
+            report.write_memory_report(report.memory_frame(perf), path,
+                                       overwrite=config.getoption("perf_mem_report_overwrite"))
         except OSError as exc:
             perf.report_error = f"NOT WRITTEN: the memory report {path}: {exc}"
         else:
@@ -689,7 +685,9 @@ def pytest_sessionfinish(session):
     markdown = config.stash.get(_MARKDOWN_KEY, None)
     if markdown is not None:
         try:
-            write_new_file(markdown, session_markdown(perf))
+            from lmsys.perf.markdown import session_markdown
+
+            baselines.write_new_file(markdown, session_markdown(perf))
         except FileExistsError:
             perf.notes.append(f"markdown report NOT written: {markdown} appeared during the run")
         except OSError as exc:
@@ -743,14 +741,14 @@ def pytest_terminal_summary(terminalreporter, config):
     if perf is None or not perf.active:
         return
     _hide_gate_rows(config, perf)
-    lines = summary_lines(perf)
+    lines = report.summary_lines(perf)
     if lines:
         terminalreporter.write_sep("-", "lmsys perf")
         for line in lines:
             terminalreporter.write_line(line, red=line.startswith("NOT "))
     if perf.memory_report:
         terminalreporter.write_sep("-", "GPU memory high-water marks (largest first)")
-        for line in memory_report_lines(perf, config.stash.get(_WRITTEN_KEY, None)):
+        for line in report.memory_report_lines(perf, config.stash.get(_WRITTEN_KEY, None)):
             terminalreporter.write_line(line)
 
 

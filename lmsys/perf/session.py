@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from lmsys.perf import baselines, calibration, environment, verdict
+from lmsys.perf import baselines, environment, verdict
 from lmsys.perf.backend import MemoryReading
 from lmsys.perf.verdict import Tolerance, Verdict, format_bytes
 from lmsys.perf.storage import BaselineStorage
@@ -151,7 +151,7 @@ class PerfSession:
         """The device-time tolerance of a benchmark (verdict.time_tolerance): the marker's, the option's, else the
         floor of its case (its baseline saved in this machine start or not) raised by its calibrated noise."""
         entry = self.calibration.get(fullname)
-        spread = None if entry is None else calibration.device_spread(entry)
+        spread = None if entry is None else _calibration().device_spread(entry)
         return verdict.time_tolerance(
             same_start=not self.other_start(fullname), marker=marker.get("time"), option=self.time_tolerance,
             spread=spread, runs=None if entry is None else entry["runs"],
@@ -173,7 +173,7 @@ class PerfSession:
     def memory_allowance(self, fullname: str, marker: dict) -> tuple[float, int, str]:
         """The memory tolerance (a fraction), floor (bytes) and their source (verdict.memory_tolerance)."""
         entry = self.calibration.get(fullname)
-        moved = 0 if entry is None else calibration.memory_range(entry)
+        moved = 0 if entry is None else _calibration().memory_range(entry)
         return verdict.memory_tolerance(marker.get("memory"), self.memory_tolerance, self.memory_floor, moved)
 
     def precision(self, tolerance: Tolerance) -> Precision:
@@ -215,11 +215,13 @@ class PerfSession:
             problem = baselines.save_problem(self.folder, "calibration")
             if problem:
                 raise pytest.UsageError(f"--perf-calibrate={self.calibrate}: {problem}")
-        try:
-            self.calibration = calibration.read(self.folder)
-        except calibration.CalibrationError as exc:
-            message = f"{exc}\nRepair or remove it, or calibrate again (--perf-calibrate=N)."
-            raise pytest.UsageError(message) from None
+        if (self.folder / baselines.CALIBRATION_FILE).exists():
+            calibration = _calibration()
+            try:
+                self.calibration = calibration.read(self.folder)
+            except calibration.CalibrationError as exc:
+                message = f"{exc}\nRepair or remove it, or calibrate again (--perf-calibrate=N)."
+                raise pytest.UsageError(message) from None
         if self.comparing:
             self._load(bench_session)
             bench_session.compared_mapping = {**bench_session.compared_mapping, **plain_compared}
@@ -290,7 +292,7 @@ class PerfSession:
 
     def write_calibration(self, entries: dict[str, dict]) -> Path:
         """Merges a calibration's entries into the GPU's calibration file (atomically); returns its path."""
-        path, self.calibration, _ = calibration.update(self.folder, self.machine_id, entries)
+        path, self.calibration, _ = _calibration().update(self.folder, self.machine_id, entries)
         return path
 
     def record_calibration(self, entries: dict[str, dict], earlier: set[str]) -> None:
@@ -301,7 +303,7 @@ class PerfSession:
         self.notes.append(f"calibration of {len(entries)} benchmark(s) written to {path}")
         if replaced:
             self.notes.append(f"it replaced the earlier calibration of: {', '.join(replaced)}")
-        self.notes += [calibration.describe(fullname, entry) for fullname, entry in entries.items()]
+        self.notes += [_calibration().describe(fullname, entry) for fullname, entry in entries.items()]
 
     def header_lines(self) -> list[str]:
         """Printed after collection: where baselines are, the tolerances, and the files compared with."""
@@ -317,7 +319,7 @@ class PerfSession:
         if self.calibration:
             lines.append(
                 f"lmsys perf: noise calibration of {len(self.calibration)} benchmark(s) in "
-                f"{self.folder / calibration.FILE_NAME}"
+                f"{self.folder / baselines.CALIBRATION_FILE}"
             )
         return lines + [f"lmsys perf: comparing with {path}" for path in self.compared_files]
 
@@ -345,6 +347,13 @@ class PerfSession:
         if storage.saved and self.save_failing and failing:
             lines.append(f"saved with failing results (--perf-save-failing): {', '.join(failing)}")
         return lines
+
+
+def _calibration():
+    """calibration.py, imported where a GPU folder has a calibration or --perf-calibrate writes one."""
+    from lmsys.perf import calibration
+
+    return calibration
 
 
 def _plain_comparison(bench_session) -> dict:
