@@ -25,7 +25,6 @@ from pytest_benchmark.utils import load_timer, safe_dumps
 
 from lmsys.perf import baselines, hookspecs, report, verdict
 from lmsys.perf.backend import detect_backend
-from lmsys.perf.environment import COMMIT_VARIABLE
 from lmsys.perf.fixture import gpu_benchmark, oom_reason
 from lmsys.perf.session import RECORD_KEY, SESSION_KEY, PerfSession
 
@@ -47,50 +46,34 @@ _HIDDEN_KEY = pytest.StashKey[list[str]]()
 _UNMEASURED_KEY = pytest.StashKey[list[str]]()
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number (a fraction: 0.05 is 5%)") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite, non-negative fraction")
-    return value
+def _number(convert, what: str, minimum: float = 0):
+    """An argparse type: convert(text), finite and at least `minimum`, else an error saying it must be `what`."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= minimum):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+
+    return parse
 
 
-def _byte_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
-    return value
+_fraction = _number(float, "a finite, non-negative fraction (0.05 is 5%)")
+_byte_count = _number(int, "a non-negative whole number of bytes")
+_seconds = _number(float, "a finite, non-negative number of seconds")
+
+
+def _runs(text: str) -> int:
+    from lmsys.perf.calibration import MIN_RUNS
+
+    return _number(int, f"a whole number of runs, at least {MIN_RUNS} (a calibration needs them)", MIN_RUNS)(text)
 
 
 def pytest_addhooks(pluginmanager):
     pluginmanager.add_hookspecs(hookspecs)
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite, non-negative number of seconds")
-    return value
-
-
-def _runs(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of runs") from None
-    from lmsys.perf import calibration
-
-    if value < calibration.MIN_RUNS:
-        raise argparse.ArgumentTypeError(f"{text!r}: a calibration needs at least {calibration.MIN_RUNS} runs")
-    return value
 
 
 class JsonReport(os.PathLike):
@@ -265,9 +248,11 @@ def pytest_configure(config):
                             "regression tolerances; host= gates the host-set time")
     config.addinivalue_line("markers", "full_grid: a point of a full perf grid; runs only with --perf-full-grid")
     mem_report = config.getoption("perf_mem_report")
-    if isinstance(mem_report, str) and Path(mem_report).suffix not in report.MEMORY_REPORT_SUFFIXES:
+    if isinstance(mem_report, str):
+        from lmsys.perf.memory_report import SUFFIXES
+    if isinstance(mem_report, str) and Path(mem_report).suffix not in SUFFIXES:
         raise pytest.UsageError(
-            f"--perf-mem-report={mem_report}: the file must end in {' or '.join(report.MEMORY_REPORT_SUFFIXES)} "
+            f"--perf-mem-report={mem_report}: the file must end in {' or '.join(SUFFIXES)} "
             "(write --perf-mem-report=FILE, or put --perf-mem-report after the test paths)"
         )
     _check_markdown_report(config)
@@ -295,7 +280,6 @@ def pytest_configure(config):
         calibrate=calibrate,
         memory_tolerance=config.getoption("perf_mem_tolerance"),
         memory_floor=config.getoption("perf_mem_floor"),
-        full_grid=config.getoption("perf_full_grid"),
         memory_report=mem_report,
         compare=compare_value,
         save=config.getoption("benchmark_save") or config.getoption("benchmark_autosave"),
@@ -387,11 +371,11 @@ def _protected(config, perf: PerfSession) -> list[Path]:
     return list(dict.fromkeys([perf.storage_path, config.rootpath / "baselines"]))
 
 
-def _output_problem(config, perf: PerfSession, option: str, path: Path, overwrite: bool) -> None:
+def _output_problem(config, perf: PerfSession, option: str, path: Path, overwrite: bool, hint: str = "") -> None:
     """Raises a UsageError naming the option and the path when baselines.output_problem refuses it."""
     problem = baselines.output_problem(path, overwrite=overwrite, protected=_protected(config, perf))
     if problem:
-        raise pytest.UsageError(f"{option}: {problem} (checked before running any test; nothing was written)")
+        raise pytest.UsageError(f"{option}: {problem} ({hint}checked before running any test; nothing was written)")
 
 
 def _json_report_path(value) -> Path | None:
@@ -408,14 +392,9 @@ def _check_outputs(config, perf: PerfSession) -> None:
     here = config.invocation_params.dir
     if isinstance(perf.memory_report, str):
         path = here / perf.memory_report
-        problem = baselines.output_problem(
-            path, overwrite=config.getoption("perf_mem_report_overwrite"), protected=_protected(config, perf)
-        )
-        if problem:
-            raise pytest.UsageError(
-                f"--perf-mem-report={perf.memory_report}: {problem} (--perf-mem-report-overwrite replaces a file that "
-                "is not a baseline; checked before running any test)"
-            )
+        _output_problem(config, perf, f"--perf-mem-report={perf.memory_report}", path,
+                        overwrite=config.getoption("perf_mem_report_overwrite"),
+                        hint="--perf-mem-report-overwrite replaces a file that is not a baseline; ")
         config.stash[_REPORT_PATH_KEY] = path
     markdown = config.stash.get(_MARKDOWN_KEY, None)
     if markdown is not None:
@@ -496,32 +475,15 @@ def pytest_runtestloop(session):
     perf = session.config.stash.get(SESSION_KEY, None)
     if perf is None or not perf.active or not perf.calibrate or session.config.option.collectonly:
         return None
-    from lmsys.perf import calibration, reruns
+    from lmsys.perf import calibration
 
     config = session.config
     reporter = config.pluginmanager.get_plugin("terminalreporter")
-    earlier = set(perf.calibration)
-    kept = []
-
-    def progress(index, done, docs):
-        # From the second run on, the file holds the runs so far: a calibration stopped later (a timeout, Ctrl-C, a
-        # kill) keeps what it measured.
-        line = f"lmsys perf: calibration run {index + 1} of {perf.calibrate} done (exit {done.returncode})"
-        entries = calibration.noise(docs) if len(docs) >= calibration.MIN_RUNS else {}
-        if entries:
-            path = perf.write_calibration(entries)
-            kept[:] = [len(docs)]
-            line += f"; {path.name} holds these {len(docs)} runs"
-        if reporter is not None:
-            reporter.write_line(line)
-
-    args = reruns.child_args(config.invocation_params.args, config.invocation_params.dir)
     try:
-        docs = reruns.rerun(args, perf.calibrate, config.invocation_params.dir, progress=progress)
-    except reruns.RerunError as exc:
-        held = f"the calibration file holds the first {kept[0]} runs" if kept else "nothing was written"
-        raise pytest.UsageError(f"--perf-calibrate={perf.calibrate} stopped ({held}): {exc}") from None
-    perf.record_calibration(calibration.noise(docs), earlier)
+        calibration.calibrate(perf, config.invocation_params.args, config.invocation_params.dir,
+                              say=None if reporter is None else reporter.write_line)
+    except calibration.CalibrationError as exc:
+        raise pytest.UsageError(str(exc)) from None
     return True
 
 
@@ -543,14 +505,15 @@ def pytest_benchmark_update_commit_info(config, commit_info):
     perf = config.stash.get(SESSION_KEY, None)
     if perf is None or not perf.active:
         return
+    from lmsys.perf.environment import COMMIT_VARIABLE
+
     commit = perf.environment["git_commit"]
     if commit and (os.environ.get(COMMIT_VARIABLE) or commit_info.get("id") in (None, "unversioned", "unknown")):
         commit_info["id"] = commit
 
 
 def pytest_collection_modifyitems(config, items):
-    perf = config.stash.get(SESSION_KEY, None)
-    full_grid = perf.full_grid if perf is not None else config.getoption("perf_full_grid")
+    full_grid = config.getoption("perf_full_grid")
     skip_grid = pytest.mark.skip(reason="a point of the full grid: run with --perf-full-grid to include it")
     for item in items:
         for marker in item.iter_markers("perf_tolerance"):
@@ -676,8 +639,10 @@ def pytest_sessionfinish(session):
     path = config.stash.get(_REPORT_PATH_KEY, None)
     if path is not None:
         try:
-            report.write_memory_report(report.memory_frame(perf), path,
-                                       overwrite=config.getoption("perf_mem_report_overwrite"))
+            from lmsys.perf import memory_report
+
+            overwrite = config.getoption("perf_mem_report_overwrite")
+            memory_report.write(memory_report.table(perf), path, overwrite=overwrite)
         except OSError as exc:
             perf.report_error = f"NOT WRITTEN: the memory report {path}: {exc}"
         else:
@@ -748,7 +713,9 @@ def pytest_terminal_summary(terminalreporter, config):
             terminalreporter.write_line(line, red=line.startswith("NOT "))
     if perf.memory_report:
         terminalreporter.write_sep("-", "GPU memory high-water marks (largest first)")
-        for line in report.memory_report_lines(perf, config.stash.get(_WRITTEN_KEY, None)):
+        from lmsys.perf import memory_report
+
+        for line in memory_report.summary(perf, config.stash.get(_WRITTEN_KEY, None)):
             terminalreporter.write_line(line)
 
 

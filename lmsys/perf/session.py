@@ -16,10 +16,9 @@ from typing import Any
 
 import pytest
 
-from lmsys.perf import baselines, environment, verdict
+from lmsys.perf import baselines, verdict
 from lmsys.perf.backend import MemoryReading
 from lmsys.perf.verdict import Tolerance, Verdict, format_bytes
-from lmsys.perf.storage import BaselineStorage
 from lmsys.perf.timing import Precision
 
 # The adaptive rounds aim at a median known to within this share of the tolerance (95% interval, half-width).
@@ -80,7 +79,6 @@ class PerfSession:
     time_tolerance: float | None
     memory_tolerance: float
     memory_floor: int
-    full_grid: bool
     memory_report: bool | str | None
     compare: bool | str | None
     save: str | None = None
@@ -119,7 +117,8 @@ class PerfSession:
     baseline_starts: dict[str, str | None] = field(default_factory=dict)
     # storage_path / machine_id, once activate() has resolved the machine id (only when saving or comparing)
     folder: Path | None = None
-    storage: BaselineStorage | None = None
+    # storage.BaselineStorage, where activate() points pytest-benchmark's saves (only when saving or comparing)
+    storage: Any = None
     # why --perf-mem-report=FILE could not be written at the end, if it could not
     report_error: str | None = None
 
@@ -136,7 +135,9 @@ class PerfSession:
     @cached_property
     def environment(self) -> dict[str, Any]:
         """machine_info['lmsys']: device, software versions, git commit."""
-        return environment.collect(self.backend, self.machine_id, self.rootpath)
+        from lmsys.perf.environment import collect  # read when a run saves or compares
+
+        return collect(self.backend, self.machine_id, self.rootpath)
 
     def baseline(self, fullname: str) -> dict | None:
         """The baseline entry of a benchmark, or None when it has none (NEW) or nothing is compared."""
@@ -196,6 +197,8 @@ class PerfSession:
         self.active = True
         if not (self.save or self.comparing or self.calibrate):
             return
+        from lmsys.perf.storage import BaselineStorage
+
         self.folder = self.storage_path / self.machine_id
         own_storage, own_data = bench_session.storage, bench_session.save_data
         plain_compared = _plain_comparison(bench_session) if plain and self.comparing else {}
@@ -229,6 +232,8 @@ class PerfSession:
             self.notes.append("benchmarks are disabled (--benchmark-disable): nothing was timed or compared")
 
     def _load(self, bench_session) -> None:
+        from lmsys.perf.environment import version_differences
+
         try:
             if self.compare is True:
                 files = baselines.baseline_files(self.folder)
@@ -274,7 +279,7 @@ class PerfSession:
             start = (recorded[path]["machine_info"].get("lmsys") or {}).get("machine_start")
             self.baseline_starts.update(dict.fromkeys(benchmarks, start))
         for path in self.compared_files:
-            differences = environment.version_differences(recorded[path]["machine_info"], self.environment)
+            differences = version_differences(recorded[path]["machine_info"], self.environment)
             if differences:
                 text = f"{path} was recorded with other software ({'; '.join(differences)}); compared anyway"
                 self.notes.append(text)
@@ -289,21 +294,6 @@ class PerfSession:
                 "would be compared; name another baseline"
             )
         self.note(f"not compared: {path} holds no benchmarks ('benchmarks' is empty)")
-
-    def write_calibration(self, entries: dict[str, dict]) -> Path:
-        """Merges a calibration's entries into the GPU's calibration file (atomically); returns its path."""
-        path, self.calibration, _ = _calibration().update(self.folder, self.machine_id, entries)
-        return path
-
-    def record_calibration(self, entries: dict[str, dict], earlier: set[str]) -> None:
-        """Writes a calibration's entries and notes what was written and which of the `earlier` entries (those in
-        the file before this calibration began) it replaced."""
-        path = self.write_calibration(entries)
-        replaced = sorted(set(entries) & earlier)
-        self.notes.append(f"calibration of {len(entries)} benchmark(s) written to {path}")
-        if replaced:
-            self.notes.append(f"it replaced the earlier calibration of: {', '.join(replaced)}")
-        self.notes += [_calibration().describe(fullname, entry) for fullname, entry in entries.items()]
 
     def header_lines(self) -> list[str]:
         """Printed after collection: where baselines are, the tolerances, and the files compared with."""
