@@ -241,6 +241,8 @@ RUN_ARGS = (
     "--benchmark-max-time=0", "--benchmark-min-rounds=21", "-rfEs",
     "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
 )
+# The plugin that reads LMSYS_INJECT_* (what lmsys.perf.detection adds to the runs it spawns).
+INJECTION = ("-p", "lmsys.perf.injection")
 GPU = "Fake GPU 80GB"
 MACHINE = "Fake_GPU_80GB"
 MIB = 2**20

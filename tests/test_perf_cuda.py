@@ -5,6 +5,7 @@ and its fallback, an injected device-side delay of the size asked for, and NVML 
 import json
 
 import pytest
+from perf_fakes import INJECTION
 
 pytest_plugins = ["pytester"]
 
@@ -185,7 +186,7 @@ def test_an_injected_delay_is_the_fraction_asked_for_and_caught(pytester, gpu, m
     args = ("--benchmark-max-time=0.3", "-p", "no:hypothesispytest")
     pytester.runpytest_inprocess(*args, "--benchmark-save=reference").assert_outcomes(passed=2)
     monkeypatch.setenv("LMSYS_INJECT_DELAY", "0.2")
-    result = pytester.runpytest_inprocess(*args, "--benchmark-compare", "--benchmark-json=out.json")
+    result = pytester.runpytest_inprocess(*args, *INJECTION, "--benchmark-compare", "--benchmark-json=out.json")
     result.assert_outcomes(failed=2)
     for bench in json.loads((pytester.path / "out.json").read_text())["benchmarks"]:
         assert bench["extra_info"]["verdict"].startswith("SLOWER")

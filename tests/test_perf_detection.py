@@ -340,9 +340,9 @@ def test_runs_of_another_gate_are_never_resumed_nor_tabulated_together(monkeypat
     argv = ["--inject", "0.05", "--keep", "kept", "--", "perf_tests"]
     assert detection.main(["--runs", "1", *argv]) == 0
     gate = json.loads((tmp_path / "kept" / detection.MANIFEST).read_text())["gate"]
-    assert {"lmsys/perf/fixture.py", "lmsys/perf/verdict.py", "perf_tests/test_a.py",
+    assert {"lmsys/perf/fixture.py", "lmsys/perf/verdict.py", "lmsys/perf/injection.py", "perf_tests/test_a.py",
             "baselines/GPU/calibration.json"} <= set(gate)
-    assert not {"lmsys/perf/detection.py", "lmsys/perf/docs.py"} & set(gate)
+    assert not {"lmsys/perf/detection.py", "lmsys/perf/docs.py", "lmsys/perf/report.py"} & set(gate)
     before = sorted(p.name for p in Path("kept").rglob("*.json"))
 
     calibrated.write_text('{"t.py::test_x": {"time_tolerance": 0.05}}')

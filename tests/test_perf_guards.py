@@ -2,7 +2,7 @@
 replaces a baseline or calibration, whatever path leads there; reports are written atomically and checked before
 any test runs; a compare names every baseline entry it did not judge and every regression a test's outcome hides;
 hostile or huge baseline files are refused with an error naming the file. pytester runs on the fake GPU of
-perf_fakes.py, like test_perf_misuse.py, and unit tests of baselines.py and report.py."""
+perf_fakes.py, like test_perf_misuse.py, and unit tests of baselines.py and markdown.py."""
 
 import errno
 import json
@@ -12,7 +12,7 @@ import tempfile
 import pytest
 from perf_fakes import MACHINE, MIB, baseline_files, run, save_baseline, write_suite
 
-from lmsys.perf import baselines, calibration, report
+from lmsys.perf import baselines, calibration, markdown
 from lmsys.perf.session import Record
 
 pytest_plugins = ["pytester"]
@@ -287,7 +287,7 @@ HOSTILE = "x`](https://evil.example)![i](https://evil.example/i.png)<img src=x>`
 
 def test_the_markdown_report_renders_any_text_literally():
     record = Record(name=HOSTILE, fullname=HOSTILE, median=1e-3, rounds=5, memory=None, rates={})
-    text = report.markdown_report(report.report_frame([record], False), "GPU: *bold*", "abc", [f"b/{HOSTILE}.json"],
+    text = markdown.markdown_report(markdown.report_frame([record], False), "GPU: *bold*", "abc", [f"b/{HOSTILE}.json"],
                            [f"note {HOSTILE}"], [""])
     cell = text.splitlines()[-3].split(" | ")[1]
     fence = "`" * 3  # one more than the longest run of backticks in the name
@@ -295,7 +295,7 @@ def test_the_markdown_report_renders_any_text_literally():
     assert f"- baselines compared: {fence}b/" in text
     assert "\x1b" not in text
     note = text.splitlines()[-1]
-    assert note == "> note " + report.markdown_text(HOSTILE)
+    assert note == "> note " + markdown.markdown_text(HOSTILE)
     # Every markup character of the note is escaped: no link, image, HTML or code span can start.
     body = note.removeprefix("> ")
     for char in "`[]!<>|":
@@ -307,7 +307,7 @@ def test_the_markdown_report_renders_any_text_literally():
     ("text", "span"), [("a", "`a`"), ("a`b", "``a`b``"), ("`a", "`` `a ``"), ("a``", "``` a`` ```")]
 )
 def test_a_code_span_is_fenced_longer_than_any_run_of_backticks(text, span):
-    assert report.code_span(text) == span
+    assert markdown.code_span(text) == span
 
 
 def test_terminal_escapes_in_paths_never_reach_the_terminal_raw(pytester):

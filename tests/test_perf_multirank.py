@@ -6,7 +6,7 @@ worktree, run with PYTHONPATH set to it."""
 import json
 
 import pytest
-from perf_fakes import INNER_CONFTEST
+from perf_fakes import INJECTION, INNER_CONFTEST
 
 from lmsys.perf import multirank
 from lmsys.perf.backend import MemoryReading
@@ -253,7 +253,7 @@ def test_an_injected_delay_and_allocation_reach_every_rank(pytester, monkeypatch
     run(pytester, "--benchmark-save=base").assert_outcomes(passed=1)
     monkeypatch.setenv("LMSYS_INJECT_DELAY", "0.2")
     monkeypatch.setenv("LMSYS_INJECT_MEMORY", str(MIB))
-    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result = run(pytester, *INJECTION, "--benchmark-compare", "--benchmark-json=out.json")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([
         "*SLOWER: test_step[[]ws2-gloo[]] median 1.8 ms vs baseline 1.5 ms (+20.0%*",
@@ -270,7 +270,7 @@ def test_injected_cases_spawn_the_ranks_again_and_fail_nothing(pytester, monkeyp
     write(pytester, ms=1.0, skew=0.5, memory=8 * MIB)
     run(pytester, "--benchmark-save=base").assert_outcomes(passed=1)
     monkeypatch.setenv("LMSYS_INJECT_CASES", "0.1:1048576,0.12")
-    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result = run(pytester, *INJECTION, "--benchmark-compare", "--benchmark-json=out.json")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*injected: +10.0% and 1 MiB held: SLOWER+MORE-MEMORY; +12.0%: SLOWER*"])
     bench = only_benchmark(pytester)

@@ -3,7 +3,11 @@ deterministic clock and fake memory readings. A first run saves a baseline, a se
 slower or fatter) compares against it; the tests assert outcomes, output lines and the files on disk."""
 
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -499,3 +503,38 @@ def test_kept_detection_runs_in_the_gpu_folder_are_never_baselines(pytester):
     assert [str(path) for path, _ in own.load()] == [f"{MACHINE}/000{n}_{name}.json"
                                                      for n, name in ((1, "fast"), (2, "slow"), (3, "next"))]
     assert not any("detection" in name for name in detection.gate_files(storage))  # nor part of the gate
+
+
+# What a plain `pytest perf_tests` may load of lmsys.perf, in lines: the gate itself. The tools around it (the
+# gate's measurement and its injected regressions, calibration, reruns, the memory and markdown reports, baseline
+# storage) are imported where their options or commands are used.
+MAX_GATE_LINES = 3500
+ROOT = Path(__file__).resolve().parents[1]
+GATE_MODULES = """
+import json, sys
+import pytest
+pytest.main(["perf_tests", "--collect-only", "-q", "-p", "no:cacheprovider"])
+modules = {name: module.__file__ for name, module in list(sys.modules.items())
+           if (name == "lmsys.perf" or name.startswith("lmsys.perf.")) and getattr(module, "__file__", None)}
+print("GATE_MODULES " + json.dumps(modules))
+"""
+
+
+def gate_lines() -> dict[str, int]:
+    """Lines of each lmsys.perf module that `pytest perf_tests --collect-only` imports, in a fresh process."""
+    done = subprocess.run([sys.executable, "-c", GATE_MODULES], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+    found = [line for line in done.stdout.splitlines() if line.startswith("GATE_MODULES ")]
+    assert found, done.stdout[-2000:] + done.stderr[-2000:]
+    files = json.loads(found[-1].removeprefix("GATE_MODULES "))
+    return {name: len(Path(path).read_text(encoding="utf-8").splitlines()) for name, path in files.items()}
+
+
+def test_a_plain_perf_run_loads_at_most_3500_lines_of_the_gate_and_none_of_its_measurement():
+    lines = gate_lines()
+    assert "lmsys.perf.plugin" in lines and "lmsys.perf.fixture" in lines
+    assert not {"lmsys.perf.injection", "lmsys.perf.detection", "lmsys.perf.reruns"} & set(lines)
+    assert sum(lines.values()) <= MAX_GATE_LINES, (
+        f"a plain `pytest perf_tests` loads {sum(lines.values())} lines of lmsys.perf, more than {MAX_GATE_LINES}: "
+        + ", ".join(f"{name} {n}" for name, n in sorted(lines.items(), key=lambda item: -item[1]))
+    )

@@ -7,7 +7,7 @@ import json
 import math
 
 import pytest
-from perf_fakes import MACHINE, MIB, FakeGpu, run, save_baseline, write_suite
+from perf_fakes import INJECTION, MACHINE, MIB, FakeGpu, run, save_baseline, write_suite
 
 from lmsys.perf import calibration, machine, timing, verdict
 
@@ -318,7 +318,8 @@ def test_an_injected_delay_in_host_timing_is_the_cpus(pytester, monkeypatch):
     save_baseline(pytester, tests)
     write_suite(pytester, tests, seed=2)
     monkeypatch.setenv("LMSYS_INJECT_DELAY", "0.2")
-    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json", "--perf-host-tolerance=0.1")
+    result = run(pytester, *INJECTION, "--benchmark-compare", "--benchmark-json=out.json",
+                 "--perf-host-tolerance=0.1")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*SLOWER-HOST: test_a host time 240 us vs baseline 200 us (+20.0%*"])
     assert bench_json(pytester)["test_a"]["extra_info"]["host_change"] == pytest.approx(0.2, abs=0.01)
@@ -408,7 +409,7 @@ def test_an_injected_device_side_delay_is_caught(pytester, monkeypatch):
     save_baseline(pytester, tests)
     write_suite(pytester, tests, seed=2)
     monkeypatch.setenv("LMSYS_INJECT_DELAY", "0.1")
-    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result = run(pytester, *INJECTION, "--benchmark-compare", "--benchmark-json=out.json")
     result.assert_outcomes(failed=3)
     result.stdout.fnmatch_lines([
         "lmsys perf: LMSYS_INJECT_DELAY=0.1: every benchmarked call gets a device-side delay of 10.0% of its time*",
@@ -423,14 +424,14 @@ def test_an_injected_allocation_of_one_mib_is_caught(pytester, monkeypatch):
     save_baseline(pytester, {"test_a": {"ms": 1.0, "memory": 130 * MIB}})
     write_suite(pytester, {"test_a": {"ms": 1.0, "memory": 130 * MIB}}, seed=2)
     monkeypatch.setenv("LMSYS_INJECT_MEMORY", str(MIB))
-    result = run(pytester, "--benchmark-compare")
+    result = run(pytester, *INJECTION, "--benchmark-compare")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([
         "lmsys perf: LMSYS_INJECT_MEMORY=1048576: every benchmarked call holds 1 MiB more on the device*",
         "*MORE-MEMORY: test_a peak requested above start 131 MiB vs baseline 130 MiB*",
     ])
     monkeypatch.setenv("LMSYS_INJECT_MEMORY", "-1")
-    assert run(pytester).ret == pytest.ExitCode.USAGE_ERROR
+    assert run(pytester, *INJECTION).ret == pytest.ExitCode.USAGE_ERROR
 
 
 def test_injected_cases_are_measured_beside_the_unchanged_call_and_fail_nothing(pytester, monkeypatch):
@@ -440,7 +441,7 @@ def test_injected_cases_are_measured_beside_the_unchanged_call_and_fail_nothing(
     save_baseline(pytester, tests)
     write_suite(pytester, tests, seed=2)
     monkeypatch.setenv("LMSYS_INJECT_CASES", "0.1:1048576, 0:1048576,0.1")
-    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result = run(pytester, *INJECTION, "--benchmark-compare", "--benchmark-json=out.json")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines([
         "lmsys perf: LMSYS_INJECT_CASES: every benchmark is measured again with +10.0% and 1 MiB held, 1 MiB held, "
@@ -456,7 +457,7 @@ def test_injected_cases_are_measured_beside_the_unchanged_call_and_fail_nothing(
         assert cases[0]["time_change"] == pytest.approx(0.1, abs=0.02)
         assert abs(cases[1]["time_change"]) < 0.02
     # Nothing to judge them against without a baseline: no cases measured.
-    result = run(pytester, "--benchmark-json=out.json")
+    result = run(pytester, *INJECTION, "--benchmark-json=out.json")
     result.assert_outcomes(passed=2)
     assert "injected_cases" not in bench_json(pytester)["test_a"]["extra_info"]
 
@@ -469,7 +470,7 @@ def test_bad_injected_cases_are_a_usage_error(pytester, monkeypatch, cases, also
     monkeypatch.setenv("LMSYS_INJECT_CASES", cases)
     for name, value in also.items():
         monkeypatch.setenv(name, value)
-    result = run(pytester)
+    result = run(pytester, *INJECTION)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*LMSYS_INJECT_CASES*"])
 
@@ -483,7 +484,7 @@ def test_memory_is_judged_on_the_bytes_asked_for_not_the_allocators_blocks(pytes
     save_baseline(pytester, {"test_a": {"ms": 1.0, "memory": 130 * MIB}})
     write_suite(pytester, {"test_a": {"ms": 1.0, "memory": 130 * MIB, "slack": slack}}, seed=2)
     monkeypatch.setenv("LMSYS_INJECT_MEMORY", str(held))
-    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result = run(pytester, *INJECTION, "--benchmark-compare", "--benchmark-json=out.json")
     result.assert_outcomes(**{"failed" if verdict == "MORE-MEMORY" else "passed": 1})
     result.stdout.fnmatch_lines([f"*test_a*{verdict}*"])
     info = bench_json(pytester)["test_a"]["extra_info"]
@@ -510,9 +511,22 @@ def test_a_baseline_without_requested_bytes_is_compared_on_allocated_ones(pytest
 def test_a_bad_injected_delay_is_a_usage_error(pytester, monkeypatch, value):
     write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=1)
     monkeypatch.setenv("LMSYS_INJECT_DELAY", value)
-    result = run(pytester)
+    result = run(pytester, *INJECTION)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"*LMSYS_INJECT_DELAY={value}: must be a fraction of a call's time*"])
+
+
+def test_without_the_injection_plugin_the_variables_are_not_read(pytester, monkeypatch):
+    # Only the runs lmsys.perf.detection spawns load lmsys.perf.injection; a plain run measures the call as it is.
+    save_baseline(pytester, {"test_a": {"ms": 1.0}})
+    write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=2)
+    monkeypatch.setenv("LMSYS_INJECT_DELAY", "fast")
+    monkeypatch.setenv("LMSYS_INJECT_CASES", "0.1")
+    result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")
+    result.assert_outcomes(passed=1)
+    assert "LMSYS_INJECT" not in result.stdout.str()
+    info = bench_json(pytester)["test_a"]["extra_info"]
+    assert "injected_delay" not in info and "injected_cases" not in info
 
 
 def test_the_verdict_says_which_tolerance_applied_and_where_it_came_from(pytester):

@@ -52,6 +52,8 @@ PEAK_KEYS = ((REQUESTED_KEY, "requested"), (MEMORY_KEY, "allocated"))
 EAGER_KEY = "eager_data"
 EAGER_TIMING_KEY = "eager_timing"
 TIMINGS = (EAGER, GRAPH, QUEUED, HOST)
+# The noise calibration beside a GPU's baselines (calibration.py).
+CALIBRATION_FILE = "calibration.json"
 # The format the gate reads, in machine_info["lmsys"]["schema"]; files of earlier versions: python -m lmsys.perf.migrate.
 SCHEMA = 2
 FORBIDDEN_NAME_CHARACTERS = '\\/:*?<>|'
@@ -561,3 +563,18 @@ def save_new(folder: Path, name: str, text: str) -> Path:
             except FileExistsError:
                 continue
             return target
+
+
+def write_new_file(path: Path, text: str) -> None:
+    """Writes text to path atomically (a temporary file in the same folder, then a hard link, which fails with
+    FileExistsError rather than replace a file that is already there)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.link(temporary, path)
+    finally:
+        os.unlink(temporary)

@@ -1,8 +1,8 @@
 """Per-benchmark noise: how far a benchmark's median moves between fresh processes, which raises its tolerance.
 
-Pure (no pytest, no torch). `pytest perf_tests --perf-calibrate=N` reruns the selected benchmarks N times in
-fresh processes (reruns.py); `noise` turns those runs' pytest-benchmark JSON into one entry per benchmark, and
-`update` merges them into the GPU's baselines folder, next to its baselines, after every run from the second on:
+No pytest, no torch. `pytest perf_tests --perf-calibrate=N` reruns the selected benchmarks N times in fresh
+processes (`calibrate`, with reruns.py); `noise` turns those runs' pytest-benchmark JSON into one entry per benchmark,
+and `update` merges them into the GPU's baselines folder, next to its baselines, after every run from the second on:
 
     baselines/NVIDIA_H100_80GB_HBM3/calibration.json
         {"machine_id": ..., "benchmarks": {fullname: {"runs": 20, "timing": "graph", "medians": [...],
@@ -31,7 +31,7 @@ from lmsys.perf import baselines, verdict
 from lmsys.perf.timing import HOST, LAUNCH
 from lmsys.perf.verdict import format_bytes
 
-FILE_NAME = "calibration.json"
+FILE_NAME = baselines.CALIBRATION_FILE
 MIN_RUNS = 2
 TIMINGS = baselines.TIMINGS
 
@@ -167,6 +167,44 @@ def describe(fullname: str, entry: dict) -> str:
     if memory_range(entry):
         line += f"; peak memory moved by {format_bytes(memory_range(entry))}"
     return line
+
+
+def calibrate(perf, args, cwd: Path, say=None) -> None:
+    """--perf-calibrate=N: reruns the tests of `args` (the run's command line, without the options only it takes)
+    perf.calibrate times in fresh processes and merges their entries into the GPU's calibration file after every run
+    from the second on, so that a calibration stopped later (a timeout, Ctrl-C, a kill) keeps what it measured; then
+    notes in perf what was written and which earlier entries it replaced. `say(line)` reports each run. A rerun that
+    fails raises CalibrationError saying what the file holds."""
+    from lmsys.perf import reruns
+
+    earlier, kept = set(perf.calibration), []
+
+    def write(entries: dict[str, dict]) -> Path:
+        path, perf.calibration, _ = update(perf.folder, perf.machine_id, entries)
+        return path
+
+    def progress(index, done, docs):
+        line = f"lmsys perf: calibration run {index + 1} of {perf.calibrate} done (exit {done.returncode})"
+        entries = noise(docs) if len(docs) >= MIN_RUNS else {}
+        if entries:
+            path = write(entries)
+            kept[:] = [len(docs)]
+            line += f"; {path.name} holds these {len(docs)} runs"
+        if say is not None:
+            say(line)
+
+    try:
+        docs = reruns.rerun(reruns.child_args(args, cwd), perf.calibrate, cwd, progress=progress)
+    except reruns.RerunError as exc:
+        held = f"the calibration file holds the first {kept[0]} runs" if kept else "nothing was written"
+        raise CalibrationError(f"--perf-calibrate={perf.calibrate} stopped ({held}): {exc}") from None
+    entries = noise(docs)
+    path = write(entries)
+    replaced = sorted(set(entries) & earlier)
+    perf.notes.append(f"calibration of {len(entries)} benchmark(s) written to {path}")
+    if replaced:
+        perf.notes.append(f"it replaced the earlier calibration of: {', '.join(replaced)}")
+    perf.notes += [describe(fullname, entry) for fullname, entry in entries.items()]
 
 
 def _run_identities(path: Path, doc: dict) -> list[tuple]:

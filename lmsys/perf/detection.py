@@ -9,15 +9,16 @@ that has it), otherwise a first run saves a fresh reference into a temporary sto
 calibration.json, so calibrated tolerances apply); before it, an untimed run (--benchmark-disable) fills the
 compilation caches (--no-warm-up: none). The cases take turns (a round is one run of each), so a drift of the
 machine over the measurement (warming up, another start) falls on every case alike, and a measurement stopped
-partway has as many runs of each case. LMSYS_INJECT_DELAY=f makes every benchmarked call queue device-side work of f
-times its own time (tensor-core multiplies, CudaBackend.make_work), LMSYS_INJECT_MEMORY=B hold B more bytes
-on the device while it runs. --in-process measures every case in each run instead: a fresh process judges each
-benchmark unchanged (the A/A case), then once more per injected case (LMSYS_INJECT_CASES, judged against the same
-reference, failing nothing): the cases share each run's process, and its start-up and compilations are paid once (on
-the H100 such a run of the default subset took 982 s, a plain warm run 330 s: the timing of the cases, not the
-start-up, is most of it). --keep DIR keeps every run's JSON (and each fresh reference, DIR/references/), and --resume
-adds to them later (another session, another machine start) until each case has --runs runs, but never to runs of
-another gate (gate_files: the manifest records a hash of each file that decides a verdict); --table DIR...
+partway has as many runs of each case. Their runs load the injection plugin (-p lmsys.perf.injection), where
+LMSYS_INJECT_DELAY=f makes every benchmarked call queue device-side work of f times its own time (tensor-core
+multiplies, CudaBackend.make_work), LMSYS_INJECT_MEMORY=B hold B more bytes on the device while it runs.
+--in-process measures every case in each run instead: a fresh process judges each benchmark unchanged (the A/A
+case), then once more per injected case (LMSYS_INJECT_CASES, judged against the same reference, failing nothing):
+the cases share each run's process, and its start-up and compilations are paid once (on the H100 such a run of the
+default subset took 982 s, a plain warm run 330 s: the timing of the cases, not the start-up, is most of it).
+--keep DIR keeps every run's JSON (and each fresh reference, DIR/references/), and --resume adds to them later
+(another session, another machine start) until each case has --runs runs, but never to runs of another gate
+(gate_files: the manifest records a hash of each file that decides a verdict); --table DIR...
 tabulates the runs kept by several measurements of the same cases without running anything (--per-run: also run by
 run, with each miss and each throttled GPU); --compact SRC DEST copies the runs kept in SRC into DEST without their
 rounds, small enough to commit (baselines/<GPU>/detection/<gate>/), adding only the runs DEST lacks (renumbered where
@@ -42,11 +43,13 @@ from typing import NamedTuple
 
 import pandas as pd
 
-from lmsys.perf import baselines, calibration, report, reruns
+from lmsys.perf import baselines, calibration, reruns
 from lmsys.perf.verdict import MORE_MEMORY, Verdict, format_bytes
-from lmsys.perf.timing import INJECT_CASES, INJECT_DELAY, INJECT_MEMORY, INJECTED_CASES_KEY
+from lmsys.perf.injection import INJECT_CASES, INJECT_DELAY, INJECT_MEMORY, INJECTED_CASES_KEY
 
 UNCHANGED = {INJECT_DELAY: "0", INJECT_MEMORY: "0"}
+# What the runs of the cases add to the tests' arguments: the plugin that reads the variables above.
+INJECTION = ["-p", "lmsys.perf.injection"]
 AA_COLUMN = "A/A false alarms"
 
 
@@ -361,8 +364,11 @@ def false_alarms(results: list[tuple[str, list[dict], Callable[[str | None], boo
     return lines
 
 
-# The modules of lmsys.perf that decide no verdict: this measurement of the gate, and the docs built from baselines.
-NOT_THE_GATE = ("detection.py", "docs.py")
+# The modules of lmsys.perf that decide no verdict: this measurement of the gate (its injected regressions,
+# injection.py, are measured with the gate), the docs built from baselines, the tables and reports printed or written
+# after the verdicts, and the commands that convert or compare baseline files.
+NOT_THE_GATE = ("detection.py", "docs.py", "report.py", "markdown.py", "memory_report.py", "sidebyside.py",
+                "migrate.py")
 GATE = "gate"
 
 
@@ -479,8 +485,8 @@ def _measure_in_process(args: argparse.Namespace, cases: list[Case], held: dict
         compare = _compare_args(args, Path(folder))
         print(f"{args.runs} runs, each measuring every case", file=sys.stderr, flush=True)
         while len(docs) < args.runs:
-            docs += reruns.rerun([*args.pytest_args, *compare, DURATIONS], 1, Path.cwd(), env=env, timeout=args.timeout,
-                                 progress=_progress("every case", args.runs),
+            docs += reruns.rerun([*INJECTION, *args.pytest_args, *compare, DURATIONS], 1, Path.cwd(), env=env,
+                                 timeout=args.timeout, progress=_progress("every case", args.runs),
                                  keep=None if args.keep is None else args.keep / IN_PROCESS, first=len(docs))
             if len(docs) < args.runs:  # what is measured so far, in case the rest never finishes
                 print(f"after {len(docs)} of {args.runs} runs:", file=sys.stderr)
@@ -508,8 +514,8 @@ def _measure(args: argparse.Namespace, cases: list[Case], held: dict) -> list[tu
                     if len(docs[name]) > index:
                         continue
                     kept = None if args.keep is None else args.keep / name
-                    docs[name] += reruns.rerun([*args.pytest_args, *compare, DURATIONS], 1, Path.cwd(), env=env,
-                                               timeout=args.timeout, progress=_progress(column, args.runs),
+                    docs[name] += reruns.rerun([*INJECTION, *args.pytest_args, *compare, DURATIONS], 1, Path.cwd(),
+                                               env=env, timeout=args.timeout, progress=_progress(column, args.runs),
                                                keep=kept, first=len(docs[name]))
                 results = [(case.column, docs[case.name], case.counted) for case in cases]
                 if index + 1 < args.runs:  # what is measured so far, in case the rest never finishes
@@ -608,11 +614,11 @@ def compact(src: Path, dest: Path) -> str:
     written = read = 0
     if there is None:
         text = (src / MANIFEST).read_text(encoding="utf-8")
-        report.write_new_file(dest / MANIFEST, text)
+        baselines.write_new_file(dest / MANIFEST, text)
         written += len(text.encode())
         read += (src / MANIFEST).stat().st_size
     for path, target, text in new:
-        report.write_new_file(target, text)
+        baselines.write_new_file(target, text)
         written += len(text.encode())
         read += path.stat().st_size
     renumbered = f" ({len(renamed)} renumbered, their names taken: {', '.join(renamed)})" if renamed else ""

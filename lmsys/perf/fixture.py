@@ -25,7 +25,7 @@ import torch
 from pytest_benchmark.fixture import FixtureAlreadyUsed
 
 from lmsys import flops as flops_formulas
-from lmsys.perf import baselines, machine, multirank, timing, verdict
+from lmsys.perf import baselines, machine, timing, verdict
 from lmsys.perf.backend import CudaBackend
 from lmsys.perf.session import RECORD_KEY, SESSION_KEY, Record
 from lmsys.perf.verdict import Tolerance
@@ -151,14 +151,13 @@ class GpuBenchmark:
         flush = backend.make_l2_flush() if cold_l2 else None
         own, beside = self._precisions()
 
-        def measure(delay: float = session.injected_delay, extra_memory: int = session.injected_memory,
-                    cool: bool = False):
+        def measure(inject=session.injection, cool: bool = False):
             note = self._cool_down() if cool else None
             with timing.gc_paused(session.disable_gc):
                 measurement = timing.run(
                     backend, call, flush=flush, max_time=session.max_time, min_rounds=session.min_rounds,
                     warmup_rounds=warmup_rounds, precision=beside if host else own, launch_precision=beside,
-                    graph=graph, host=host, delay=delay, extra_memory=extra_memory,
+                    graph=graph, host=host, inject=inject,
                 )
             measurement.notes += [] if note is None else [note]
             return measurement
@@ -166,23 +165,15 @@ class GpuBenchmark:
         measurement, decided, remeasured = self._measured(measure)
         measurement.extra_info["cold_l2"] = bool(cold_l2)
         self._record(measurement, decided, remeasured, flops, bytes, precision or infer_precision(args, kwargs))
-        self._measure_injected_cases(measure)
+        self._measured_hook(measure)
         return measurement.result
 
-    def _measure_injected_cases(self, measure) -> None:
-        """LMSYS_INJECT_CASES: the call measured once more per case, with its delay and its bytes held, each judged
-        against the same baseline; the verdicts go into extra_info and the summary's notes, and fail nothing."""
-        session, bench = self._session, self._benchmark
-        if not session.injected_cases or not session.comparing or session.baseline(bench.fullname) is None:
-            return
-        cases = []
-        for delay, held in session.injected_cases:
-            _, decided, _ = self._measured(lambda cool: measure(delay, held, cool))
-            cases.append({"delay": delay, "memory": held, "verdict": None if decided is None else decided.label,
-                          "time_change": None if decided is None or decided.time is None else decided.time.change})
-        bench.extra_info[timing.INJECTED_CASES_KEY] = cases
-        self._node.stash[RECORD_KEY].notes.append("injected: " + "; ".join(
-            f"{timing.injected_case_label(case['delay'], case['memory'])}: {case['verdict']}" for case in cases))
+    def _measured_hook(self, measure) -> None:
+        """Calls pytest_perf_measured (hookspecs.py) once the benchmark is recorded."""
+        self._node.config.hook.pytest_perf_measured(
+            item=self._node, benchmark=self,
+            remeasure=lambda inject: self._measured(functools.partial(measure, inject))[1],
+        )
 
     def distributed(
         self,
@@ -211,6 +202,8 @@ class GpuBenchmark:
         times the replays (device time even for a step whose CPU time exceeds its device time), with LAUNCH rounds
         beside; when a rank cannot capture its step, queued rounds on a GPU, eager ones on the CPU, with a note.
         """
+        from lmsys.perf import multirank  # the ranks' machinery: imported by the tests that spawn ranks
+
         _check_arguments(flops, bytes, warmup_rounds, precision, graph)
         if not _is_count(world_size) or world_size < 1:
             raise ValueError(f"gpu_benchmark.distributed: world_size must be a positive int, got {world_size!r}")
@@ -246,15 +239,13 @@ class GpuBenchmark:
             # On a GPU the rounds are queued (device time) with LAUNCH rounds beside, as in graph mode.
             queued=backend.is_gpu,
             graph=graph,
-            delay=session.injected_delay,
-            extra_memory=session.injected_memory,
+            inject=session.injection,
         )
 
-        def measure(delay: float = session.injected_delay, extra_memory: int = session.injected_memory,
-                    cool: bool = False):
+        def measure(inject=session.injection, cool: bool = False):
             # cool=True: every rank leaves its own GPU to cool before its rounds, if it reads thermally throttled.
             return multirank.measure(dataclasses.replace(
-                settings, delay=delay, extra_memory=extra_memory, cool=cool, baseline_c=self._baseline_temperature(),
+                settings, inject=inject, cool=cool, baseline_c=self._baseline_temperature(),
             ), world_size, timeout)
 
         try:
@@ -267,7 +258,7 @@ class GpuBenchmark:
             raise
         self._record(measurement, decided, remeasured, flops, bytes, precision or infer_precision((), {}),
                      memory_bandwidth=False)
-        self._measure_injected_cases(measure)
+        self._measured_hook(measure)
         return measurement.result
 
     def _verdict(self, measurement: timing.Measurement) -> verdict.Verdict | None:

@@ -6,8 +6,7 @@ traceback), NCCL on GPUs and gloo on the CPU. On every rank:
 
     step = setup(ctx, **kwargs)        the subject is built on the rank (ctx: RankContext); step() takes no arguments
     one untimed call, one calibration round (the slowest rank's round decides the rounds), warmup rounds
-    (LMSYS_INJECT_*: the step holds its bytes more, and device-side work of a fraction of the slowest rank's
-    round follows it on every rank, a regression of known size as in a single-device benchmark)
+    (Settings.inject, when the gate is measured: lmsys.perf.injection)
     graph=True: every rank captures its step in a CUDA graph (a step that synchronizes or reads a value back
         cannot be captured: when any rank fails, every rank times its step as below, and the note names the rank
         and the error); the replays are timed as queued rounds are, the graph released before the LAUNCH rounds
@@ -98,7 +97,7 @@ class RankContext:
 @dataclass(frozen=True)
 class Settings:
     """What the test process hands every rank: the subject, the round budget and how precisely to time the rounds
-    (the step's own, the LAUNCH rounds beside), and the regression injected to measure the gate (detection.py)."""
+    (the step's own, the LAUNCH rounds beside), and the regression injected to measure the gate (injection.py)."""
 
     setup: Callable
     setup_kwargs: dict
@@ -111,8 +110,7 @@ class Settings:
     precision: timing.Precision = timing.Precision()
     launch_precision: timing.Precision = timing.Precision()
     once: bool = False
-    delay: float = 0.0
-    extra_memory: int = 0
+    inject: Any = None
     queued: bool = False
     graph: bool = False
     # Before its rounds every rank leaves its GPU to cool if it reads thermally throttled (the re-measurement of a
@@ -140,14 +138,6 @@ def _time_rounds(ctx: RankContext, step: Callable[[], Any], rounds: int, timer=N
         samples.append(timer(step))
         spans.append(ctx._take_spans())
     return samples, spans, (time.perf_counter() - start) / max(rounds, 1)
-
-
-def _delay(ctx: RankContext, step: Callable[[], Any], fraction: float, timer) -> Callable[[], None]:
-    """Device-side work (make_work) of `fraction` times the median of three rounds of the slowest rank (timed by
-    `timer`, as the judged rounds are): the same delay on every rank, so the judged round, the slowest rank's, grows
-    by that fraction."""
-    samples, _, _ = _time_rounds(ctx, step, 3, timer)
-    return ctx.backend.make_work(fraction * median(_slowest(_gather(samples))))
 
 
 def _capture(ctx: RankContext, step: Callable[[], Any]) -> tuple[tuple | None, str | None]:
@@ -204,8 +194,8 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
         step = settings.setup(ctx, **settings.setup_kwargs)
         step()  # compilation, autotuning, allocator growth
         backend.synchronize()
-        if settings.extra_memory:
-            step = timing.with_allocation(backend, step, settings.extra_memory)
+        if settings.inject is not None:
+            step = settings.inject.held(backend, step)
         _, _, calibration = _time_rounds(ctx, step, 1)
         walls = _gather(calibration)
         budget = timing.planned_rounds(max(walls), settings.max_time, settings.min_rounds, settings.warmup_rounds)
@@ -228,9 +218,8 @@ def rank_main(settings: Settings) -> tuple[Any, dict | None]:
         if settings.queued or captured is not None:
             lead = backend.make_delay(min(timing.MAX_LEAD, timing.LEAD_FACTOR * max(walls)))
             timer = functools.partial(backend.time_call, lead=lead)
-        if settings.delay:
-            delay = _delay(ctx, timed, settings.delay, timer)
-            timed, step = timing.followed_by(timed, delay), timing.followed_by(step, delay)
+        if settings.inject is not None:
+            timed, step = settings.inject.delayed_ranks(ctx, timed, step, timer)
 
         def series(subject, timer, precision):
             """The rounds of `subject` on every rank, gathered: each round the slowest rank's. Every rank holds the
@@ -311,10 +300,6 @@ def measure(settings: Settings, world_size: int, timeout: float) -> timing.Measu
         "per_rank_memory": per_rank,
         "spans": gathered["spans"],
     }
-    if settings.delay:
-        extra["injected_delay"] = settings.delay
-    if settings.extra_memory:
-        extra["injected_memory"] = settings.extra_memory
     if "launch_samples" in gathered:
         extra["eager_wall_seconds_per_round"] = gathered["launch_wall"]
     return timing.Measurement(

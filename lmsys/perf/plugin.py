@@ -23,23 +23,10 @@ import torch
 from pytest_benchmark.storage.file import FileStorage
 from pytest_benchmark.utils import load_timer, safe_dumps
 
-from lmsys.perf import baselines, calibration, hookspecs, reruns, verdict
+from lmsys.perf import baselines, hookspecs, report, verdict
 from lmsys.perf.backend import detect_backend
-from lmsys.perf.environment import COMMIT_VARIABLE
 from lmsys.perf.fixture import gpu_benchmark, oom_reason
-from lmsys.perf.report import (
-    MEMORY_REPORT_SUFFIXES,
-    memory_frame,
-    memory_report_lines,
-    summary_lines,
-    parse_report_option,
-    printable,
-    session_markdown,
-    write_memory_report,
-    write_new_file,
-)
 from lmsys.perf.session import RECORD_KEY, SESSION_KEY, PerfSession
-from lmsys.perf.timing import INJECT_CASES, INJECT_DELAY, INJECT_MEMORY
 
 __all__ = ["gpu_benchmark"]
 
@@ -59,48 +46,34 @@ _HIDDEN_KEY = pytest.StashKey[list[str]]()
 _UNMEASURED_KEY = pytest.StashKey[list[str]]()
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number (a fraction: 0.05 is 5%)") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite, non-negative fraction")
-    return value
+def _number(convert, what: str, minimum: float = 0):
+    """An argparse type: convert(text), finite and at least `minimum`, else an error saying it must be `what`."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= minimum):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+
+    return parse
 
 
-def _byte_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
-    return value
+_fraction = _number(float, "a finite, non-negative fraction (0.05 is 5%)")
+_byte_count = _number(int, "a non-negative whole number of bytes")
+_seconds = _number(float, "a finite, non-negative number of seconds")
+
+
+def _runs(text: str) -> int:
+    from lmsys.perf.calibration import MIN_RUNS
+
+    return _number(int, f"a whole number of runs, at least {MIN_RUNS} (a calibration needs them)", MIN_RUNS)(text)
 
 
 def pytest_addhooks(pluginmanager):
     pluginmanager.add_hookspecs(hookspecs)
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite, non-negative number of seconds")
-    return value
-
-
-def _runs(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of runs") from None
-    if value < calibration.MIN_RUNS:
-        raise argparse.ArgumentTypeError(f"{text!r}: a calibration needs at least {calibration.MIN_RUNS} runs")
-    return value
 
 
 class JsonReport(os.PathLike):
@@ -263,47 +236,6 @@ def _asked(config) -> list[str]:
     return [name for name, value in names.items() if value]
 
 
-def _injected_delay() -> float:
-    text = os.environ.get(INJECT_DELAY, "0")
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and 0 <= value <= 10):
-        raise pytest.UsageError(f"{INJECT_DELAY}={text}: must be a fraction of a call's time between 0 and 10")
-    return value
-
-
-def _injected_memory() -> int:
-    text = os.environ.get(INJECT_MEMORY, "0")
-    try:
-        return _byte_count(text)
-    except argparse.ArgumentTypeError as exc:
-        raise pytest.UsageError(f"{INJECT_MEMORY}={text}: {exc} (a number of bytes held during every call)") from None
-
-
-def _injected_cases() -> list[tuple[float, int]]:
-    """LMSYS_INJECT_CASES ("DELAY[:BYTES],..."): the regressions measured beside each unchanged call."""
-    text = os.environ.get(INJECT_CASES, "").strip()
-    if not text:
-        return []
-    cases = []
-    for case in text.split(","):
-        delay, _, held = case.strip().partition(":")
-        try:
-            fraction = float(delay)
-            nbytes = _byte_count(held) if held else 0
-        except (ValueError, argparse.ArgumentTypeError):
-            fraction, nbytes = math.nan, 0
-        if not (math.isfinite(fraction) and 0 <= fraction <= 10) or not (fraction or nbytes):
-            raise pytest.UsageError(
-                f"{INJECT_CASES}={text}: each case is DELAY[:BYTES], a fraction of a call's time between 0 and 10 and "
-                "the bytes held during every call, not both zero (e.g. 0.03:1048576,0.05:1048576)"
-            )
-        cases.append((fraction, nbytes))
-    return cases
-
-
 @pytest.hookimpl(trylast=True)
 def pytest_perf_backend(config):
     return detect_backend(load_timer(config.getoption("benchmark_timer")).target)
@@ -315,10 +247,12 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "perf_tolerance(time=None, memory=None, host=None): per-test "
                             "regression tolerances; host= gates the host-set time")
     config.addinivalue_line("markers", "full_grid: a point of a full perf grid; runs only with --perf-full-grid")
-    report = config.getoption("perf_mem_report")
-    if isinstance(report, str) and Path(report).suffix not in MEMORY_REPORT_SUFFIXES:
+    mem_report = config.getoption("perf_mem_report")
+    if isinstance(mem_report, str):
+        from lmsys.perf.memory_report import SUFFIXES
+    if isinstance(mem_report, str) and Path(mem_report).suffix not in SUFFIXES:
         raise pytest.UsageError(
-            f"--perf-mem-report={report}: the file must end in {' or '.join(MEMORY_REPORT_SUFFIXES)} "
+            f"--perf-mem-report={mem_report}: the file must end in {' or '.join(SUFFIXES)} "
             "(write --perf-mem-report=FILE, or put --perf-mem-report after the test paths)"
         )
     _check_markdown_report(config)
@@ -337,24 +271,16 @@ def pytest_configure(config):
             f"--perf-calibrate runs the benchmarks in other processes and only writes the calibration: "
             f"leave out {', '.join(others)}"
         )
-    delay, held, cases = _injected_delay(), _injected_memory(), _injected_cases()
-    if cases and (delay or held):
-        raise pytest.UsageError(f"{INJECT_CASES} measures each call unchanged first: leave out {INJECT_DELAY} and "
-                                f"{INJECT_MEMORY}")
     config.stash[SESSION_KEY] = PerfSession(
         backend=config.hook.pytest_perf_backend(config=config),
         rootpath=config.rootpath,
         time_tolerance=config.getoption("perf_time_tolerance"),
         host_tolerance=config.getoption("perf_host_tolerance"),
         time_cap=config.getoption("perf_max_time"),
-        injected_delay=delay,
-        injected_memory=held,
-        injected_cases=cases,
         calibrate=calibrate,
         memory_tolerance=config.getoption("perf_mem_tolerance"),
         memory_floor=config.getoption("perf_mem_floor"),
-        full_grid=config.getoption("perf_full_grid"),
-        memory_report=report,
+        memory_report=mem_report,
         compare=compare_value,
         save=config.getoption("benchmark_save") or config.getoption("benchmark_autosave"),
         save_failing=config.getoption("perf_save_failing"),
@@ -408,8 +334,10 @@ def _check_markdown_report(config) -> None:
     value = config.getoption("perf_report")
     if value is None:
         return
+    from lmsys.perf import markdown
+
     try:
-        _, path = parse_report_option(value)
+        _, path = markdown.parse_report_option(value)
     except ValueError as exc:
         raise pytest.UsageError(f"--perf-report={value}: {exc}") from None
     path = config.invocation_params.dir / path
@@ -443,11 +371,11 @@ def _protected(config, perf: PerfSession) -> list[Path]:
     return list(dict.fromkeys([perf.storage_path, config.rootpath / "baselines"]))
 
 
-def _output_problem(config, perf: PerfSession, option: str, path: Path, overwrite: bool) -> None:
+def _output_problem(config, perf: PerfSession, option: str, path: Path, overwrite: bool, hint: str = "") -> None:
     """Raises a UsageError naming the option and the path when baselines.output_problem refuses it."""
     problem = baselines.output_problem(path, overwrite=overwrite, protected=_protected(config, perf))
     if problem:
-        raise pytest.UsageError(f"{option}: {problem} (checked before running any test; nothing was written)")
+        raise pytest.UsageError(f"{option}: {problem} ({hint}checked before running any test; nothing was written)")
 
 
 def _json_report_path(value) -> Path | None:
@@ -464,21 +392,16 @@ def _check_outputs(config, perf: PerfSession) -> None:
     here = config.invocation_params.dir
     if isinstance(perf.memory_report, str):
         path = here / perf.memory_report
-        problem = baselines.output_problem(
-            path, overwrite=config.getoption("perf_mem_report_overwrite"), protected=_protected(config, perf)
-        )
-        if problem:
-            raise pytest.UsageError(
-                f"--perf-mem-report={perf.memory_report}: {problem} (--perf-mem-report-overwrite replaces a file that "
-                "is not a baseline; checked before running any test)"
-            )
+        _output_problem(config, perf, f"--perf-mem-report={perf.memory_report}", path,
+                        overwrite=config.getoption("perf_mem_report_overwrite"),
+                        hint="--perf-mem-report-overwrite replaces a file that is not a baseline; ")
         config.stash[_REPORT_PATH_KEY] = path
     markdown = config.stash.get(_MARKDOWN_KEY, None)
     if markdown is not None:
         _output_problem(config, perf, f"--perf-report={config.getoption('perf_report')}", markdown, overwrite=False)
-    report = _json_report_path(config.getoption("benchmark_json", None))
-    if report is not None:
-        _output_problem(config, perf, f"--benchmark-json={report}", here / report, overwrite=True)
+    json_report = _json_report_path(config.getoption("benchmark_json", None))
+    if json_report is not None:
+        _output_problem(config, perf, f"--benchmark-json={json_report}", here / json_report, overwrite=True)
     for option in ("csv", "histogram", "cprofile_dump"):
         for prefix in config.getoption(f"benchmark_{option}", None) or ():
             if isinstance(prefix, str):
@@ -543,7 +466,7 @@ def pytest_collection_finish(session):
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         for line in perf.header_lines():
-            reporter.write_line(printable(line))
+            reporter.write_line(baselines.printable(line))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -552,30 +475,15 @@ def pytest_runtestloop(session):
     perf = session.config.stash.get(SESSION_KEY, None)
     if perf is None or not perf.active or not perf.calibrate or session.config.option.collectonly:
         return None
+    from lmsys.perf import calibration
+
     config = session.config
     reporter = config.pluginmanager.get_plugin("terminalreporter")
-    earlier = set(perf.calibration)
-    kept = []
-
-    def progress(index, done, docs):
-        # From the second run on, the file holds the runs so far: a calibration stopped later (a timeout, Ctrl-C, a
-        # kill) keeps what it measured.
-        line = f"lmsys perf: calibration run {index + 1} of {perf.calibrate} done (exit {done.returncode})"
-        entries = calibration.noise(docs) if len(docs) >= calibration.MIN_RUNS else {}
-        if entries:
-            path = perf.write_calibration(entries)
-            kept[:] = [len(docs)]
-            line += f"; {path.name} holds these {len(docs)} runs"
-        if reporter is not None:
-            reporter.write_line(line)
-
-    args = reruns.child_args(config.invocation_params.args, config.invocation_params.dir)
     try:
-        docs = reruns.rerun(args, perf.calibrate, config.invocation_params.dir, progress=progress)
-    except reruns.RerunError as exc:
-        held = f"the calibration file holds the first {kept[0]} runs" if kept else "nothing was written"
-        raise pytest.UsageError(f"--perf-calibrate={perf.calibrate} stopped ({held}): {exc}") from None
-    perf.record_calibration(calibration.noise(docs), earlier)
+        calibration.calibrate(perf, config.invocation_params.args, config.invocation_params.dir,
+                              say=None if reporter is None else reporter.write_line)
+    except calibration.CalibrationError as exc:
+        raise pytest.UsageError(str(exc)) from None
     return True
 
 
@@ -597,14 +505,15 @@ def pytest_benchmark_update_commit_info(config, commit_info):
     perf = config.stash.get(SESSION_KEY, None)
     if perf is None or not perf.active:
         return
+    from lmsys.perf.environment import COMMIT_VARIABLE
+
     commit = perf.environment["git_commit"]
     if commit and (os.environ.get(COMMIT_VARIABLE) or commit_info.get("id") in (None, "unversioned", "unknown")):
         commit_info["id"] = commit
 
 
 def pytest_collection_modifyitems(config, items):
-    perf = config.stash.get(SESSION_KEY, None)
-    full_grid = perf.full_grid if perf is not None else config.getoption("perf_full_grid")
+    full_grid = config.getoption("perf_full_grid")
     skip_grid = pytest.mark.skip(reason="a point of the full grid: run with --perf-full-grid to include it")
     for item in items:
         for marker in item.iter_markers("perf_tolerance"):
@@ -730,7 +639,10 @@ def pytest_sessionfinish(session):
     path = config.stash.get(_REPORT_PATH_KEY, None)
     if path is not None:
         try:
-            write_memory_report(memory_frame(perf), path, overwrite=config.getoption("perf_mem_report_overwrite"))
+            from lmsys.perf import memory_report
+
+            overwrite = config.getoption("perf_mem_report_overwrite")
+            memory_report.write(memory_report.table(perf), path, overwrite=overwrite)
         except OSError as exc:
             perf.report_error = f"NOT WRITTEN: the memory report {path}: {exc}"
         else:
@@ -738,7 +650,9 @@ def pytest_sessionfinish(session):
     markdown = config.stash.get(_MARKDOWN_KEY, None)
     if markdown is not None:
         try:
-            write_new_file(markdown, session_markdown(perf))
+            from lmsys.perf.markdown import session_markdown
+
+            baselines.write_new_file(markdown, session_markdown(perf))
         except FileExistsError:
             perf.notes.append(f"markdown report NOT written: {markdown} appeared during the run")
         except OSError as exc:
@@ -792,14 +706,16 @@ def pytest_terminal_summary(terminalreporter, config):
     if perf is None or not perf.active:
         return
     _hide_gate_rows(config, perf)
-    lines = summary_lines(perf)
+    lines = report.summary_lines(perf)
     if lines:
         terminalreporter.write_sep("-", "lmsys perf")
         for line in lines:
             terminalreporter.write_line(line, red=line.startswith("NOT "))
     if perf.memory_report:
         terminalreporter.write_sep("-", "GPU memory high-water marks (largest first)")
-        for line in memory_report_lines(perf, config.stash.get(_WRITTEN_KEY, None)):
+        from lmsys.perf import memory_report
+
+        for line in memory_report.summary(perf, config.stash.get(_WRITTEN_KEY, None)):
             terminalreporter.write_line(line)
 
 

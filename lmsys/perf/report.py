@@ -1,44 +1,15 @@
-"""What the plugin prints and writes at the end: the results/comparison table, the GPU memory report and the
-markdown report (--perf-report=md:FILE).
+"""What the plugin prints at the end: the results table (with the comparison when there is one) and the notes. The
+GPU memory report is memory_report.py's, the markdown report of --perf-report markdown.py's.
 
-Tables are pandas DataFrames: printed with to_string, written with to_csv / to_json by the file's extension, or as
-markdown by markdown_table.
+Tables are pandas DataFrames, printed with to_string or written as markdown by markdown_table.
 """
-
-import os
-import re
-import tempfile
-from pathlib import Path
 
 import pandas as pd
 
-from lmsys.perf import baselines
 from lmsys.perf.baselines import printable
-from lmsys.perf.verdict import Verdict, format_bytes, format_seconds
+from lmsys.perf.verdict import format_bytes, format_seconds
 from lmsys.perf.session import PerfSession, Record
 from lmsys.perf.timing import CAPTURE_FAILED
-
-MEMORY_REPORT_SUFFIXES = (".csv", ".json")
-# What markdown_text escapes with a backslash: the ASCII punctuation that starts markup inline (code, emphasis, links,
-# images, raw HTML, entities, strike-through, table cells) or at the start of a line (headings).
-_MARKDOWN_SPECIAL = re.compile(r"([\\`*_\[\]<>!|~&#])")
-
-
-def code_span(text) -> str:
-    """text as a markdown code span that renders literally whatever it holds: fenced by one more backtick than its
-    longest run of backticks, padded with a space where it starts or ends with a backtick or a space (which the
-    padding rule would strip), unprintable characters escaped (printable)."""
-    text = printable(text)
-    longest = max((len(run) for run in re.findall("`+", text)), default=0)
-    fence = "`" * (longest + 1)
-    pad = " " if text[:1] in ("`", " ") or text[-1:] in ("`", " ") else ""
-    return f"{fence}{pad}{text}{pad}{fence}"
-
-
-def markdown_text(text) -> str:
-    """text as markdown that renders literally: markup characters escaped with a backslash (_MARKDOWN_SPECIAL),
-    unprintable characters escaped (printable)."""
-    return _MARKDOWN_SPECIAL.sub(r"\\\1", printable(text))
 
 
 def _percent(value: float | None) -> str:
@@ -102,62 +73,6 @@ def results_frame(records: list[Record], comparing: bool) -> pd.DataFrame:
     return frame.drop(columns=unused)
 
 
-def memory_frame(session: PerfSession) -> pd.DataFrame:
-    """Every benchmark's memory high-water marks in bytes, largest peak allocated first (the --perf-mem-report data)."""
-    rows = []
-    for record in session.records:
-        memory = record.memory
-        above = None if memory is None else memory.peak_allocated_above_start
-        change = None
-        if above is not None and record.baseline_peak:
-            change = above / record.baseline_peak - 1
-        rows.append({
-            "benchmark": record.fullname,
-            "peak_allocated_bytes": None if memory is None else memory.peak_allocated,
-            "peak_allocated_above_start_bytes": above,
-            "peak_reserved_bytes": None if memory is None else memory.peak_reserved,
-            "peak_reserved_above_start_bytes": None if memory is None else memory.peak_reserved_above_start,
-            "baseline_peak_allocated_above_start_bytes": record.baseline_peak,
-            "change": change,
-        })
-    columns = [
-        "benchmark", "peak_allocated_bytes", "peak_allocated_above_start_bytes", "peak_reserved_bytes",
-        "peak_reserved_above_start_bytes", "baseline_peak_allocated_above_start_bytes", "change",
-    ]
-    frame = pd.DataFrame(rows, columns=columns)
-    return frame.sort_values("peak_allocated_bytes", ascending=False, na_position="last", kind="stable")
-
-
-def write_memory_report(frame: pd.DataFrame, path: Path, overwrite: bool = False) -> None:
-    """Writes the memory table as CSV or JSON (a list of records), chosen by the file's extension, atomically; a file
-    that appeared since the run began is only replaced with overwrite (FileExistsError otherwise)."""
-    if path.suffix == ".csv":
-        text = frame.to_csv(index=False)
-    elif path.suffix == ".json":
-        text = frame.to_json(orient="records", indent=2)
-    else:
-        raise ValueError(f"--perf-mem-report file must end in {' or '.join(MEMORY_REPORT_SUFFIXES)}, got {path}")
-    if overwrite:
-        baselines.replace_file(path, text)
-    else:
-        write_new_file(path, text)
-
-
-def _memory_lines(frame: pd.DataFrame) -> list[str]:
-    def cell(value, formatter):
-        return "" if pd.isna(value) else formatter(value)
-
-    shown = pd.DataFrame({
-        "benchmark": frame["benchmark"],
-        "peak allocated": [cell(v, format_bytes) for v in frame["peak_allocated_bytes"]],
-        "above start": [cell(v, format_bytes) for v in frame["peak_allocated_above_start_bytes"]],
-        "peak reserved": [cell(v, format_bytes) for v in frame["peak_reserved_bytes"]],
-        "baseline (above start)": [cell(v, format_bytes) for v in frame["baseline_peak_allocated_above_start_bytes"]],
-        "change": [cell(v, lambda x: f"{x:+.1%}") for v in frame["change"]],
-    })
-    return shown.to_string(index=False).splitlines()
-
-
 def shared_notes(records: list[Record]) -> list[str]:
     """The notes that every one of several benchmarks has (the machine's state through the whole run): the summary
     says them once. A failed CUDA graph capture stays with each benchmark: on a GPU it is that call's own news."""
@@ -187,32 +102,6 @@ def summary_lines(session: PerfSession) -> list[str]:
     return [printable(line) for line in lines]
 
 
-def memory_report_lines(session: PerfSession, written: Path | None) -> list[str]:
-    """The --perf-mem-report table, or why there is none."""
-    frame = memory_frame(session)
-    if frame.empty:
-        lines = ["no benchmarks ran"]
-    elif frame["peak_allocated_bytes"].isna().all():
-        lines = ["no GPU memory readings: this run has no CUDA device (CPU timings only)"]
-    else:
-        lines = _memory_lines(frame)
-    if written is not None:
-        lines.append(f"memory report written to {written}")
-    return [printable(line) for line in lines]
-
-
-# --perf-report=md:FILE: the comparison as GitHub markdown (a CI job summary, a pull-request comment).
-REPORT_FORMATS = ("md",)
-
-
-def parse_report_option(value: str) -> tuple[str, Path]:
-    """'md:FILE' -> ('md', Path(FILE)); ValueError naming the problem for anything else."""
-    kind, sep, name = value.partition(":")
-    if not sep or kind not in REPORT_FORMATS or not name:
-        raise ValueError(f"expected FORMAT:FILE with FORMAT one of {', '.join(REPORT_FORMATS)}, e.g. md:perf.md")
-    return kind, Path(name)
-
-
 def _escape(cell) -> str:
     return "" if cell is None or (isinstance(cell, float) and pd.isna(cell)) else str(cell).replace("|", "\\|")
 
@@ -225,93 +114,3 @@ def markdown_table(frame: pd.DataFrame) -> str:
     lines = ["| " + " | ".join(_escape(c) for c in frame.columns) + " |", "|" + "---|" * len(frame.columns)]
     lines += ["| " + " | ".join(_escape(c) for c in row) + " |" for row in frame.itertuples(index=False)]
     return "\n".join(lines) + "\n"
-
-
-def report_frame(records: list[Record], comparing: bool) -> pd.DataFrame:
-    """One row per benchmark for the markdown report, failing verdicts first (then in the order they ran)."""
-    rows = []
-    for record in records:
-        failed = record.verdict is not None and record.verdict.failed
-        verdict = record.verdict.label if record.verdict else ("" if comparing else "not compared")
-        if record.remeasured:
-            verdict += " (re-measured)"
-        peak, baseline_peak = record.compared_peaks()
-        baseline = record.baseline_median
-        rates = _rate(record)
-        tflops = rates["TFLOP/s"] + (f" ({rates['% of peak']})" if rates["% of peak"] and rates["TFLOP/s"] else "")
-        rows.append({
-            "failed": failed,
-            "verdict": f"**{verdict}**" if failed else verdict,
-            "benchmark": code_span(record.name),
-            "median": format_seconds(record.median),
-            "time change": (
-                "" if baseline is None else f"{_change(record.median, baseline)} vs {format_seconds(baseline)}"
-            ),
-            "peak memory": "" if peak is None else format_bytes(peak),
-            "memory change": _change(peak, baseline_peak),
-            "TFLOP/s": tflops,
-        })
-    columns = ["failed", "verdict", "benchmark", "median", "time change", "peak memory", "memory change", "TFLOP/s"]
-    frame = pd.DataFrame(rows, columns=columns)
-    frame = frame.sort_values("failed", ascending=False, kind="stable").drop(columns="failed")
-    return frame.reset_index(drop=True)
-
-
-def markdown_report(
-    frame: pd.DataFrame, device: str, commit: str | None, compared: list[str], notes: list[str], labels: list[str]
-) -> str:
-    """The whole markdown report: a title counting the regressions, the device ('GPU: NAME'), commit and baseline
-    files, the table (report_frame) and the notes; text from outside (names, paths, notes) renders literally
-    (code_span, markdown_text). `labels` are the benchmarks' verdict labels ('' if not compared)."""
-    failing = sum(Verdict(label).failed for label in labels if label)
-    counts = pd.Series([label for label in labels if label]).value_counts()
-    benchmarks = f"{len(labels)} benchmark{'' if len(labels) == 1 else 's'}"
-    if compared or failing:
-        title = f"## lmsys perf: {failing} of {benchmarks} regressed"
-    else:
-        title = f"## lmsys perf: {benchmarks}, not compared with a baseline"
-    commit = commit or "unknown (not a git checkout)"
-    lines = [title, "", f"- {markdown_text(device)}", f"- commit: {markdown_text(commit)}"]
-    if compared:
-        lines.append("- baselines compared: " + ", ".join(code_span(name) for name in compared))
-    if len(counts):
-        lines.append("- verdicts: " + ", ".join(f"{n} {label}" for label, n in counts.items()))
-    lines.append("")
-    if len(frame):
-        lines.append(markdown_table(frame))
-    lines += [f"> {markdown_text(note)}" for note in notes]
-    return "\n".join(lines).rstrip("\n") + "\n"
-
-
-def write_new_file(path: Path, text: str) -> None:
-    """Writes text to path atomically (a temporary file in the same folder, then a hard link, which fails with
-    FileExistsError rather than replace a file that is already there)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.link(temporary, path)
-    finally:
-        os.unlink(temporary)
-
-
-def session_markdown(session: PerfSession) -> str:
-    """markdown_report for a finished session."""
-    root = session.rootpath
-
-    def shown(path: Path) -> str:
-        try:
-            return str(Path(path).relative_to(root))
-        except ValueError:
-            return str(path)
-
-    labels = [record.verdict.label if record.verdict else "" for record in session.records]
-    return markdown_report(
-        report_frame(session.records, session.comparing),
-        f"GPU: {session.backend.name}" if session.backend.is_gpu else f"device: {session.backend.name} (CPU, no GPU)",
-        session.environment.get("git_commit"),
-        [shown(path) for path in session.compared_files], session.notes, labels,
-    )

@@ -16,11 +16,10 @@ from typing import Any
 
 import pytest
 
-from lmsys.perf import baselines, calibration, environment, verdict
+from lmsys.perf import baselines, verdict
 from lmsys.perf.backend import MemoryReading
 from lmsys.perf.verdict import Tolerance, Verdict, format_bytes
-from lmsys.perf.storage import BaselineStorage
-from lmsys.perf.timing import Precision, injected_case_label
+from lmsys.perf.timing import Precision
 
 # The adaptive rounds aim at a median known to within this share of the tolerance (95% interval, half-width).
 PRECISION_SHARE = 0.25
@@ -80,7 +79,6 @@ class PerfSession:
     time_tolerance: float | None
     memory_tolerance: float
     memory_floor: int
-    full_grid: bool
     memory_report: bool | str | None
     compare: bool | str | None
     save: str | None = None
@@ -92,12 +90,8 @@ class PerfSession:
     host_tolerance: float | None = None
     # seconds of timed rounds a benchmark may spend on adaptive rounds (0: the planned rounds only)
     time_cap: float = 0.0
-    # LMSYS_INJECT_DELAY: a device-side delay after every benchmarked call, as a fraction of its time
-    injected_delay: float = 0.0
-    # LMSYS_INJECT_MEMORY: bytes held on the device during every benchmarked call
-    injected_memory: int = 0
-    # LMSYS_INJECT_CASES: (delay fraction, bytes held) of each regression measured beside every unchanged call
-    injected_cases: list[tuple[float, int]] = field(default_factory=list)
+    # the regression injected into every benchmarked call when the gate is measured (lmsys.perf.injection)
+    injection: Any = None
     # --perf-calibrate=N: rerun the selected benchmarks N times in fresh processes instead of running them
     calibrate: int | None = None
     # fullname -> calibration entry (calibration.py), from the GPU's folder
@@ -123,7 +117,8 @@ class PerfSession:
     baseline_starts: dict[str, str | None] = field(default_factory=dict)
     # storage_path / machine_id, once activate() has resolved the machine id (only when saving or comparing)
     folder: Path | None = None
-    storage: BaselineStorage | None = None
+    # storage.BaselineStorage, where activate() points pytest-benchmark's saves (only when saving or comparing)
+    storage: Any = None
     # why --perf-mem-report=FILE could not be written at the end, if it could not
     report_error: str | None = None
 
@@ -140,7 +135,9 @@ class PerfSession:
     @cached_property
     def environment(self) -> dict[str, Any]:
         """machine_info['lmsys']: device, software versions, git commit."""
-        return environment.collect(self.backend, self.machine_id, self.rootpath)
+        from lmsys.perf.environment import collect  # read when a run saves or compares
+
+        return collect(self.backend, self.machine_id, self.rootpath)
 
     def baseline(self, fullname: str) -> dict | None:
         """The baseline entry of a benchmark, or None when it has none (NEW) or nothing is compared."""
@@ -155,7 +152,7 @@ class PerfSession:
         """The device-time tolerance of a benchmark (verdict.time_tolerance): the marker's, the option's, else the
         floor of its case (its baseline saved in this machine start or not) raised by its calibrated noise."""
         entry = self.calibration.get(fullname)
-        spread = None if entry is None else calibration.device_spread(entry)
+        spread = None if entry is None else _calibration().device_spread(entry)
         return verdict.time_tolerance(
             same_start=not self.other_start(fullname), marker=marker.get("time"), option=self.time_tolerance,
             spread=spread, runs=None if entry is None else entry["runs"],
@@ -177,7 +174,7 @@ class PerfSession:
     def memory_allowance(self, fullname: str, marker: dict) -> tuple[float, int, str]:
         """The memory tolerance (a fraction), floor (bytes) and their source (verdict.memory_tolerance)."""
         entry = self.calibration.get(fullname)
-        moved = 0 if entry is None else calibration.memory_range(entry)
+        moved = 0 if entry is None else _calibration().memory_range(entry)
         return verdict.memory_tolerance(marker.get("memory"), self.memory_tolerance, self.memory_floor, moved)
 
     def precision(self, tolerance: Tolerance) -> Precision:
@@ -200,6 +197,8 @@ class PerfSession:
         self.active = True
         if not (self.save or self.comparing or self.calibrate):
             return
+        from lmsys.perf.storage import BaselineStorage
+
         self.folder = self.storage_path / self.machine_id
         own_storage, own_data = bench_session.storage, bench_session.save_data
         plain_compared = _plain_comparison(bench_session) if plain and self.comparing else {}
@@ -219,11 +218,13 @@ class PerfSession:
             problem = baselines.save_problem(self.folder, "calibration")
             if problem:
                 raise pytest.UsageError(f"--perf-calibrate={self.calibrate}: {problem}")
-        try:
-            self.calibration = calibration.read(self.folder)
-        except calibration.CalibrationError as exc:
-            message = f"{exc}\nRepair or remove it, or calibrate again (--perf-calibrate=N)."
-            raise pytest.UsageError(message) from None
+        if (self.folder / baselines.CALIBRATION_FILE).exists():
+            calibration = _calibration()
+            try:
+                self.calibration = calibration.read(self.folder)
+            except calibration.CalibrationError as exc:
+                message = f"{exc}\nRepair or remove it, or calibrate again (--perf-calibrate=N)."
+                raise pytest.UsageError(message) from None
         if self.comparing:
             self._load(bench_session)
             bench_session.compared_mapping = {**bench_session.compared_mapping, **plain_compared}
@@ -231,6 +232,8 @@ class PerfSession:
             self.notes.append("benchmarks are disabled (--benchmark-disable): nothing was timed or compared")
 
     def _load(self, bench_session) -> None:
+        from lmsys.perf.environment import version_differences
+
         try:
             if self.compare is True:
                 files = baselines.baseline_files(self.folder)
@@ -276,7 +279,7 @@ class PerfSession:
             start = (recorded[path]["machine_info"].get("lmsys") or {}).get("machine_start")
             self.baseline_starts.update(dict.fromkeys(benchmarks, start))
         for path in self.compared_files:
-            differences = environment.version_differences(recorded[path]["machine_info"], self.environment)
+            differences = version_differences(recorded[path]["machine_info"], self.environment)
             if differences:
                 text = f"{path} was recorded with other software ({'; '.join(differences)}); compared anyway"
                 self.notes.append(text)
@@ -292,21 +295,6 @@ class PerfSession:
             )
         self.note(f"not compared: {path} holds no benchmarks ('benchmarks' is empty)")
 
-    def write_calibration(self, entries: dict[str, dict]) -> Path:
-        """Merges a calibration's entries into the GPU's calibration file (atomically); returns its path."""
-        path, self.calibration, _ = calibration.update(self.folder, self.machine_id, entries)
-        return path
-
-    def record_calibration(self, entries: dict[str, dict], earlier: set[str]) -> None:
-        """Writes a calibration's entries and notes what was written and which of the `earlier` entries (those in
-        the file before this calibration began) it replaced."""
-        path = self.write_calibration(entries)
-        replaced = sorted(set(entries) & earlier)
-        self.notes.append(f"calibration of {len(entries)} benchmark(s) written to {path}")
-        if replaced:
-            self.notes.append(f"it replaced the earlier calibration of: {', '.join(replaced)}")
-        self.notes += [calibration.describe(fullname, entry) for fullname, entry in entries.items()]
-
     def header_lines(self) -> list[str]:
         """Printed after collection: where baselines are, the tolerances, and the files compared with."""
         if self.time_tolerance is None:
@@ -321,22 +309,8 @@ class PerfSession:
         if self.calibration:
             lines.append(
                 f"lmsys perf: noise calibration of {len(self.calibration)} benchmark(s) in "
-                f"{self.folder / calibration.FILE_NAME}"
+                f"{self.folder / baselines.CALIBRATION_FILE}"
             )
-        if self.injected_delay:
-            lines.append(
-                f"lmsys perf: LMSYS_INJECT_DELAY={self.injected_delay}: every benchmarked call gets a device-side "
-                f"delay of {self.injected_delay:.1%} of its time (measuring the gate)"
-            )
-        if self.injected_memory:
-            lines.append(
-                f"lmsys perf: LMSYS_INJECT_MEMORY={self.injected_memory}: every benchmarked call holds "
-                f"{format_bytes(self.injected_memory)} more on the device (measuring the gate)"
-            )
-        if self.injected_cases:
-            cases = ", ".join(injected_case_label(*case) for case in self.injected_cases)
-            lines.append(f"lmsys perf: LMSYS_INJECT_CASES: every benchmark is measured again with {cases}, judged "
-                         "beside its own verdict (measuring the gate; these verdicts fail no test)")
         return lines + [f"lmsys perf: comparing with {path}" for path in self.compared_files]
 
     def unwritten(self) -> bool:
@@ -363,6 +337,13 @@ class PerfSession:
         if storage.saved and self.save_failing and failing:
             lines.append(f"saved with failing results (--perf-save-failing): {', '.join(failing)}")
         return lines
+
+
+def _calibration():
+    """calibration.py, imported where a GPU folder has a calibration or --perf-calibrate writes one."""
+    from lmsys.perf import calibration
+
+    return calibration
 
 
 def _plain_comparison(bench_session) -> dict:

@@ -29,10 +29,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from math import ceil
-from statistics import median
 from typing import Any
 
-from lmsys.perf.verdict import format_bytes, relative_half_width
+from lmsys.perf.verdict import relative_half_width
 
 MAX_ROUNDS = 1000
 MAX_ADAPTIVE_ROUNDS = 10_000
@@ -45,22 +44,7 @@ LAUNCH = "launch"
 # Queued timing: the lead sleep is this many times an eager round's wall time, at most MAX_LEAD seconds.
 LEAD_FACTOR = 1.5
 MAX_LEAD = 2.0
-# The environment variable that adds a device-side delay to every benchmarked call, a fraction of the call's time:
-# a regression of known size, to measure the gate (lmsys.perf.detection).
-INJECT_DELAY = "LMSYS_INJECT_DELAY"
-# The same for memory: this many more bytes held on the device during every benchmarked call.
-INJECT_MEMORY = "LMSYS_INJECT_MEMORY"
-# Regressions measured beside the unchanged call, in the same process: "DELAY[:BYTES],...", e.g. "0.03:1048576,0.05".
-# After its own measurement and verdict every benchmark is measured once more per case, with that delay (a fraction,
-# as INJECT_DELAY) and those bytes held (as INJECT_MEMORY), and each case's verdict is kept in its extra_info
-# (INJECTED_CASES_KEY); they never fail the test. One process then measures the A/A case and every injected one.
-INJECT_CASES = "LMSYS_INJECT_CASES"
-INJECTED_CASES_KEY = "injected_cases"
 
-
-def injected_case_label(delay: float, held: int) -> str:
-    """'+3.0%', '1 MiB held' or '+3.0% and 1 MiB held': an injected case, for the summary."""
-    return " and ".join([f"+{delay:.1%}"] * bool(delay) + [f"{format_bytes(held)} held"] * bool(held))
 
 @dataclass
 class Measurement:
@@ -220,55 +204,6 @@ def spin(seconds: float) -> None:
         pass
 
 
-def with_delay(backend, call: Callable[[], Any], flush, fraction: float, graph: bool, host: bool = False
-               ) -> Callable[[], Any]:
-    """call followed by device-side work (make_work) of `fraction` of its time: a regression of known size, injected to
-    measure the gate. The time is the median of three rounds of what the benchmark will judge: the call, or with
-    graph=True the replays of a trial capture, or queued rounds when it cannot be captured (a launch-bound call's
-    eager time is mostly CPU). With host=True the delay is the CPU's (make_host_delay), a fraction of the host time."""
-    if host:
-        lead = queue_lead(backend, call, flush)
-        delay = backend.make_host_delay(fraction * median(time_rounds(backend, call, 3, flush, lead, host=True)))
-    else:
-        delay = _device_delay(backend, call, flush, fraction, graph)
-    return followed_by(call, delay)
-
-
-def followed_by(call: Callable[[], Any], after: Callable[[], None]) -> Callable[[], Any]:
-    """call, then after() (an injected delay), returning call's result."""
-
-    def delayed():
-        result = call()
-        after()
-        return result
-
-    return delayed
-
-
-def _device_delay(backend, call: Callable[[], Any], flush, fraction: float, graph: bool) -> Callable[[], None]:
-    typical = median(time_rounds(backend, call, 3, flush))
-    if graph:
-        try:
-            replay, release = backend.capture_graph(call)
-        except Exception:  # run() notes the failed capture when it captures for real
-            if backend.is_gpu:
-                typical = median(time_rounds(backend, call, 3, flush, queue_lead(backend, call, flush)))
-        else:
-            typical = median(time_rounds(backend, replay, 3, flush))
-            release()
-    return backend.make_work(fraction * typical)
-
-
-def with_allocation(backend, call: Callable[[], Any], nbytes: int) -> Callable[[], Any]:
-    """call with `nbytes` more held on the device while it runs: a memory regression of known size."""
-
-    def holding():
-        with backend.holding(nbytes):
-            return call()
-
-    return holding
-
-
 def error_line(exc: BaseException) -> str:
     """'RuntimeError: the first line of its message', or the type's name alone for an empty message."""
     message = str(exc).strip()
@@ -319,21 +254,19 @@ def run(
     launch_precision: Precision = Precision(),
     graph: bool = False,
     host: bool = False,
-    delay: float = 0.0,
-    extra_memory: int = 0,
+    inject=None,
 ) -> Measurement:
     """Warm up, time the rounds (the module docstring says which), then one call under the memory reading.
 
     `precision` is the target of the benchmark's own rounds, `launch_precision` that of the LAUNCH rounds beside graph
-    and queued ones. `delay` > 0 adds a device-side delay of that fraction of the call's time to every call (a CPU
-    spin with host=True), `extra_memory` > 0 that many bytes held on the device during every call: regressions of
-    known size, to measure the gate (detection.py).
+    and queued ones. `inject` (lmsys.perf.injection.Injection, when the gate is measured) holds its bytes during every
+    call and adds its delay to every timed one.
     """
-    if extra_memory:
-        call = with_allocation(backend, call, extra_memory)
+    if inject is not None:
+        call = inject.held(backend, call)
     before = backend.machine_state()
     chosen = warm_up(backend, call, flush, max_time, min_rounds, warmup_rounds)
-    timed = with_delay(backend, call, flush, delay, graph, host) if delay else call
+    timed = call if inject is None else inject.delayed(backend, call, flush, graph, host)
     notes = []
     captured = _capture(backend, timed, flush, max_time, min_rounds, notes) if graph else None
     queued = graph and captured is None and backend.is_gpu
@@ -364,8 +297,4 @@ def run(
     )
     if launch is not None:
         measurement.launch_samples, measurement.extra_info["eager_wall_seconds_per_round"] = launch
-    if delay:
-        measurement.extra_info["injected_delay"] = delay
-    if extra_memory:
-        measurement.extra_info["injected_memory"] = extra_memory
     return measurement

@@ -1,0 +1,204 @@
+"""Regressions of known size injected into every benchmarked call, to measure the gate: a pytest plugin that
+`python -m lmsys.perf.detection` loads into the runs it spawns (`-p lmsys.perf.injection`). A run without it never
+imports this module or reads these variables.
+
+    LMSYS_INJECT_DELAY=f     every benchmarked call is followed by device-side work (backend.make_work) of f times its
+                             own time, measured as the benchmark is judged: the call, the replays of a trial capture
+                             (graph=True), queued rounds when it cannot be captured; with host=True a CPU spin of f
+                             times its host time. On several ranks every rank gets the same work: f times the slowest
+                             rank's round.
+    LMSYS_INJECT_MEMORY=B    B more bytes held on the device during every benchmarked call (backend.holding).
+    LMSYS_INJECT_CASES=...   "DELAY[:BYTES],...", e.g. "0.03:1048576,0.05": after its own measurement and verdict,
+                             each benchmark with a baseline is measured once more per case and judged against the same
+                             baseline; the verdicts go into its extra_info (INJECTED_CASES_KEY) and the summary,
+                             and fail nothing. One process then measures the A/A case and every injected one.
+
+The gate reaches this module through two seams: PerfSession.injection (an Injection, handed to timing.run and to
+every rank in multirank.Settings) and the pytest_perf_measured hook, called after each benchmark is recorded.
+"""
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from statistics import median
+from typing import Any
+
+import pytest
+
+from lmsys.perf import timing
+from lmsys.perf.session import RECORD_KEY, SESSION_KEY
+from lmsys.perf.verdict import format_bytes
+
+INJECT_DELAY = "LMSYS_INJECT_DELAY"
+INJECT_MEMORY = "LMSYS_INJECT_MEMORY"
+INJECT_CASES = "LMSYS_INJECT_CASES"
+INJECTED_CASES_KEY = "injected_cases"
+_CASES_KEY = pytest.StashKey[list]()
+
+
+@dataclass(frozen=True)
+class Injection:
+    """A delay (a fraction of each call's time) and a number of bytes held during each call. Picklable: multi-rank
+    benchmarks hand it to every rank."""
+
+    delay: float = 0.0
+    memory: int = 0
+
+    @property
+    def label(self) -> str:
+        """'+3.0%', '1 MiB held' or '+3.0% and 1 MiB held'."""
+        return " and ".join([f"+{self.delay:.1%}"] * bool(self.delay) + [f"{format_bytes(self.memory)} held"]
+                            * bool(self.memory))
+
+    def held(self, backend, call: Callable[[], Any]) -> Callable[[], Any]:
+        """call with the bytes held on the device while it runs."""
+        if not self.memory:
+            return call
+
+        def holding():
+            with backend.holding(self.memory):
+                return call()
+
+        return holding
+
+    def delayed(self, backend, call: Callable[[], Any], flush, graph: bool, host: bool) -> Callable[[], Any]:
+        """call followed by the delay: device-side work of the fraction of the median of three rounds of what the
+        benchmark judges (the call; with graph=True the replays of a trial capture, or queued rounds when it cannot be
+        captured: a launch-bound call's eager time is mostly CPU), or with host=True a CPU spin of the fraction of its
+        host time."""
+        if not self.delay:
+            return call
+        if host:
+            lead = timing.queue_lead(backend, call, flush)
+            typical = median(timing.time_rounds(backend, call, 3, flush, lead, host=True))
+            return _followed_by(call, backend.make_host_delay(self.delay * typical))
+        typical = median(timing.time_rounds(backend, call, 3, flush))
+        if graph:
+            try:
+                replay, release = backend.capture_graph(call)
+            except Exception:  # timing.run notes the failed capture when it captures for real
+                if backend.is_gpu:
+                    lead = timing.queue_lead(backend, call, flush)
+                    typical = median(timing.time_rounds(backend, call, 3, flush, lead))
+            else:
+                typical = median(timing.time_rounds(backend, replay, 3, flush))
+                release()
+        return _followed_by(call, backend.make_work(self.delay * typical))
+
+    def delayed_ranks(self, ctx, timed: Callable[[], Any], step: Callable[[], Any], timer):
+        """(timed, step) of a multi-rank benchmark followed by the same device-side work on every rank: the fraction
+        of the median of three rounds of the slowest rank, timed by `timer` as the judged rounds are, so that the
+        judged round, the slowest rank's, grows by that fraction."""
+        if not self.delay:
+            return timed, step
+        from lmsys.perf import multirank
+
+        samples, _, _ = multirank._time_rounds(ctx, timed, 3, timer)
+        work = ctx.backend.make_work(self.delay * median(multirank._slowest(multirank._gather(samples))))
+        return _followed_by(timed, work), _followed_by(step, work)
+
+
+def _followed_by(call: Callable[[], Any], after: Callable[[], None]) -> Callable[[], Any]:
+    def delayed():
+        result = call()
+        after()
+        return result
+
+    return delayed
+
+
+def _fraction(name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 <= value <= 10):
+        raise ValueError(f"{name}={text}: must be a fraction of a call's time between 0 and 10")
+    return value
+
+
+def _bytes(text: str) -> int:
+    if not text.strip().isdigit():
+        raise ValueError(f"{text!r} is not a non-negative whole number of bytes")
+    return int(text)
+
+
+def _cases(text: str) -> list[Injection]:
+    cases = []
+    for case in text.split(",") if text.strip() else ():
+        delay, _, held = case.strip().partition(":")
+        try:
+            injection = Injection(_fraction(INJECT_CASES, delay), _bytes(held) if held else 0)
+        except ValueError:
+            injection = Injection()
+        if not injection.label:
+            raise pytest.UsageError(
+                f"{INJECT_CASES}={text}: each case is DELAY[:BYTES], a fraction of a call's time between 0 and 10 and "
+                "the bytes held during every call, not both zero (e.g. 0.03:1048576,0.05:1048576)"
+            )
+        cases.append(injection)
+    return cases
+
+
+def pytest_configure(config):
+    """Reads the variables (a bad value is a usage error) into the gate's session, once the plugin has made it."""
+    perf = config.stash.get(SESSION_KEY, None)
+    if perf is None:
+        return
+    try:
+        delay = _fraction(INJECT_DELAY, os.environ.get(INJECT_DELAY, "0"))
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    text = os.environ.get(INJECT_MEMORY, "0")
+    try:
+        memory = _bytes(text)
+    except ValueError as exc:
+        raise pytest.UsageError(f"{INJECT_MEMORY}={text}: {exc} (a number of bytes held during every call)") from None
+    cases = _cases(os.environ.get(INJECT_CASES, ""))
+    if cases and (delay or memory):
+        raise pytest.UsageError(f"{INJECT_CASES} measures each call unchanged first: leave out {INJECT_DELAY} and "
+                                f"{INJECT_MEMORY}")
+    if delay or memory:
+        perf.injection = Injection(delay, memory)
+    config.stash[_CASES_KEY] = cases
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    perf = session.config.stash.get(SESSION_KEY, None)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if perf is None or not perf.active or reporter is None:
+        return
+    injection, cases = perf.injection, session.config.stash.get(_CASES_KEY, [])
+    if injection is not None and injection.delay:
+        reporter.write_line(f"lmsys perf: {INJECT_DELAY}={injection.delay}: every benchmarked call gets a device-side "
+                            f"delay of {injection.delay:.1%} of its time (measuring the gate)")
+    if injection is not None and injection.memory:
+        reporter.write_line(f"lmsys perf: {INJECT_MEMORY}={injection.memory}: every benchmarked call holds "
+                            f"{format_bytes(injection.memory)} more on the device (measuring the gate)")
+    if cases:
+        reporter.write_line(f"lmsys perf: {INJECT_CASES}: every benchmark is measured again with "
+                            f"{', '.join(case.label for case in cases)}, judged beside its own verdict (measuring "
+                            "the gate; these verdicts fail no test)")
+
+
+def pytest_perf_measured(item, benchmark, remeasure):
+    """Notes the injection in the benchmark's extra_info; with LMSYS_INJECT_CASES, measures and judges each case."""
+    perf, record = item.config.stash[SESSION_KEY], item.stash[RECORD_KEY]
+    if perf.injection is not None and perf.injection.delay:
+        benchmark.extra_info["injected_delay"] = perf.injection.delay
+    if perf.injection is not None and perf.injection.memory:
+        benchmark.extra_info["injected_memory"] = perf.injection.memory
+    cases = item.config.stash.get(_CASES_KEY, [])
+    if not cases or not perf.comparing or perf.baseline(record.fullname) is None:
+        return
+    results = []
+    for case in cases:
+        decided = remeasure(case)
+        results.append({"delay": case.delay, "memory": case.memory,
+                        "verdict": None if decided is None else decided.label,
+                        "time_change": None if decided is None or decided.time is None else decided.time.change})
+    benchmark.extra_info[INJECTED_CASES_KEY] = results
+    record.notes.append("injected: " + "; ".join(f"{case.label}: {result['verdict']}"
+                                                 for case, result in zip(cases, results)))
