@@ -386,7 +386,6 @@ def test_flash_triton_padded_head_dim(d, dtype, is_causal, layout, seed):
 @pytest.mark.parametrize("d, dtype, layout", [
     pytest.param(80, torch.float32, "contiguous", id="d80-fp32"),
     pytest.param(96, torch.float16, "transposed", id="d96-fp16"),
-    pytest.param(72, torch.float32, "transposed", id="d72-fp32"),  # a second chunk of 8 columns in a tile of 16
 ])
 def test_flash_triton_split_head_dim(d, dtype, layout, is_causal, monkeypatch, seed):
     """SPLIT_HEAD_DIMS: the head dim as a chunk of 64 columns and one of the rest (16 or 32 wide), forward and
@@ -400,10 +399,11 @@ def test_flash_triton_split_head_dim(d, dtype, layout, is_causal, monkeypatch, s
 
 
 def test_head_chunks(monkeypatch):
-    """Only the listed head dims split, and only where the chunks are narrower than the padded tile (65 to 96)."""
+    """Only the listed head dims split, and only where the second chunk fills its tile (80 and 96)."""
+    assert flash_triton.SPLIT_HEAD_DIMS == {80, 96}
     monkeypatch.setattr(flash_triton, "SPLIT_HEAD_DIMS", frozenset({48, 72, 80, 96, 112, 128}))
     chunks = {d: flash_triton._head_chunks(d) for d in (48, 64, 72, 80, 96, 112, 128)}
-    assert chunks == {48: (48, 64, 0, 16), 64: (64, 64, 0, 16), 72: (64, 64, 8, 16), 80: (64, 64, 16, 16),
+    assert chunks == {48: (48, 64, 0, 16), 64: (64, 64, 0, 16), 72: (72, 128, 0, 16), 80: (64, 64, 16, 16),
                       96: (64, 64, 32, 32), 112: (112, 128, 0, 16), 128: (128, 128, 0, 16)}
     monkeypatch.setattr(flash_triton, "SPLIT_HEAD_DIMS", frozenset())
     assert flash_triton._head_chunks(80) == (80, 128, 0, 16)
@@ -480,7 +480,6 @@ def test_flash_triton_padded_head_dim_gpu(gpu, shape, k_len, layout, is_causal, 
         pytest.param((4, 32, 512, 80), 512, "transposed", True, id="d80-2.7B"),
         pytest.param((1, 3, 1537, 80), 1000, "contiguous", False, id="d80-full-ragged"),
         pytest.param((2, 4, 1000, 96), 1000, "transposed", True, id="d96-causal-ragged"),
-        pytest.param((2, 4, 777, 72), 777, "contiguous", True, id="d72-causal"),
     ],
 )
 def test_flash_triton_split_head_dim_gpu(gpu, shape, k_len, layout, is_causal, dtype, monkeypatch, seed):

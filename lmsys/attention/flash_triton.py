@@ -76,20 +76,20 @@ def _block_d(head_dim):
     return max(16, triton.next_power_of_2(head_dim))
 
 
-# Head dims from 65 to 96 (80: the 2.7B model's; 96) may run split along the head dim: tiles of the first 64 columns
-# and tiles of the rest, 16 or 32 wide, so that every product over the head dim does 80 or 96 columns' work rather
-# than a padded 128's. SPLIT_HEAD_DIMS: the head dims that run so (empty: every head dim runs one padded tile, until a
-# GPU's measurements choose: scripts/attention_tuning_sweep.py times the two side by side).
-SPLIT_HEAD_DIMS = frozenset()
+# Head dims 80 (the 2.7B model's) and 96 run split along the head dim: tiles of the first 64 columns and tiles of the
+# other 16 or 32, so that every product over the head dim does 80 or 96 columns' work rather than a padded 128's. On
+# the H200 the split kernels beat the padded ones at every measured point, forward and backward (docs/attention.md,
+# "Head dims 80 and 96"). A second chunk narrower than its tile (d=72: 8 columns in 16) computed wrong gradients on the
+# GPU, so only remainders that fill their tile (16, 32) split. SPLIT_HEAD_DIMS: the head dims that run so.
+SPLIT_HEAD_DIMS = frozenset({80, 96})
 _SPLIT_AT = 64
 
 
 def _head_chunks(head_dim):
     """(HEAD_DIM, BLOCK_D, HEAD_DIM1, BLOCK_D1): the kernels' constexprs for the head dim's columns, chunk 0 (its real
     width and tile width) and chunk 1 (HEAD_DIM1 = 0: no second chunk; its tile width is then a placeholder)."""
-    if head_dim in SPLIT_HEAD_DIMS and _SPLIT_AT < head_dim and _SPLIT_AT + _block_d(head_dim - _SPLIT_AT) < _block_d(
-            head_dim):
-        return _SPLIT_AT, _SPLIT_AT, head_dim - _SPLIT_AT, _block_d(head_dim - _SPLIT_AT)
+    if head_dim in SPLIT_HEAD_DIMS and head_dim - _SPLIT_AT in (16, 32):
+        return _SPLIT_AT, _SPLIT_AT, head_dim - _SPLIT_AT, head_dim - _SPLIT_AT
     return head_dim, _block_d(head_dim), 0, 16
 
 
