@@ -44,7 +44,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from lmsys.distributed import fsdp
+from lmsys.distributed import ddp, fsdp
 
 # NVLink multicast (NVLS) stays off: on the lent GPU machines it can take a shared server down.
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -340,7 +340,9 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, backend, environment, s
         _send(sender, "error", (traceback.format_exc(), in_collective))
     finally:
         if dist.is_initialized():
-            fsdp.wait_for_pending_work()  # a collective pending when the group goes can abort the rank
+            # A collective pending when the group goes can abort the rank.
+            ddp.wait_for_pending_work()
+            fsdp.wait_for_pending_work()
             dist.destroy_process_group()
         sender.close()
         faulthandler.unregister(signal.SIGUSR1)
