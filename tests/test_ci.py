@@ -99,8 +99,9 @@ def test_the_device_detection_helper_is_valid_bash_and_refuses_what_it_cannot_ru
 
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs the git checkout")
 def test_the_detection_script_adds_runs_per_call_until_it_has_them_all(tmp_path):
+    # No untimed run first (the next test covers it): each call a reference and its one run.
     env = {**os.environ, "GITHUB_STEP_SUMMARY": str(tmp_path / "step-summary.md"), "LMSYS_DETECTION_RUNS": "2",
-           "LMSYS_DETECTION_PER_CALL": "1"}
+           "LMSYS_DETECTION_PER_CALL": "1", "LMSYS_DETECTION_WARM_UP": "0"}
     calibrations = [str(p.relative_to(ROOT)) for p in (ROOT / "baselines").glob("*/calibration.json")]
     paths = ["lmsys/perf", ":(exclude)lmsys/perf/detection.py", ":(exclude)lmsys/perf/docs.py", "perf_tests",
              "conftest.py", "pytest.ini", *calibrations]

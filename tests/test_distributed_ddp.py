@@ -162,20 +162,59 @@ def test_tied_frozen_and_unused_parameters_like_a_single_process(seed, world_siz
     assert counts[0]["bucketed_one"] == 1
 
 
-def _backward_twice() -> str:
+def _in_flight(ddp) -> int:
+    """The number of all-reduces `ddp` launched and has not waited for."""
+    return sum(bucket.work is not None for bucket in ddp._buckets)
+
+
+def _backward_twice() -> tuple[str, int]:
     ddp = DDPBucketed(TiedFrozen(), bucket_size_mb=1e-6)
     inputs = torch.ones(2, 3, dtype=torch.long)
     ddp(inputs).sum().backward()
     try:
         ddp(inputs).sum().backward()
     except RuntimeError as error:
-        return str(error)
-    return "no error"
+        return str(error), _in_flight(ddp)
+    return "no error", _in_flight(ddp)
 
 
-def test_second_backward_without_synchronization_is_an_error():
-    messages = launch_ranks(_backward_twice, 2, timeout=60)
-    assert all("became ready twice without finish_gradient_synchronization()" in m for m in messages), messages
+def test_second_backward_without_synchronization_is_an_error_that_leaves_nothing_in_flight():
+    for message, in_flight in launch_ranks(_backward_twice, 2, timeout=60):
+        assert "became ready twice without finish_gradient_synchronization()" in message, message
+        assert in_flight == 0  # the first backward's all-reduces, waited for before the error
+
+
+def _abandoned_step_then_a_fresh_one(variants: list[str]) -> dict[str, tuple[int, int]]:
+    """Per variant: a backward without finish_gradient_synchronization, wait_for_pending_work, then a whole step whose
+    gradients are those of one process (every rank gets the same batch), with nothing of the abandoned step in them.
+    Returns the all-reduces in flight before and after the wait."""
+    in_flight = {}
+    for variant in variants:
+        torch.manual_seed(0)
+        model = TransformerLM(SIZES["tiny"])
+        reference = TransformerLM(SIZES["tiny"])
+        reference.load_state_dict(model.state_dict())
+        ddp = VARIANTS[variant](model)
+        inputs, targets = _lm_batch(torch.Generator().manual_seed(1), 2, length=8)
+        cross_entropy(ddp(inputs[:, :4]), targets[:, :4]).backward()  # abandoned
+        before = _in_flight(ddp)
+        ddp.wait_for_pending_work()
+        in_flight[variant] = (before, _in_flight(ddp))
+        ddp.zero_grad()
+        cross_entropy(ddp(inputs), targets).backward()
+        ddp.finish_gradient_synchronization()
+        cross_entropy(reference(inputs), targets).backward()
+        for (name, param), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(param.grad, expected.grad, msg=lambda m: f"{variant} {name}: {m}")
+    return in_flight
+
+
+def test_waiting_for_pending_work_after_an_abandoned_step_leaves_nothing_in_flight():
+    """What lmsys.distributed.launch calls before it destroys a rank's group (a gloo group destroyed with collectives
+    in flight has aborted FSDP's ranks): it waits for the abandoned step's all-reduces, and the next step is whole."""
+    variants = ["individual", "bucketed_several"]
+    for in_flight in launch_ranks(_abandoned_step_then_a_fresh_one, 2, variants, timeout=60):
+        assert all(before > 0 and after == 0 for before, after in in_flight.values()), in_flight
 
 
 def test_wrapping_needs_a_process_group():

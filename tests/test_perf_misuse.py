@@ -279,13 +279,14 @@ def test_a_project_that_does_not_use_gpu_benchmark_is_left_alone(pytester):
     # pytest-benchmark's own save, where and as it makes it.
     (saved,) = (pytester.path / ".benchmarks").glob("*/0001_mine.json")
     assert "lmsys" not in json.loads(saved.read_text())["machine_info"]
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:benchmark", "test_plain.py::test_plain")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:benchmark",
+                                          "test_plain.py::test_plain")
     result.assert_outcomes(passed=1)
 
 
 def test_gpu_benchmark_without_pytest_benchmark_is_a_usage_error(pytester):
     write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=1)
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:benchmark")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:benchmark")
     assert result.ret == USAGE_ERROR
     result.stderr.fnmatch_lines(
         ["*1 selected test(s) use gpu_benchmark, which needs pytest-benchmark; this run disabled it (-p no:benchmark)"]
@@ -332,7 +333,8 @@ def test_a_baseline_with_negative_memory_stops_the_run(pytester):
 @pytest.mark.parametrize(("value", "shown"), [("nan", "NaN"), ("inf", "Infinity"), ("-1", "-1")])
 def test_a_non_finite_or_negative_max_time_is_a_usage_error(pytester, value, shown):
     write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=1)
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", f"--benchmark-max-time={value}")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:hypothesispytest",
+                                          f"--benchmark-max-time={value}")
     assert result.ret == USAGE_ERROR
     result.stderr.fnmatch_lines(
         [f"*--benchmark-max-time={shown}: must be a finite, non-negative number of seconds*"]

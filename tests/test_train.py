@@ -187,8 +187,8 @@ def test_random_batch_rejects_empty_sizes():
 
 def test_tiny_model_overfits_one_batch(seed):
     model = TransformerLM(TINY)
-    step = make_train_step(model, AdamW(model.parameters(), lr=3e-3, weight_decay=0.0))
-    inputs, targets = random_batch(4, 32, TINY.vocab_size, "cpu")
+    step = make_train_step(model, AdamW(model.parameters(), lr=1e-2, weight_decay=0.0))
+    inputs, targets = random_batch(2, 16, TINY.vocab_size, "cpu")
     losses = [step(inputs, targets).item()]
     while losses[-1] > 0.1 * losses[0] and len(losses) < 300:
         losses.append(step(inputs, targets).item())

@@ -44,6 +44,13 @@ Launch order: all-reduces launched from gradient hooks go out in a fixed order (
 waiting for its predecessors when its gradients happen to be ready first, so that ranks whose backward passes differ
 (a parameter unused on one rank only) still agree. Buckets still incomplete at `finish_gradient_synchronization()`
 are completed there with zeros and launched in the same order.
+
+Nothing stays in flight when the process group goes, as in lmsys.distributed.fsdp: `finish_gradient_synchronization()`
+waits for every all-reduce it or a gradient hook launched; `wait_for_pending_work()` waits for those a backward left
+in flight without it (an abandoned step, an error raised in a gradient hook, which calls it first) and drops that
+step's synchronization, so that the next backward starts afresh (the gradients that step left are not averaged, and
+may hold a partial sum across ranks: zero them first). The module-level `wait_for_pending_work()` does so for every
+wrapper alive in the process, and lmsys.distributed.launch calls it before it destroys a rank's process group.
 """
 
 import weakref
@@ -53,6 +60,16 @@ import torch.distributed as dist
 from torch import nn
 
 from lmsys.distributed.collectives import broadcast_coalesced
+
+# Every wrapper alive in this process, for the module-level wait_for_pending_work().
+_wrappers: "weakref.WeakSet[_DataParallel]" = weakref.WeakSet()
+
+
+def wait_for_pending_work() -> None:
+    """`wait_for_pending_work()` of every DDP wrapper alive in this process: call it before destroying the process
+    group."""
+    for wrapper in list(_wrappers):
+        wrapper.wait_for_pending_work()
 
 
 class _GradBucket:
@@ -164,6 +181,7 @@ class _DataParallel(nn.Module):
                     hook = _make_hook(this, index, position)
                     self._hook_handles.append(param.register_post_accumulate_grad_hook(hook))
             weakref.finalize(self, _remove_hooks, self._hook_handles)
+        _wrappers.add(self)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -194,12 +212,33 @@ class _DataParallel(nn.Module):
             current.wait_stream(self._write_back_stream)
         self._next_launch = 0
 
+    def wait_for_pending_work(self) -> None:
+        """Wait for every all-reduce still in flight and drop the current step's synchronization: the next backward
+        starts afresh. After `finish_gradient_synchronization()` nothing is in flight and this does nothing; after a
+        backward without it, or an error raised in a gradient hook, it leaves nothing pending before the process group
+        is destroyed. The gradients of the dropped step are not averaged (an all-reduce may have summed them in place):
+        zero them before the next step."""
+        for bucket in self._buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
+            bucket.ready.clear()
+        if self._write_back_stream is not None:
+            current = torch.cuda.current_stream(self._write_back_stream.device)
+            current.wait_stream(self._pack_stream)
+            current.wait_stream(self._write_back_stream)
+        self._next_launch = 0
+
     def _on_side_streams(self, bucket: _GradBucket) -> bool:
         return bucket.compressed and self._write_back_stream is not None
 
     def _on_grad_ready(self, bucket_index: int, position: int) -> None:
         bucket = self._buckets[bucket_index]
-        bucket.collect(position)
+        try:
+            bucket.collect(position)
+        except Exception:
+            self.wait_for_pending_work()  # nothing left in flight behind the error
+            raise
         if bucket.complete and bucket_index == self._next_launch:
             self._launch_ready()
 

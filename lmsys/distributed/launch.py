@@ -25,7 +25,10 @@ after the parent used OpenMP hangs in its first multi-threaded op (seen with tor
 forked after CUDA initialization cannot use CUDA. The forkserver is neither: it never ran OpenMP or touched CUDA,
 whatever the caller did, so CUDA-initialized callers are fine too. On machines without CUDA the server also imports
 torch._dynamo and the module of `fn` (a test module, say, with everything it imports), which saves each rank those
-imports. Where the platform has no forkserver (Windows) ranks are spawned. The server lives as long as the caller.
+imports. Where the platform has no forkserver (Windows) ranks are spawned. The server lives as long as the caller:
+multiprocessing keeps it in the module multiprocessing.forkserver, which this module imports, so that a caller that
+unloads the modules imported since some point (pytester's in-process runs do, after each run) keeps the server too,
+instead of starting one more server, torch imported anew, at its next launch.
 """
 
 import faulthandler
@@ -44,7 +47,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from lmsys.distributed import fsdp
+from lmsys.distributed import ddp, fsdp
+
+if "forkserver" in multiprocessing.get_all_start_methods():
+    import multiprocessing.forkserver  # noqa: F401 - holds the server: see the module's docstring
 
 # NVLink multicast (NVLS) stays off: on the lent GPU machines it can take a shared server down.
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -340,7 +346,9 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, backend, environment, s
         _send(sender, "error", (traceback.format_exc(), in_collective))
     finally:
         if dist.is_initialized():
-            fsdp.wait_for_pending_work()  # a collective pending when the group goes can abort the rank
+            # A collective pending when the group goes can abort the rank.
+            ddp.wait_for_pending_work()
+            fsdp.wait_for_pending_work()
             dist.destroy_process_group()
         sender.close()
         faulthandler.unregister(signal.SIGUSR1)
