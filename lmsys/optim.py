@@ -24,11 +24,12 @@ Parameters and their state are float32 (or float64); bf16/fp16 parameters are re
 use autocast), except those made by `keep_master_weights`: an fp32 parameter becomes bf16 in place and its fp32
 values move into the optimizer's state as a master weight. Its update reads the bf16 gradient (upcast), updates the
 master and the moments in fp32, and writes the master's bf16 rounding back into the parameter in the same pass (in
-the fused kernel, in the same launch as the fp32 parameters). Under bf16 autocast this is the fp32 step to the bit:
-autocast would cast the fp32 weight to that same bf16 value in every forward, and its fp32 gradient is the upcast
-of the same bf16 gradient; it saves that cast (6 bytes per parameter and step) and the fp32 gradient (8 more),
-and the optimizer reads a 2-byte gradient. Everything a step needs is validated before any tensor changes: a bad group, gradient or state
-raises with nothing updated.
+the fused kernel, in the same launch as the fp32 parameters). Under bf16 autocast the training step is then the one
+with fp32 weights, to the bit: autocast would cast the fp32 weight to that same bf16 value in every forward, and
+its fp32 gradient is the upcast of the same bf16 gradient. Per parameter and step this saves the cast (4 bytes read,
+2 written) and the fp32 copy of the gradient (4 written, and 4 read by the optimizer instead of 2), for 2 bytes
+more written by the optimizer. Everything a step needs is validated before any tensor changes: a bad group,
+gradient or state raises with nothing updated.
 """
 
 import array

@@ -39,8 +39,8 @@ profiler; medians over --steps steps, each started on an idle device).
 
 Variants without CUDA graphs that share a model (class and attention) run on one model object, one after the other,
 each with a fresh optimizer; dynamo reuses the model's compiled graph where it can. Each CUDA-graph variant, and
-each variant that converts its model's weights to bf16, has a model of its own. Models are freed between groups and sizes. Without
-CUDA the script runs on the CPU (wall-clock timing, no MFU), for a smoke test with `--sizes tiny`.
+each variant that converts its model's weights to bf16, has a model of its own. Models are freed between groups and
+sizes. Without CUDA the script runs on the CPU (wall-clock timing, no MFU), for a smoke test with `--sizes tiny`.
 """
 
 import argparse

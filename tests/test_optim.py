@@ -578,7 +578,8 @@ def test_master_weights_step_is_the_fp32_step_on_upcast_gradients(seed, fused):
     device = FUSED_DEVICE if fused else torch.device("cpu")
     shapes = [(33, 5), (7,), (), (3, 1, 17), (8,), (65,)]  # no empty one: it would keep the plan from being made
     plain, twins, low = _bf16_twins(seed, device, shapes)
-    optimizers = [AdamW(_groups(params, 1e-2, 0.1), lr=1e-2, weight_decay=0.1, fused=fused) for params in (plain, twins)]
+    optimizers = [AdamW(_groups(params, 1e-2, 0.1), lr=1e-2, weight_decay=0.1, fused=fused)
+                  for params in (plain, twins)]
     optimizers[1].keep_master_weights(low)
     assert [p.dtype for p in twins] == [torch.bfloat16, torch.float32] * 3
     generator = torch.Generator().manual_seed(seed + 1)
