@@ -21,8 +21,15 @@ Two implementations of that update, with the same results:
 - foreach (the default elsewhere, `fused=False`): a few `torch._foreach_*` calls per dtype and device.
 
 Parameters and their state are float32 (or float64); bf16/fp16 parameters are refused (keep fp32 master weights and
-use autocast). Everything a step needs is validated before any tensor changes: a bad group, gradient or state
-raises with nothing updated.
+use autocast), except those made by `keep_master_weights`: an fp32 parameter becomes bf16 in place and its fp32
+values move into the optimizer's state as a master weight. Its update reads the bf16 gradient (upcast), updates the
+master and the moments in fp32, and writes the master's bf16 rounding back into the parameter in the same pass (in
+the fused kernel, in the same launch as the fp32 parameters). Under bf16 autocast the training step is then the one
+with fp32 weights, to the bit: autocast would cast the fp32 weight to that same bf16 value in every forward, and
+its fp32 gradient is the upcast of the same bf16 gradient. Per parameter and step this saves the cast (4 bytes read,
+2 written) and the fp32 copy of the gradient (4 written, and 4 read by the optimizer instead of 2), for 2 bytes
+more written by the optimizer. Everything a step needs is validated before any tensor changes: a bad group,
+gradient or state raises with nothing updated.
 """
 
 import array
@@ -43,22 +50,38 @@ _INTERPRET = triton.knobs.runtime.interpret
 _DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 # The per-step tensor table has a row of _ROW int64 per tensor: the addresses of param, grad, exp_avg, exp_avg_sq,
-# the size, then _COEFFICIENTS floats stored as the bits of float64s (the kernel's columns 5 to 11).
+# the size, then _COEFFICIENTS floats stored as the bits of float64s (the kernel's columns 5 to 11), then the address
+# of a bf16 parameter whose fp32 master is at column 0 (column 12, _COPY_COLUMN; 0 for a parameter without a
+# master), then zeros.
 _ROW = 16
 _COEFFICIENTS = ("decay", "step_size", "bc2_sqrt", "weight1", "beta2", "weight2", "eps")
+_COPY_COLUMN = 12
+_ADDRESSES = [0, 1, 2, 3, _COPY_COLUMN]
+_PADDING = (0,) * (_ROW - _COPY_COLUMN - 1)
 
 
 @triton.jit
-def _adamw_block(param, grad, exp_avg, exp_avg_sq, offs, mask, decay, step_size, bc2_sqrt, weight1, beta2, weight2,
-                 eps, MASKED: tl.constexpr):
+def _to_bf16(x):
+    """fp32 to bf16, rounded to nearest even as torch rounds, on the bits: the same on the GPU and under the
+    interpreter (whose float casts truncate). NaN stays NaN."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+    return tl.where(x != x, 0x7FC0, rounded).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _adamw_block(param, grad, exp_avg, exp_avg_sq, copy, offs, mask, decay, step_size, bc2_sqrt, weight1, beta2,
+                 weight2, eps, MASKED: tl.constexpr, COPY: tl.constexpr):
+    """The update of elements `offs` of one tensor; with COPY, `param` is the fp32 master of a bf16 parameter:
+    `grad` is bf16 and the updated values are also stored, rounded, to `copy` (the parameter)."""
     if MASKED:
         p = tl.load(param + offs, mask=mask)
-        g = tl.load(grad + offs, mask=mask)
+        g = tl.load(grad + offs, mask=mask).to(p.dtype)
         m = tl.load(exp_avg + offs, mask=mask)
         v = tl.load(exp_avg_sq + offs, mask=mask)
     else:
         p = tl.load(param + offs)
-        g = tl.load(grad + offs)
+        g = tl.load(grad + offs).to(p.dtype)
         m = tl.load(exp_avg + offs)
         v = tl.load(exp_avg_sq + offs)
     # Each operation rounded as torch.optim.AdamW's rounds it (its foreach and single-tensor paths on the CPU):
@@ -79,10 +102,30 @@ def _adamw_block(param, grad, exp_avg, exp_avg_sq, offs, mask, decay, step_size,
         tl.store(param + offs, p, mask=mask)
         tl.store(exp_avg + offs, m, mask=mask)
         tl.store(exp_avg_sq + offs, v, mask=mask)
+        if COPY:
+            tl.store(copy + offs, _to_bf16(p), mask=mask)
     else:
         tl.store(param + offs, p)
         tl.store(exp_avg + offs, m)
         tl.store(exp_avg_sq + offs, v)
+        if COPY:
+            tl.store(copy + offs, _to_bf16(p))
+
+
+@triton.jit
+def _adamw_chunk(param, grad, exp_avg, exp_avg_sq, copy, start, end, decay, step_size, bc2_sqrt, weight1, beta2,
+                 weight2, eps, BLOCK: tl.constexpr, COPY: tl.constexpr):
+    """Elements [start, end) of one tensor: whole blocks without a mask (a mask on an unknown length would keep the
+    loads from being vectorized), then the ragged tail of the tensor with one."""
+    full_end = start + (end - start) // BLOCK * BLOCK
+    offs = tl.arange(0, BLOCK)
+    for lo in range(start, full_end, BLOCK):
+        lo = tl.multiple_of(lo, BLOCK)
+        _adamw_block(param, grad, exp_avg, exp_avg_sq, copy, lo + offs, None, decay, step_size, bc2_sqrt, weight1,
+                     beta2, weight2, eps, False, COPY)
+    if full_end < end:
+        _adamw_block(param, grad, exp_avg, exp_avg_sq, copy, full_end + offs, full_end + offs < end, decay,
+                     step_size, bc2_sqrt, weight1, beta2, weight2, eps, True, COPY)
 
 
 @triton.jit
@@ -108,10 +151,9 @@ def _adamw_kernel(TENSORS, CHUNKS, ROW: tl.constexpr, CHUNK: tl.constexpr, BLOCK
     start = tl.multiple_of(tl.load(CHUNKS + 2 * chunk + 1), CHUNK)
     row = TENSORS + index * ROW
     param = _pointer(row, 0, DTYPE, ALIGNED)
-    grad = _pointer(row, 1, DTYPE, ALIGNED)
     exp_avg = _pointer(row, 2, DTYPE, ALIGNED)
     exp_avg_sq = _pointer(row, 3, DTYPE, ALIGNED)
-    numel = tl.load(row + 4)
+    end = tl.minimum(start + CHUNK, tl.load(row + 4))
     decay = _coefficient(row, 5, DTYPE)
     step_size = _coefficient(row, 6, DTYPE)
     bc2_sqrt = _coefficient(row, 7, DTYPE)
@@ -119,29 +161,24 @@ def _adamw_kernel(TENSORS, CHUNKS, ROW: tl.constexpr, CHUNK: tl.constexpr, BLOCK
     beta2 = _coefficient(row, 9, DTYPE)
     weight2 = _coefficient(row, 10, DTYPE)
     eps = _coefficient(row, 11, DTYPE)
-
-    end = tl.minimum(start + CHUNK, numel)
-    full_end = start + (end - start) // BLOCK * BLOCK
-    offs = tl.arange(0, BLOCK)
-    # Whole blocks without a mask (a mask on an unknown length would keep the loads from being vectorized), then
-    # the ragged tail of the tensor with one.
-    for lo in range(start, full_end, BLOCK):
-        lo = tl.multiple_of(lo, BLOCK)
-        _adamw_block(param, grad, exp_avg, exp_avg_sq, lo + offs, None, decay, step_size, bc2_sqrt, weight1, beta2,
-                     weight2, eps, False)
-    if full_end < end:
-        _adamw_block(param, grad, exp_avg, exp_avg_sq, full_end + offs, full_end + offs < end, decay, step_size,
-                     bc2_sqrt, weight1, beta2, weight2, eps, True)
+    # A bf16 parameter with its master (a bf16 gradient, and a copy to write) or a parameter of DTYPE: the same
+    # branch for the whole program, so it costs one test per chunk.
+    if tl.load(row + 12) != 0:
+        _adamw_chunk(param, _pointer(row, 1, tl.bfloat16, ALIGNED), exp_avg, exp_avg_sq,
+                     _pointer(row, 12, tl.bfloat16, ALIGNED), start, end, decay, step_size, bc2_sqrt,
+                     weight1, beta2, weight2, eps, BLOCK, True)
+    else:
+        _adamw_chunk(param, _pointer(row, 1, DTYPE, ALIGNED), exp_avg, exp_avg_sq, param, start, end, decay,
+                     step_size, bc2_sqrt, weight1, beta2, weight2, eps, BLOCK, False)
 
 
 def _coefficient_bits(group: dict, step: int) -> tuple[int, ...]:
-    """The tail of a tensor's table row at `step` in `group`: the _COEFFICIENTS as the bits of float64s, then zeros."""
+    """Columns 5 to 11 of a tensor's table row at `step` in `group`: the _COEFFICIENTS as the bits of float64s."""
     lr, (beta1, beta2) = group["lr"], group["betas"]
     # In float64 here, as torch computes them in Python: 1 - beta2 in fp32 from fp32(0.999) would be off by 1.3e-5.
     floats = (1.0 - lr * group["weight_decay"], lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step), 1.0 - beta1,
               beta2, 1.0 - beta2, group["eps"])
-    bits = struct.unpack(f"{len(floats)}q", struct.pack(f"{len(floats)}d", *floats))
-    return bits + (0,) * (_ROW - 5 - len(floats))
+    return struct.unpack(f"{len(floats)}q", struct.pack(f"{len(floats)}d", *floats))
 
 
 def _fused_runs_on(device: torch.device) -> bool:
@@ -172,7 +209,7 @@ def _check_param(param: torch.Tensor, where: str) -> None:
     if param.dtype not in _DTYPES:
         raise ValueError(
             f"AdamW: {where} is {param.dtype}; parameters must be float32 (or float64): keep fp32 master weights "
-            "and run the model under autocast"
+            "and run the model under autocast, or make bf16 parameters of fp32 ones with keep_master_weights"
         )
 
 
@@ -187,9 +224,15 @@ def _step_count(step, where: str) -> int:
 
 def _state_fits(param: torch.Tensor, state: dict, fused: bool) -> bool:
     """Whether `state` holds an int step and both moments with param's shape, dtype and device (contiguous if
-    `fused`): the per-step check, which `_check_state` explains when it fails."""
-    step, m, v = state.get("step"), state.get("exp_avg"), state.get("exp_avg_sq")
+    `fused`), or, for a bf16 parameter, an fp32 master of its shape and device and fp32 moments: the per-step check,
+    which `_check_state` explains when it fails."""
+    step, m, v, master = state.get("step"), state.get("exp_avg"), state.get("exp_avg_sq"), state.get("master")
     shape, dtype, device = param.shape, param.dtype, param.device
+    if master is not None:
+        if not (isinstance(master, torch.Tensor) and dtype is torch.bfloat16 and master.dtype is torch.float32
+                and master.shape == shape and master.device == device and (not fused or master.is_contiguous())):
+            return False
+        dtype = master.dtype
     return (
         type(step) is int and step >= 0 and isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor)
         and m.shape == shape and v.shape == shape and m.dtype == dtype and v.dtype == dtype
@@ -199,15 +242,30 @@ def _state_fits(param: torch.Tensor, state: dict, fused: bool) -> bool:
 
 def _check_state(param: torch.Tensor, state: dict, where: str, fused: bool = False, placement: bool = True) -> None:
     """A ValueError unless `state` is empty or holds a step count and both moments of param's shape (and, with
-    `placement`, its dtype and device; contiguous if `fused`)."""
+    `placement`, its dtype and device; contiguous if `fused`). A state with a master weight holds it and the moments
+    in fp32, of param's shape, and (with `placement`) belongs to a bf16 parameter on the master's device."""
     if not state:
         return
     _step_count(state.get("step"), where)
+    dtype = param.dtype
+    if "master" in state:
+        master = state["master"]
+        if not (isinstance(master, torch.Tensor) and master.dtype == torch.float32 and master.shape == param.shape):
+            raise ValueError(f"AdamW: {where} has a master weight that is not an fp32 tensor of its shape")
+        if placement and (param.dtype != torch.bfloat16 or master.device != param.device):
+            raise ValueError(
+                f"AdamW: {where} has a master weight on {master.device} for a parameter of {param.dtype} on "
+                f"{param.device}; only bf16 parameters have one, on their device"
+            )
+        if fused and not master.is_contiguous():
+            raise ValueError(f"AdamW: {where} has a non-contiguous master weight; the fused update needs contiguous "
+                             "state")
+        dtype = torch.float32
     for key in ("exp_avg", "exp_avg_sq"):
         moment = state.get(key)
         if not isinstance(moment, torch.Tensor):
             raise ValueError(f"AdamW: {where} has no {key} in its state")
-        if moment.shape != param.shape or placement and (moment.dtype != param.dtype or moment.device != param.device):
+        if moment.shape != param.shape or placement and (moment.dtype != dtype or moment.device != param.device):
             raise ValueError(
                 f"AdamW: {where} has {key} of shape {tuple(moment.shape)}, {moment.dtype}, {moment.device} for a "
                 f"parameter of shape {tuple(param.shape)}, {param.dtype}, {param.device}"
@@ -218,7 +276,8 @@ def _check_state(param: torch.Tensor, state: dict, where: str, fused: bool = Fal
 
 def _explain(param: torch.Tensor, grad: torch.Tensor, state: dict | None, fused: bool, where: str) -> None:
     """Raise the ValueError that names what is wrong with updating `param` from `grad` and `state`."""
-    _check_param(param, where)
+    if not (state and "master" in state):
+        _check_param(param, where)
     if grad.is_sparse:
         raise ValueError(f"AdamW does not support sparse gradients ({where})")
     if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
@@ -274,7 +333,8 @@ class AdamW(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self.fused = state.get("fused")
+        # torch's load_state_dict calls this with the groups and state only: the implementation choice stays.
+        self.fused = state.get("fused", getattr(self, "fused", None))
         self._chunk_tables = {}
         self._checked, self._checked_under = {}, None
         self._plan = None
@@ -290,10 +350,46 @@ class AdamW(torch.optim.Optimizer):
         super().add_param_group({**param_group, "params": params})
         self._plan = None
 
+    @torch.no_grad()
+    def keep_master_weights(self, params) -> None:
+        """Store each of `params` (fp32 parameters of this optimizer) in bf16 from now on, in place, with its fp32
+        values kept in the optimizer's state as its master weight (`state["master"]`).
+
+        The parameter object stays the same (`param.data` becomes bf16; its gradient, if any, is cleared), so a
+        model holding it computes in bf16 without a cast per forward and produces bf16 gradients. Each step reads
+        the bf16 gradient, updates the master and the fp32 moments as it would an fp32 parameter, and writes the
+        master's rounding to bf16 into the parameter, at the same address (valid for CUDA graphs). The parameter's
+        values equal bf16(master) at all times, as autocast's cast of an fp32 weight would; nothing changes when
+        a parameter is refused.
+        """
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        ours = {id(param) for group in self.param_groups for param in group["params"]}
+        for position, param in enumerate(params):
+            where = f"parameter {position} (shape {tuple(param.shape)})" if isinstance(param, torch.Tensor) else \
+                f"parameter {position}"
+            if not isinstance(param, torch.Tensor) or id(param) not in ours:
+                raise ValueError(f"keep_master_weights: {where} is not a parameter of this optimizer")
+            if param.dtype != torch.float32:
+                raise ValueError(f"keep_master_weights: {where} is {param.dtype}, not float32")
+            _check_state(param, self.state.get(param, {}), where)
+        if len({id(param) for param in params}) != len(params):
+            raise ValueError("keep_master_weights: a parameter is listed twice")
+        for param in params:
+            state = self.state[param]
+            master = param.detach().clone(memory_format=torch.contiguous_format)
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(master)
+                state["exp_avg_sq"] = torch.zeros_like(master)
+            state["master"] = master
+            param.grad = None
+            param.data = master.to(torch.bfloat16)
+        self._plan = None
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's `load_state_dict`, after checking every group and every parameter's state against this
         optimizer's parameters (nothing changes when something does not fit); steps are kept as ints."""
-        saved_groups = state_dict["param_groups"]
+        saved_groups, masters = state_dict["param_groups"], []
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
                 f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer {len(self.param_groups)}"
@@ -306,10 +402,22 @@ class AdamW(torch.optim.Optimizer):
                 )
             _check_hyperparameters({**saved, "params": None})
             for position, (param, key) in enumerate(zip(group["params"], saved["params"], strict=True)):
-                # torch's load_state_dict moves the moments to the parameter's dtype and device, so only shapes matter.
+                # torch's load_state_dict moves the moments to the parameter's dtype and device, so only shapes matter
+                # (the state of a bf16 parameter, kept in fp32, is put back below).
                 where = f"parameter {position} of group {index} (shape {tuple(param.shape)})"
-                _check_state(param, state_dict["state"].get(key, {}), where, placement=False)
+                saved_state = state_dict["state"].get(key, {})
+                _check_state(param, saved_state, where, placement=False)
+                if (param.dtype == torch.bfloat16) != ("master" in saved_state):
+                    raise ValueError(
+                        f"loaded state of {where} has {'a' if 'master' in saved_state else 'no'} master weight for "
+                        f"a {param.dtype} parameter (bf16 parameters have one: call keep_master_weights first)"
+                    )
+                if "master" in saved_state:
+                    masters.append((param, saved_state))
         super().load_state_dict(state_dict)
+        for param, saved_state in masters:
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                self.state[param][key] = saved_state[key].to(device=param.device, dtype=torch.float32).contiguous()
         for state in self.state.values():
             if "step" in state:
                 state["step"] = _step_count(state["step"], "a loaded state")
@@ -340,7 +448,8 @@ class AdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
                 if fresh:
                     checked[id(param)] = (param.data_ptr(), param.dtype, state["exp_avg"], state["exp_avg_sq"],
-                                          param.shape, param.get_device(), (device, dtype, fused), param)
+                                          param.shape, param.get_device(), (device, dtype, fused), param,
+                                          state.get("master"))
                 state["step"] += 1
             if fused:
                 launches.append(self._fused_update(device, dtype, items))
@@ -373,7 +482,8 @@ class AdamW(torch.optim.Optimizer):
                 if (
                     known is not None and known[7] is param and state is not None and known[0] == param.data_ptr()
                     and param.dtype is known[1] and state.get("exp_avg") is known[2]
-                    and state.get("exp_avg_sq") is known[3] and type(step := state.get("step")) is int and step >= 0
+                    and state.get("exp_avg_sq") is known[3] and state.get("master") is known[8]
+                    and type(step := state.get("step")) is int and step >= 0
                     and grad.layout is torch.strided and grad.dtype is known[1] and grad.shape == known[4]
                     and grad.get_device() == known[5]
                 ):
@@ -389,21 +499,23 @@ class AdamW(torch.optim.Optimizer):
 
     def _check(self, param: torch.Tensor, grad: torch.Tensor, state: dict | None, index: int, position: int) -> tuple:
         """Every check of updating `param` (parameter `position` of group `index`) from `grad` and `state`; its
-        bucket, (device, dtype, fused)."""
+        bucket, (device, dtype, fused), where dtype is that of its state (fp32 for a bf16 parameter with a master)."""
         fused = self.fused if self.fused is not None else param.device.type == "cuda" and not _INTERPRET
+        master = state.get("master") if state else None
         # The cheap test of the usual case first; the checks that name the problem only when it fails.
         if not (
-            param.dtype in _DTYPES and not grad.is_sparse and grad.shape == param.shape
+            (param.dtype in _DTYPES or master is not None) and not grad.is_sparse and grad.shape == param.shape
             and grad.dtype == param.dtype and grad.device == param.device
             and (not fused or param.is_contiguous() and _fused_runs_on(param.device))
             and (not state or _state_fits(param, state, fused))
         ):
             _explain(param, grad, state, fused, f"parameter {position} of group {index} (shape {tuple(param.shape)})")
-        return param.device, param.dtype, fused
+        return param.device, param.dtype if master is None else master.dtype, fused
 
     def _fused_update(self, device: torch.device, dtype: torch.dtype, items: list) -> torch.Tensor | None:
-        """One kernel launch over `items` (same device and dtype); returns its table (CPU, before pinning), or None
-        when no launch was needed or a gradient had to be made contiguous for it."""
+        """One kernel launch over `items` (same device and state dtype; a bf16 parameter with a master is updated
+        through it, column 0, and gets its rounding written back, column 12); returns its table (CPU, before
+        pinning), or None when no launch was needed or a gradient had to be made contiguous for it."""
         rows, sizes, grads = [], [], []
         last = None  # (group, step) of the previous tensor, and its row tail: usually shared by a whole group
         for group, param, grad, state, _ in items:
@@ -416,14 +528,16 @@ class AdamW(torch.optim.Optimizer):
             step = state["step"]
             if last is None or last[0] is not group or last[1] != step:
                 last = group, step, _coefficient_bits(group, step)
-            rows += (param.data_ptr(), grad.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(),
-                     numel, *last[2])
+            master = state.get("master")
+            rows += ((param if master is None else master).data_ptr(), grad.data_ptr(), state["exp_avg"].data_ptr(),
+                     state["exp_avg_sq"].data_ptr(), numel, *last[2], 0 if master is None else param.data_ptr(),
+                     *_PADDING)
             sizes.append(numel)
         if not sizes:
             return None
         table = torch.frombuffer(array.array("q", rows), dtype=torch.int64).view(len(sizes), _ROW)
         self._launch(device, dtype, table, self._chunk_table(device, dtype, sizes),
-                     bool((table[:, :4] % 16 == 0).all()))
+                     bool((table[:, _ADDRESSES] % 16 == 0).all()))
         return None if grads else table
 
     @staticmethod
@@ -460,7 +574,8 @@ class _Plan:
 
     `repeat` does the next step with it when the optimizer is as that step left it: the same groups holding the
     same parameters, every one with a gradient, storages and state unchanged, one step count shared by all, and
-    gradients of the parameters' dtype, shape and device, contiguous. Then the checks of `_validated_buckets`
+    gradients of the parameters' dtype, shape and device, contiguous (the parameters may mix fp32 ones and bf16
+    ones with masters: one launch). Then the checks of `_validated_buckets`
     hold without being made again; `repeat` makes its own over whole lists, one tensor attribute at a time, and
     writes only the gradients' addresses and the coefficients into the table. Anything else (a missing gradient,
     new state, `p.data = ...`, another mode) falls back to the full step, which raises the error that names the
@@ -468,7 +583,7 @@ class _Plan:
     """
 
     __slots__ = ("under", "state_of", "state_values", "groups", "params", "states", "moments", "param_ptrs",
-                 "shapes", "dtype", "device", "step", "table", "chunks", "aligned")
+                 "shapes", "grad_dtypes", "dtype", "device", "step", "table", "chunks", "aligned")
 
     @classmethod
     def of(cls, optimizer: "AdamW", device: torch.device, dtype: torch.dtype, fused: bool,
@@ -490,11 +605,12 @@ class _Plan:
         plan.under, plan.state_of = optimizer._checked_under, optimizer.state
         plan.state_values = list(optimizer.state.values())
         plan.groups, plan.params, plan.states = groups, params, states
-        plan.moments = [(state["exp_avg"], state["exp_avg_sq"]) for state in states]
+        plan.moments = [(state["exp_avg"], state["exp_avg_sq"], state.get("master")) for state in states]
         plan.param_ptrs, plan.shapes = [p.data_ptr() for p in params], [p.shape for p in params]
+        plan.grad_dtypes = [p.dtype for p in params]
         plan.dtype, plan.device, plan.step = dtype, device, steps.pop()
         plan.table, plan.chunks = table.clone(), optimizer._chunk_tables[device, dtype][1]
-        plan.aligned = bool((plan.table[:, [0, 2, 3]] % 16 == 0).all())
+        plan.aligned = bool((plan.table[:, [0, 2, 3, _COPY_COLUMN]] % 16 == 0).all())
         return plan
 
     def repeat(self, optimizer: "AdamW") -> bool:
@@ -509,12 +625,13 @@ class _Plan:
                 return False
             _check_hyperparameters(group)
         params, states, is_ = self.params, self.states, operator.is_
-        # The state dicts (a replaced one is new state), their moments and their step counts.
+        # The state dicts (a replaced one is new state), their moments, masters and step counts.
         if len(self.state_of) != len(self.state_values) or not all(map(is_, self.state_of.values(),
                                                                         self.state_values)):
             return False
-        if not all(m is state.get("exp_avg") and v is state.get("exp_avg_sq") and type(state.get("step")) is int
-                   and state["step"] == self.step for (m, v), state in zip(self.moments, states)):
+        if not all(m is state.get("exp_avg") and v is state.get("exp_avg_sq") and master is state.get("master")
+                   and type(state.get("step")) is int and state["step"] == self.step
+                   for (m, v, master), state in zip(self.moments, states)):
             return False
         if list(map(torch.Tensor.data_ptr, params)) != self.param_ptrs:
             return False
@@ -526,7 +643,7 @@ class _Plan:
         device = -1 if self.device.type == "cpu" else self.device.index
         try:
             if (
-                not all(map(is_, map(operator.attrgetter("dtype"), grads), [self.dtype] * len(grads)))
+                not all(map(is_, map(operator.attrgetter("dtype"), grads), self.grad_dtypes))
                 or any(grad.get_device() != device for grad in grads)
                 or list(map(operator.attrgetter("shape"), grads)) != self.shapes
                 or not all(map(torch.Tensor.is_contiguous, grads))
@@ -542,7 +659,7 @@ class _Plan:
         table = self.table
         table[:, 1] = grad_ptrs
         for group, _, _, rows in self.groups:
-            table[rows, 5:] = torch.tensor(_coefficient_bits(group, step), dtype=torch.int64)
+            table[rows, 5:_COPY_COLUMN] = torch.tensor(_coefficient_bits(group, step), dtype=torch.int64)
         # On CUDA the launch reads a pinned copy of the table, and under the interpreter it has finished when it
         # returns: the next step can rewrite this one.
         optimizer._launch(self.device, self.dtype, table, self.chunks,
@@ -551,8 +668,13 @@ class _Plan:
 
 def _foreach_update(device: torch.device, dtype: torch.dtype, items: list) -> None:
     """The update with torch's foreach ops, one call per operation for `items` (same device and dtype)."""
-    by_group = defaultdict(list)
+    by_group, copies, masters = defaultdict(list), [], []
     for group, param, grad, state, _ in items:
+        master = state.get("master")
+        if master is not None:  # the update runs on the fp32 master, then rounds it into the bf16 parameter
+            copies.append(param)
+            masters.append(master)
+            param, grad = master, grad.to(master.dtype)
         by_group[id(group)].append((group, param, grad, state))
     for entries in by_group.values():
         group = entries[0][0]
@@ -572,3 +694,5 @@ def _foreach_update(device: torch.device, dtype: torch.dtype, items: list) -> No
         torch._foreach_div_(denoms, [math.sqrt(1.0 - beta2**step) for step in steps])
         torch._foreach_add_(denoms, eps)
         torch._foreach_addcdiv_(params, exp_avgs, denoms, [-lr / (1.0 - beta1**step) for step in steps])
+    if copies:
+        torch._foreach_copy_(copies, masters)

@@ -27,6 +27,9 @@ Variants (model, attention, optimizer, make_train_step options):
     ours-fused-loss-cuda-graphs   ... replayed as CUDA graphs
     ours-compile-loss-cuda-graphs lmsys.model, SDPA, lmsys AdamW, the plain cross-entropy compiled with the model,
                                   replayed as CUDA graphs
+    ours-bf16-weights             lmsys.model, SDPA, lmsys AdamW, Linear weights as bf16 parameters with their fp32
+                                  masters in the optimizer (bf16_weights): no weight casts, bf16 weight gradients
+    ours-bf16-weights-cuda-graphs ... replayed as CUDA graphs
 
 With `--top N`, each variant's timing is followed by the torch.profiler table of one more step (the N operators
 with the most device time), to see where two variants differ. With `--profile`, each variant also gets a row of
@@ -35,9 +38,9 @@ step's span in one profiled step, and the host's time to issue the forward, back
 profiler; medians over --steps steps, each started on an idle device).
 
 Variants without CUDA graphs that share a model (class and attention) run on one model object, one after the other,
-each with a fresh optimizer; dynamo reuses the model's compiled graph where it can. Each CUDA-graph variant has a
-model of its own. Models are freed between groups and sizes. Without
-CUDA the script runs on the CPU (wall-clock timing, no MFU), for a smoke test with `--sizes tiny`.
+each with a fresh optimizer; dynamo reuses the model's compiled graph where it can. Each CUDA-graph variant, and
+each variant that converts its model's weights to bf16, has a model of its own. Models are freed between groups and
+sizes. Without CUDA the script runs on the CPU (wall-clock timing, no MFU), for a smoke test with `--sizes tiny`.
 """
 
 import argparse
@@ -104,6 +107,9 @@ VARIANTS = {
     "ours-fused-loss-cuda-graphs": Variant(TransformerLM, "sdpa", "lmsys", dict(fused_loss=True, cuda_graphs=True)),
     "ours-compile-loss-cuda-graphs": Variant(TransformerLM, "sdpa", "lmsys",
                                              dict(compile_loss=True, cuda_graphs=True)),
+    "ours-bf16-weights": Variant(TransformerLM, "sdpa", "lmsys", dict(bf16_weights=True)),
+    "ours-bf16-weights-cuda-graphs": Variant(TransformerLM, "sdpa", "lmsys", dict(bf16_weights=True,
+                                                                                  cuda_graphs=True)),
 }
 DEFAULT_VARIANTS = ["reference", "ours-torch-adamw", "ours", "ours-cuda-graphs", "ours-flash_triton-cuda-graphs",
                     "reference-cuda-graphs"]
@@ -419,11 +425,13 @@ def main(argv=None) -> None:
         parser.error("--warmup, --steps and --rounds must be at least 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # Variants that share a model class and attention run on one model, in the order given; each variant recorded
-    # as CUDA graphs gets a model of its own, so that the graphs' memory pool goes with it.
+    # as CUDA graphs gets a model of its own, so that the graphs' memory pool goes with it, and so does each one
+    # that converts the model's weights to bf16 (the others must find them fp32).
     groups = {}
     for name in args.variants:
         variant = VARIANTS[name]
-        key = variant.model, variant.attention, name if variant.options.get("cuda_graphs", False) else False
+        own = variant.options.get("cuda_graphs", False) or variant.options.get("bf16_weights", False)
+        key = variant.model, variant.attention, name if own else False
         groups.setdefault(key, []).append(name)
     order = {name: index for index, name in enumerate(args.variants)}
     rows = []
@@ -434,11 +442,11 @@ def main(argv=None) -> None:
         pd.DataFrame(rows, columns=COLUMNS + (PROFILE_COLUMNS if args.profile else [])).to_csv(args.csv, index=False)
 
     for size in args.sizes:
-        eager = [names for (_, _, graphs), names in groups.items() if not graphs]
+        eager = [names for names in groups.values() if not _graphs(names[0])]
         if args.rounds > 1 and eager:
             run_interleaved(size, eager, args, device, on_row=add)
-        for (_, _, graphs), names in groups.items():
-            if graphs or args.rounds == 1:
+        for names in groups.values():
+            if _graphs(names[0]) or args.rounds == 1:
                 run_group(size, names, args, device, on_row=add)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{device_name}, torch {torch.__version__}, bf16 autocast + torch.compile, batch {args.batch}, context "

@@ -552,3 +552,249 @@ def test_fused_kernel_vectorizes_aligned_tensors(tmp_path):
     assert result.returncode == 0, result.stderr
     counts = {line.split()[0]: tuple(map(int, line.split()[1:])) for line in result.stdout.splitlines()}
     assert min(counts["True"]) > 0 and counts["False"] == (0, 0), result.stdout
+
+
+# ------------------------------------------------------------------------------ bf16 parameters with fp32 masters
+
+
+def _bf16_twins(seed, device, shapes):
+    """fp32 parameters, and their copies; the copies of the even-numbered ones are made bf16 with fp32 masters by
+    `keep_master_weights` (one group of each kind, and one with both)."""
+    plain = _params(torch.Generator().manual_seed(seed), torch.float32, device, shapes)
+    twins = [p.detach().clone().requires_grad_() for p in plain]
+    return plain, twins, twins[::2]
+
+
+def _bf16_gradients(shapes, generator, device):
+    """Gradients with bf16 values (what a bf16 matmul produces), as bf16 tensors."""
+    return [torch.randn(shape, generator=generator).to(device, torch.bfloat16) for shape in shapes]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_master_weights_step_is_the_fp32_step_on_upcast_gradients(seed, fused):
+    """bf16 parameters with masters, beside the same optimizer on fp32 parameters given the bf16 gradients upcast:
+    masters and moments equal the fp32 parameters' to the bit, every bf16 parameter is its master rounded to
+    nearest, through two groups, a group mixing both kinds, a missing gradient and (fused) the planned steps."""
+    device = FUSED_DEVICE if fused else torch.device("cpu")
+    shapes = [(33, 5), (7,), (), (3, 1, 17), (8,), (65,)]  # no empty one: it would keep the plan from being made
+    plain, twins, low = _bf16_twins(seed, device, shapes)
+    optimizers = [AdamW(_groups(params, 1e-2, 0.1), lr=1e-2, weight_decay=0.1, fused=fused)
+                  for params in (plain, twins)]
+    optimizers[1].keep_master_weights(low)
+    assert [p.dtype for p in twins] == [torch.bfloat16, torch.float32] * 3
+    generator = torch.Generator().manual_seed(seed + 1)
+    planned = 0
+    for step in range(12):
+        grads = _bf16_gradients(shapes, generator, device)
+        for index, grad in enumerate(grads):
+            missing = step == 6 and index == 3
+            plain[index].grad = None if missing else grad.float()
+            twins[index].grad = None if missing else grad.to(twins[index].dtype)
+        for optimizer in optimizers:
+            optimizer.step()
+        planned += step < 6 and optimizers[1]._plan is not None
+    if fused:  # one launch for both kinds, repeated through the plan until the step counts differ
+        assert planned == 6
+    for index, (reference, mine) in enumerate(zip(plain, twins, strict=True)):
+        state, reference_state = optimizers[1].state[mine], optimizers[0].state[reference]
+        master = state.get("master", mine)
+        assert master.dtype == state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+        for key, value in (("parameter", master), ("exp_avg", state["exp_avg"]),
+                           ("exp_avg_sq", state["exp_avg_sq"])):
+            expected = reference_state[key] if key != "parameter" else reference
+            torch.testing.assert_close(value, expected.detach(), rtol=0, atol=0, msg=lambda m: f"{key} {index}: {m}")
+        assert state["step"] == reference_state["step"]
+        if "master" in state:
+            assert torch.equal(mine.detach(), master.bfloat16()), f"parameter {index} is not bf16(master)"
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_master_weights_match_torch_adamw_in_float64(seed, fused):
+    """Masters against torch.optim.AdamW on float64 copies fed the same bf16 gradients, over 30 steps: within
+    fp32's rounding (2e-6 of each tensor's scale)."""
+    device = FUSED_DEVICE if fused else torch.device("cpu")
+    shapes = [(33, 5), (3, 1, 17), (), (0, 4), (130,)]
+    start = _params(torch.Generator().manual_seed(seed), torch.float32, device, shapes)
+    low = [p.detach().clone().requires_grad_() for p in start]
+    exact = [p.detach().cpu().double().requires_grad_() for p in start]
+    optimizers = [AdamW(_groups(low, 1e-2, 0.1), lr=1e-2, weight_decay=0.1, fused=fused),
+                  torch.optim.AdamW(_groups(exact, 1e-2, 0.1), lr=1e-2, weight_decay=0.1)]
+    optimizers[0].keep_master_weights(low)
+    generator = torch.Generator().manual_seed(seed + 1)
+    for _ in range(30):
+        for mine, reference, grad in zip(low, exact, _bf16_gradients(shapes, generator, device), strict=True):
+            mine.grad, reference.grad = grad, grad.cpu().double()
+        for optimizer in optimizers:
+            optimizer.step()
+    for index, (mine, reference) in enumerate(zip(low, exact, strict=True)):
+        state, reference_state = optimizers[0].state[mine], optimizers[1].state[reference]
+        _assert_close(state["master"].double().cpu(), reference.detach(), 2e-6, f"master {index}")
+        terms = reference_state["exp_avg_sq"].sqrt().max().item() if reference.numel() else 0.0
+        _assert_close(state["exp_avg"].double().cpu(), reference_state["exp_avg"], 2e-6, f"exp_avg {index}", terms)
+        _assert_close(state["exp_avg_sq"].double().cpu(), reference_state["exp_avg_sq"], 2e-6,
+                      f"exp_avg_sq {index}")
+
+
+def test_fused_bf16_copy_rounds_to_nearest_even(seed):
+    """The kernel's bf16 rounding of the master, bit for bit against torch's, on ties (to even, down and up), a
+    carry into the exponent, the largest float (to inf), infinities, NaN, signed zeros and subnormals: with lr 0
+    and no decay the step leaves the masters as they are and writes their roundings."""
+    bits = [0x3F808000, 0x3F818000, 0x3F80C000, 0x3F807FFF, 0x3FFFFFFF, 0x7F7FFFFF, 0x7F800000, 0xFF800000,
+            0x7FC00000, 0x7FFFFFFF, 0x00000000, 0x80000000, 0x00018000, 0x00008001, 0x807FFFFF, 0xBF818001]
+    values = torch.tensor([b - 2**32 if b >= 2**31 else b for b in bits], dtype=torch.int32).view(torch.float32)
+    param = values.clone().to(FUSED_DEVICE).requires_grad_()
+    optimizer = AdamW([param], lr=0.0, weight_decay=0.0, fused=True)
+    optimizer.keep_master_weights([param])
+    param.grad = torch.ones(len(bits), dtype=torch.bfloat16, device=FUSED_DEVICE)
+    optimizer.step()
+    expected = values.bfloat16().view(torch.int16)
+    expected = torch.where(values.isnan(), torch.tensor(0x7FC0, dtype=torch.int16), expected)  # torch keeps payloads
+    assert torch.equal(param.detach().cpu().view(torch.int16), expected)
+    assert torch.equal(optimizer.state[param]["master"].cpu().view(torch.int32), values.view(torch.int32))
+
+
+def test_keep_master_weights_keeps_the_parameter_object_and_its_values(seed):
+    model = torch.nn.Linear(5, 3)
+    before = model.weight.detach().clone()
+    optimizer = AdamW(model.parameters())
+    model.weight.grad = torch.ones_like(model.weight)
+    weight = model.weight
+    optimizer.keep_master_weights([model.weight])
+    assert model.weight is weight and weight.dtype == torch.bfloat16 and weight.grad is None
+    assert torch.equal(optimizer.state[weight]["master"], before)
+    assert torch.equal(weight.detach(), before.bfloat16())
+    assert model.bias.dtype == torch.float32 and model.bias not in optimizer.state
+
+
+def test_keep_master_weights_after_steps_keeps_the_moments(seed):
+    """A parameter with state already: its moments and step count carry over, and the steps go on as the fp32
+    parameter's would."""
+    plain, twins, low = _bf16_twins(seed, "cpu", [(4, 3), (6,)])
+    optimizers = [AdamW(params, lr=1e-2) for params in (plain, twins)]
+    generator = torch.Generator().manual_seed(seed + 1)
+    for step in range(4):
+        if step == 2:
+            optimizers[1].keep_master_weights(low)
+        for reference, mine, grad in zip(plain, twins, _bf16_gradients([(4, 3), (6,)], generator, "cpu")):
+            reference.grad, mine.grad = grad.float(), grad.to(mine.dtype)
+        for optimizer in optimizers:
+            optimizer.step()
+    assert optimizers[1].state[twins[0]]["step"] == 4
+    torch.testing.assert_close(optimizers[1].state[twins[0]]["master"], plain[0].detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("not ours", "is not a parameter of this optimizer"),
+        ("float64", "is torch.float64, not float32"),
+        ("twice", "is torch.bfloat16, not float32"),
+        ("listed twice", "a parameter is listed twice"),
+    ],
+)
+def test_keep_master_weights_refuses_bad_parameters_and_changes_nothing(case, message):
+    params = [torch.zeros(3, requires_grad=True), torch.zeros(2, dtype=torch.float64, requires_grad=True)]
+    optimizer = AdamW(params)
+    stranger = torch.zeros(3, requires_grad=True)
+    if case == "twice":
+        optimizer.keep_master_weights(params[:1])
+    asked = {"not ours": [params[0], stranger], "float64": [params[0], params[1]], "twice": params[:1],
+             "listed twice": [params[0], params[0]]}[case]
+    dtypes = [p.dtype for p in params]
+    with pytest.raises(ValueError, match=message):
+        optimizer.keep_master_weights(asked)
+    assert [p.dtype for p in params] == dtypes
+    assert case == "twice" or not optimizer.state
+
+
+def _break_master_dtype(optimizer, param):
+    optimizer.state[param]["master"] = optimizer.state[param]["master"].bfloat16()
+
+
+def _break_master_device(optimizer, param):
+    optimizer.state[param]["master"] = torch.zeros(param.shape, device="meta")
+
+
+def _break_master_missing(optimizer, param):
+    del optimizer.state[param]["master"]
+
+
+def _break_master_of_fp32(optimizer, param):
+    param.data = optimizer.state[param]["master"].clone()
+    param.grad = torch.zeros_like(param)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        (_break_master_dtype, "has a master weight that is not an fp32 tensor"),
+        (_break_master_device, "has a master weight on meta"),
+        (_break_master_missing, "is torch.bfloat16; parameters must be float32"),
+        (_break_master_of_fp32, "has a master weight on .* for a parameter of torch.float32"),
+    ],
+    ids=["master dtype", "master device", "no master", "master of an fp32 parameter"],
+)
+def test_a_bad_master_changes_nothing(case, message, fused, seed):
+    device = FUSED_DEVICE if fused else torch.device("cpu")
+    params = _params(torch.Generator().manual_seed(seed), torch.float32, device, [(5,), (4, 3)])
+    optimizer = AdamW(params, fused=fused)
+    optimizer.keep_master_weights(params[1:])
+    for step in range(2):  # a step, then the gradients of the next
+        params[0].grad = torch.randn_like(params[0])
+        params[1].grad = torch.randn(params[1].shape, device=device).bfloat16()
+        if step == 0:
+            optimizer.step()
+    before = params[0].detach().clone()
+    case(optimizer, params[1])
+    with pytest.raises(ValueError, match=message):
+        optimizer.step()
+    assert torch.equal(params[0].detach(), before) and optimizer.state[params[0]]["step"] == 1
+
+
+def test_master_weights_state_dict_round_trip_continues_identically(seed):
+    """A state dict with masters loads into a fresh optimizer whose parameters were made bf16 the same way: the
+    masters and moments come back in fp32 (not cast to the parameters' bf16), and the next steps are the same."""
+    shapes = [(5,), (4, 3), (6,)]
+    params = _params(torch.Generator().manual_seed(seed), torch.float32, FUSED_DEVICE, shapes)
+    fresh = _params(torch.Generator().manual_seed(seed + 2), torch.float32, FUSED_DEVICE, shapes)
+    optimizers = []
+    for group in (params, fresh):
+        optimizers.append(AdamW([dict(params=group[:2]), dict(params=group[2:], lr=3e-3)], fused=True))
+        optimizers[-1].keep_master_weights(group[1:])
+    generator = torch.Generator().manual_seed(seed + 1)
+    for _ in range(3):
+        for param, grad in zip(params, _bf16_gradients(shapes, generator, FUSED_DEVICE)):
+            param.grad = grad.to(param.dtype)
+        optimizers[0].step()
+    optimizers[1].load_state_dict(copy.deepcopy(optimizers[0].state_dict()))
+    assert optimizers[1].fused is True  # the implementation is not part of a state dict: it stays as built
+    with torch.no_grad():
+        for param, twin in zip(params, fresh):
+            twin.copy_(param)  # what the model's own state dict carries
+    for _ in range(2):
+        for param, twin, grad in zip(params, fresh, _bf16_gradients(shapes, generator, FUSED_DEVICE)):
+            param.grad, twin.grad = grad.to(param.dtype), grad.to(twin.dtype)
+        for optimizer in optimizers:
+            optimizer.step()
+    for param, twin in zip(params, fresh):
+        torch.testing.assert_close(twin, param, rtol=0, atol=0)
+        for key, value in optimizers[0].state[param].items():
+            loaded = optimizers[1].state[twin][key]
+            assert type(loaded) is type(value) and (not isinstance(value, torch.Tensor) or loaded.dtype == value.dtype)
+            torch.testing.assert_close(loaded, value, rtol=0, atol=0, msg=lambda m: f"{key} {tuple(param.shape)} {m}")
+
+
+@pytest.mark.parametrize("bf16_in", ["saved", "loading"])
+def test_state_dict_with_and_without_masters_do_not_mix(seed, bf16_in):
+    params = _params(torch.Generator().manual_seed(seed), torch.float32, "cpu", [(5,), (4, 3)])
+    fresh = [p.detach().clone().requires_grad_() for p in params]
+    optimizers = [AdamW(params), AdamW(fresh)]
+    optimizers[0 if bf16_in == "saved" else 1].keep_master_weights([(params if bf16_in == "saved" else fresh)[1]])
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizers[0].step()
+    expected = "has a master weight for a torch.float32" if bf16_in == "saved" else \
+        "has no master weight for a torch.bfloat16"
+    with pytest.raises(ValueError, match=expected):
+        optimizers[1].load_state_dict(copy.deepcopy(optimizers[0].state_dict()))

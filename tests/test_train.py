@@ -354,3 +354,78 @@ def test_cuda_graph_step_matches_the_compiled_step_on_gpu(gpu, seed, attention):
     assert not torch.cuda.current_stream(gpu).query(), "the graphed step waited for the device's queue"
     torch.cuda.synchronize(gpu)
     torch.compiler.reset()
+
+
+def _bf16_weight_twins(config, device, fused, **options):
+    """The bf16 autocast step and the same step with bf16_weights=True, on two copies of one model."""
+    plain, low = TransformerLM(config).to(device), TransformerLM(config).to(device)
+    low.load_state_dict(plain.state_dict())
+    options = dict(autocast_dtype=torch.bfloat16, **options)
+    plain_step = make_train_step(plain, AdamW(plain.parameters(), fused=fused), **options)
+    optimizer = AdamW(low.parameters(), fused=fused)
+    low_step = make_train_step(low, optimizer, bf16_weights=True, **options)
+    return (plain, plain_step), (low, low_step, optimizer)
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+@pytest.mark.parametrize(
+    "fused, options",
+    [(False, {}), (True, {}), (True, dict(compile=True, compile_backend="aot_eager"))],
+    ids=["foreach", "fused", "fused-compiled"],
+)
+def test_bf16_weights_step_is_the_autocast_step(seed, fused, options):
+    """bf16 Linear weights with fp32 masters in the optimizer train as bf16 autocast on fp32 weights does, to the
+    bit: the same losses, masters equal to the fp32 weights, each bf16 weight their rounding; the other parameters
+    stay fp32."""
+    if fused and torch.cuda.is_available():
+        pytest.skip("the fused kernel runs on the CPU only under the interpreter, without CUDA")
+    torch.compiler.reset()
+    config = dataclasses.replace(TINY, num_layers=1, vocab_size=512)  # a small vocabulary: the interpreter is slow
+    (plain, plain_step), (low, low_step, optimizer) = _bf16_weight_twins(config, "cpu", fused, **options)
+    linear = {name for name, module in low.named_modules() if isinstance(module, torch.nn.Linear)}
+    assert {name.rsplit(".", 1)[0] for name, p in low.named_parameters() if p.dtype == torch.bfloat16} == linear
+    batch = random_batch(2, 16, config.vocab_size, "cpu")
+    for _ in range(3):
+        torch.testing.assert_close(low_step(*batch), plain_step(*batch), rtol=0, atol=0)
+    for (name, mine), reference in zip(low.named_parameters(), plain.parameters(), strict=True):
+        master = optimizer.state[mine].get("master", mine)
+        torch.testing.assert_close(master, reference, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        assert torch.equal(mine.detach(), reference.detach().to(mine.dtype)), name
+
+
+@pytest.mark.parametrize(
+    "options, optimizer_class, message",
+    [
+        (dict(bf16_weights=True), AdamW, "bf16_weights=True .* needs autocast_dtype=torch.bfloat16"),
+        (dict(bf16_weights=True, autocast_dtype=torch.bfloat16), torch.optim.AdamW,
+         "keep their fp32 masters in lmsys.optim.AdamW, not in AdamW"),
+        (dict(bf16_weights=True, autocast_dtype=torch.bfloat16, fused_loss=True), AdamW,
+         "bf16_weights=True with fused_loss=True is not supported"),
+    ],
+)
+def test_bf16_weights_that_cannot_work_are_refused_and_change_nothing(options, optimizer_class, message):
+    model = TransformerLM(TINY)
+    with pytest.raises(ValueError, match=message):
+        make_train_step(model, optimizer_class(model.parameters()), **options)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.gpu
+def test_cuda_graph_bf16_weights_step_matches_the_autocast_step_on_gpu(gpu, seed):
+    """Both compiled and replayed as CUDA graphs, bf16 weights against the plain autocast step: the same losses
+    and weights up to the compiler's rounding (inductor fuses differently around the casts it no longer makes);
+    the bf16 weights keep their addresses, as the graphs need."""
+    torch.compiler.reset()
+    config = dataclasses.replace(SIZES["small"], num_layers=2, context_length=128, attention="sdpa")
+    (plain, plain_step), (low, low_step, optimizer) = _bf16_weight_twins(config, gpu, None, compile=True,
+                                                                          cuda_graphs=True)
+    addresses = [p.data_ptr() for p in low.parameters()]
+    batch = random_batch(2, 128, config.vocab_size, gpu)
+    plain_losses = [plain_step(*batch) for _ in range(5)]
+    low_losses = [low_step(*batch) for _ in range(5)]
+    torch.testing.assert_close(torch.stack(low_losses), torch.stack(plain_losses), rtol=2e-2, atol=2e-2)
+    assert low_losses[-1] < low_losses[0]
+    assert [p.data_ptr() for p in low.parameters()] == addresses
+    for mine, reference in zip(low.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(optimizer.state[mine].get("master", mine), reference, rtol=2e-2, atol=2e-3)
+    torch.compiler.reset()

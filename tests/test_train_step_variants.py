@@ -98,3 +98,23 @@ def test_a_failing_variant_is_a_row_and_fails_the_run(tmp_path):
         main([str(out), "--sizes", "tiny", "--variants", "ours", "--warmup", "1", "--steps", "1", "--batch", "1",
               "--context", "16", "--compile-backend", "eager"])
     assert [r["error"] for r in csv.DictReader(out.open())] == ["RuntimeError: inductor fell over"]
+
+
+def test_bf16_weight_variants_get_models_of_their_own(tmp_path):
+    """A variant that converts its model's Linear weights to bf16 does not share the model of the fp32 variants."""
+    main, groups = runpy.run_path(str(SCRIPT))["main"], []
+    main.__globals__["run_group"] = lambda size, names, *rest, **kwargs: groups.append(names)
+    main([str(tmp_path / "x.csv"), "--sizes", "tiny", "--variants", "ours", "ours-bf16-weights", "ours-fused-loss",
+          "ours-bf16-weights-cuda-graphs"])
+    assert groups == [["ours", "ours-fused-loss"], ["ours-bf16-weights"], ["ours-bf16-weights-cuda-graphs"]]
+
+
+def test_bf16_weights_variant_runs_beside_ours(tmp_path, capsys, seed):
+    main = runpy.run_path(str(SCRIPT))["main"]
+    out = tmp_path / "variants.csv"
+    main([str(out), "--sizes", "tiny", "--variants", "reference", "ours", "ours-bf16-weights", "--warmup", "1",
+          "--steps", "2", "--batch", "1", "--context", "16", "--compile-backend", "aot_eager"])
+    rows = list(csv.DictReader(out.open()))
+    assert [r["variant"] for r in rows] == ["reference", "ours", "ours-bf16-weights"]
+    assert all(float(r["median_ms"]) > 0 and not r["error"] for r in rows)
+    assert "| tiny | ours-bf16-weights | reference |" in capsys.readouterr().out
