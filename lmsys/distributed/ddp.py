@@ -206,10 +206,7 @@ class _DataParallel(nn.Module):
                 torch._foreach_div_(bucket.gradients(), self.world_size)
             bucket.work = None
             bucket.ready.clear()
-        if self._write_back_stream is not None:
-            current = torch.cuda.current_stream(self._write_back_stream.device)
-            current.wait_stream(self._pack_stream)
-            current.wait_stream(self._write_back_stream)
+        self._join_side_streams()
         self._next_launch = 0
 
     def wait_for_pending_work(self) -> None:
@@ -223,11 +220,15 @@ class _DataParallel(nn.Module):
                 bucket.work.wait()
                 bucket.work = None
             bucket.ready.clear()
+        self._join_side_streams()
+        self._next_launch = 0
+
+    def _join_side_streams(self) -> None:
+        """Make the current stream wait for the side streams' casts and launches (compressed buckets on a GPU)."""
         if self._write_back_stream is not None:
             current = torch.cuda.current_stream(self._write_back_stream.device)
             current.wait_stream(self._pack_stream)
             current.wait_stream(self._write_back_stream)
-        self._next_launch = 0
 
     def _on_side_streams(self, bucket: _GradBucket) -> bool:
         return bucket.compressed and self._write_back_stream is not None
