@@ -40,15 +40,17 @@ def test_interleaved_rounds_and_ours_beside_plain(tmp_path, capsys, seed):
     assert "| tiny | ours | reference |" in printed and "| tiny | ours-unplanned | reference |" in printed
 
 
-def test_fused_loss_variant_shares_the_model_of_ours(tmp_path, capsys, seed):
+def test_fused_loss_and_bf16_weights_variants_run_beside_ours(tmp_path, capsys, seed):
     main = runpy.run_path(str(SCRIPT))["main"]
     out = tmp_path / "variants.csv"
-    main([str(out), "--sizes", "tiny", "--variants", "reference", "ours", "ours-fused-loss", "--warmup", "1",
+    variants = ["reference", "ours", "ours-fused-loss", "ours-bf16-weights"]
+    main([str(out), "--sizes", "tiny", "--variants", *variants, "--warmup", "1",
           "--steps", "2", "--batch", "1", "--context", "16", "--compile-backend", "aot_eager"])
     rows = list(csv.DictReader(out.open()))
-    assert [r["variant"] for r in rows] == ["reference", "ours", "ours-fused-loss"]
+    assert [r["variant"] for r in rows] == variants
     assert all(float(r["median_ms"]) > 0 and not r["error"] for r in rows)
-    assert "| tiny | ours-fused-loss | reference |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| tiny | ours-fused-loss | reference |" in printed and "| tiny | ours-bf16-weights | reference |" in printed
 
 
 def test_each_cuda_graph_variant_gets_a_model_of_its_own(tmp_path):
@@ -109,12 +111,3 @@ def test_bf16_weight_variants_get_models_of_their_own(tmp_path):
     assert groups == [["ours", "ours-fused-loss"], ["ours-bf16-weights"], ["ours-bf16-weights-cuda-graphs"]]
 
 
-def test_bf16_weights_variant_runs_beside_ours(tmp_path, capsys, seed):
-    main = runpy.run_path(str(SCRIPT))["main"]
-    out = tmp_path / "variants.csv"
-    main([str(out), "--sizes", "tiny", "--variants", "reference", "ours", "ours-bf16-weights", "--warmup", "1",
-          "--steps", "2", "--batch", "1", "--context", "16", "--compile-backend", "aot_eager"])
-    rows = list(csv.DictReader(out.open()))
-    assert [r["variant"] for r in rows] == ["reference", "ours", "ours-bf16-weights"]
-    assert all(float(r["median_ms"]) > 0 and not r["error"] for r in rows)
-    assert "| tiny | ours-bf16-weights | reference |" in capsys.readouterr().out
