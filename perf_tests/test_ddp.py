@@ -1,5 +1,6 @@
-"""Data-parallel training: our DDP variants (steps.WRAPPERS) beside torch's DistributedDataParallel (the reference provider),
-and the same step on one device for the scaling ratio, each on ranks spawned by the test (`gpu_benchmark.distributed`).
+"""Data-parallel training: our DDP variants (steps.WRAPPERS) beside torch's DistributedDataParallel (the reference
+provider), and the same step on one device for the scaling ratio, each on ranks spawned by the test
+(`gpu_benchmark.distributed`).
 
 Per benchmark: the step time (each round the slowest rank's; on GPUs device time, each rank's step replayed as a
 CUDA graph, or queued when a rank cannot capture it, with the eager rounds, launch cost included, beside as the CPU's
