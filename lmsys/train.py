@@ -139,6 +139,11 @@ def bf16_linear_weights(model: nn.Module, optimizer: AdamW) -> list[nn.Parameter
             f"bf16 Linear weights keep their fp32 masters in lmsys.optim.AdamW, not in {type(optimizer).__name__}"
         )
     weights = list({id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}.values())
+    # A weight shared with another kind of module (an LM head tied to the embedding) would turn that module bf16 too.
+    shared = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+    if any(id(w) in shared for w in weights):
+        raise ValueError("bf16 Linear weights: a Linear weight is shared with a module that is not a Linear (tied "
+                         "embedding?); it would run in bf16 there too")
     optimizer.keep_master_weights(weights)
     return weights
 

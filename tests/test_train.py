@@ -410,6 +410,14 @@ def test_bf16_weights_that_cannot_work_are_refused_and_change_nothing(options, o
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+def test_bf16_weights_refuse_a_linear_weight_tied_to_an_embedding():
+    model = TransformerLM(TINY)
+    model.lm_head.weight = model.embedding.weight
+    with pytest.raises(ValueError, match="shared with a module that is not a Linear"):
+        make_train_step(model, AdamW(model.parameters()), autocast_dtype=torch.bfloat16, bf16_weights=True)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
 @pytest.mark.gpu
 def test_cuda_graph_bf16_weights_step_matches_the_autocast_step_on_gpu(gpu, seed):
     """Both compiled and replayed as CUDA graphs, bf16 weights against the plain autocast step: the same losses
