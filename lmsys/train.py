@@ -31,7 +31,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     and saves them; the backward only scales them by the loss's incoming gradient. Per chunk: the logits in
     `compute_dtype`, their logsumexp and the target's logit in fp32 (or float64), the softmax minus the one-hot of
     the target, divided by the number of rows, back in `compute_dtype` for the two gradient matmuls. The weight's
-    gradient is summed over the chunks in the weight's dtype, at least fp32.
+    gradient is summed over the chunks in the weight's dtype, at least fp32, and kept in the weight's dtype: a bf16
+    weight (with its fp32 master in the optimizer) gets the one bf16 rounding of the fp32 sum, as a bf16 matmul over
+    all the rows would give.
     """
 
     @staticmethod
@@ -59,6 +61,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                         grad_hidden[start:start + chunk_size] = grad_logits @ w
                     if want_weight:
                         grad_weight += grad_logits.T @ h
+        if want_weight:
+            grad_weight = grad_weight.to(weight.dtype)
         ctx.save_for_backward(grad_hidden, grad_weight)
         return total / rows
 
@@ -68,7 +72,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         return (
             None if grad_hidden is None else grad_hidden * grad_loss.to(grad_hidden.dtype),
-            None if grad_weight is None else grad_weight * grad_loss.to(grad_weight.dtype),
+            # A 0-dim grad_loss scales in its own precision and leaves a bf16 gradient bf16.
+            None if grad_weight is None else grad_weight * grad_loss,
             None,
             None,
             None,
@@ -160,6 +165,7 @@ def make_train_step(
     bf16_weights: bool = False,
     compile_backend: str = "inductor",
     cuda_graphs: bool = False,
+    max_autotune: bool = False,
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Return `step(inputs, targets) -> loss`: forward, cross-entropy, backward, optimizer step, gradients cleared.
 
@@ -180,7 +186,16 @@ def make_train_step(
     - `bf16_weights=True` (with bf16 autocast and `lmsys.optim.AdamW`): converts the model's Linear weights to bf16
       parameters here, in place, their fp32 masters kept by the optimizer (`bf16_linear_weights`): the same step
       with less memory traffic per parameter (no cast per forward, bf16 weight gradients, one optimizer pass that
-      also writes the bf16 weights). Parameters keep their addresses, so CUDA graphs stay valid.
+      also writes the bf16 weights). Parameters keep their addresses, so CUDA graphs stay valid. With `fused_loss`
+      the LM head's weight is bf16 too: `linear_cross_entropy` sums its gradient over the chunks in fp32 and hands
+      back that sum's bf16 rounding (the fp32-weight fused step keeps the fp32 sum), every other gradient as
+      without bf16 weights. A head tied to the embedding is refused (the lookup would turn bf16 too).
+    - `max_autotune=True` (with `compile`, inductor): inductor benchmarks kernel choices while compiling (matmul
+      templates against cuBLAS, and each Triton kernel's launch configuration), torch.compile's max-autotune modes:
+      a much longer first step. CUDA graphs stay `cuda_graphs`'s choice (mode "max-autotune" with them,
+      "max-autotune-no-cudagraphs" without).
+    - `cuda_graphs=True` (with `compile`, on CUDA): inductor records the compiled forward and backward as CUDA graphs
+      and replays them (mode "reduce-overhead"); the loss comes back as a copy, out of the graphs' memory pool.
     """
     if autocast_dtype not in (None, torch.bfloat16):
         raise ValueError(
@@ -202,14 +217,14 @@ def make_train_step(
     if bf16_weights and autocast_dtype is not torch.bfloat16:
         raise ValueError("bf16_weights=True computes with bf16 Linear weights under bf16 autocast: it needs "
                          "autocast_dtype=torch.bfloat16")
-    if bf16_weights and fused_loss:
-        raise ValueError("bf16_weights=True with fused_loss=True is not supported: linear_cross_entropy sums the "
-                         "head's gradient in fp32 and would hand it back rounded to bf16")
     device_type = next(model.parameters()).device.type
     if cuda_graphs and not compile:
         raise ValueError("cuda_graphs=True records the compiled model's kernels as CUDA graphs: it needs compile=True")
     if cuda_graphs and device_type != "cuda":
         raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, not {device_type}")
+    if max_autotune and not (compile and compile_backend == "inductor"):
+        raise ValueError(f"max_autotune=True tunes inductor's kernels: it needs compile=True and "
+                         f"compile_backend='inductor', not compile={compile} and compile_backend={compile_backend!r}")
 
     if bf16_weights:
         bf16_linear_weights(model, optimizer)
@@ -219,7 +234,8 @@ def make_train_step(
             return linear_cross_entropy(model.features(inputs), model.lm_head.weight, targets)
         return cross_entropy(forward(inputs), targets)
 
-    mode = "reduce-overhead" if cuda_graphs else None
+    mode = {(False, False): None, (True, False): "reduce-overhead", (False, True): "max-autotune-no-cudagraphs",
+            (True, True): "max-autotune"}[cuda_graphs, max_autotune]
     whole = compile and (compile_loss or fused_loss)  # the loss compiled with the model
     forward = torch.compile(model, backend=compile_backend, mode=mode) if compile and not whole else model
     loss_of = torch.compile(model_loss, backend=compile_backend, mode=mode) if whole else model_loss

@@ -115,6 +115,27 @@ def test_linear_cross_entropy_under_bf16_autocast_matches_the_unfused_head(seed,
         assert _relative_error(mine, reference) <= 2e-2
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_linear_cross_entropy_gives_a_bf16_weight_the_rounding_of_its_fp32_gradient(seed, autocast):
+    """A bf16 weight computes as the fp32 weight of the same values does (in fp32, or in bf16 under autocast): the
+    same loss and hidden gradient to the bit, and as its gradient the bf16 rounding of the fp32 one."""
+    hidden, targets = torch.randn(2, 19, 32), torch.randint(301, (2, 19))
+    weight = (torch.randn(301, 32) * 0.5).to(torch.bfloat16)
+    h, w = _leaves(hidden, weight)
+    fh, fw = _leaves(hidden, weight.float())
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = linear_cross_entropy(h, w, targets, chunk_size=5)
+        expected = linear_cross_entropy(fh, fw, targets, chunk_size=5)
+    loss.backward()
+    expected.backward()
+    assert loss.dtype == h.grad.dtype == torch.float32 and w.grad.dtype == torch.bfloat16
+    assert torch.equal(loss, expected) and torch.equal(h.grad, fh.grad)
+    assert torch.equal(w.grad, fw.grad.to(torch.bfloat16))
+    rh, rw = _leaves(hidden.double(), weight.double())
+    F.cross_entropy((rh @ rw.T).reshape(-1, 301), targets.reshape(-1)).backward()
+    assert _relative_error(w.grad, rw.grad) <= (2e-2 if autocast else 1e-2)
+
+
 def test_linear_cross_entropy_computes_only_the_gradients_asked_for(seed):
     hidden, weight, targets = torch.randn(9, 8), torch.randn(13, 8), torch.randint(13, (9,))
     expected = F.cross_entropy(hidden @ weight.T, targets)
@@ -295,12 +316,43 @@ def test_step_options_match_the_plain_step(seed, options, optimizer_class):
         (dict(compile_optimizer=True), "compile_optimizer=True is for torch's optimizers"),
         (dict(cuda_graphs=True), "cuda_graphs=True records the compiled model's kernels as CUDA graphs: it needs"),
         (dict(compile=True, cuda_graphs=True), "cuda_graphs=True needs the model on a CUDA device, not cpu"),
+        (dict(max_autotune=True), "max_autotune=True tunes inductor's kernels: it needs compile=True and "
+         "compile_backend='inductor', not compile=False"),
+        (dict(compile=True, compile_backend="aot_eager", max_autotune=True),
+         "max_autotune=True .* not compile=True and compile_backend='aot_eager'"),
     ],
 )
 def test_step_options_that_cannot_work_are_refused(options, message):
     model = TransformerLM(TINY)
     with pytest.raises(ValueError, match=message):
         make_train_step(model, AdamW(model.parameters()), **options)
+
+
+def _compile_modes(monkeypatch, device, **options):
+    """The keyword arguments of each torch.compile call that make_train_step makes (none of them compiles)."""
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+    with torch.device(device):
+        model = TransformerLM(TINY)
+    make_train_step(model, AdamW(model.parameters()), compile=True, **options)
+    return calls
+
+
+@pytest.mark.parametrize("fused_loss", [False, True])
+@pytest.mark.parametrize("max_autotune, mode", [(False, None), (True, "max-autotune-no-cudagraphs")])
+def test_max_autotune_compiles_with_the_max_autotune_mode_without_cuda_graphs(monkeypatch, max_autotune, mode,
+                                                                              fused_loss):
+    calls = _compile_modes(monkeypatch, "cpu", max_autotune=max_autotune, fused_loss=fused_loss)
+    assert calls == [dict(backend="inductor", mode=mode)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_autotune, mode", [(False, "reduce-overhead"), (True, "max-autotune")])
+def test_cuda_graphs_pick_the_compile_mode_with_inductors_cuda_graphs(gpu, monkeypatch, max_autotune, mode):
+    """Inductor records the CUDA graphs itself (there is no capture around it): with max_autotune, the mode
+    "max-autotune" keeps them."""
+    assert _compile_modes(monkeypatch, gpu, cuda_graphs=True, max_autotune=max_autotune) == [
+        dict(backend="inductor", mode=mode)]
 
 
 def test_fused_loss_is_refused_for_a_model_without_features():
@@ -393,14 +445,68 @@ def test_bf16_weights_step_is_the_autocast_step(seed, fused, options):
         assert torch.equal(mine.detach(), reference.detach().to(mine.dtype)), name
 
 
+def _gradients_of_the_last_backward(model):
+    """A dict that each backward fills with copies of the model's gradients by name (before the step clears them)."""
+    grads = {}
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: grads.__setitem__(name, p.grad.clone()))
+    return grads
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+@pytest.mark.parametrize(
+    "fused, options",
+    [(False, {}), pytest.param(True, dict(compile=True, compile_backend="aot_eager"), marks=pytest.mark.slow)],
+    ids=["foreach", "fused-compiled"],
+)
+def test_bf16_weights_with_fused_loss_is_the_fused_loss_step(seed, fused, options):
+    """bf16 Linear weights with the fused LM head + cross-entropy against the fused-loss step on fp32 weights: the
+    first step's loss to the bit, every gradient to the bit in the parameter's dtype (the head's is the bf16
+    rounding of the fp32 sum over the chunks); over three steps, as close to the plain autocast step as the fused
+    loss alone is."""
+    if fused and torch.cuda.is_available():
+        pytest.skip("the fused kernel runs on the CPU only under the interpreter, without CUDA")
+    torch.compiler.reset()
+    config = dataclasses.replace(TINY, num_layers=1, vocab_size=512)  # a small vocabulary: the interpreter is slow
+    plain, fused_model, both = TransformerLM(config), TransformerLM(config), TransformerLM(config)
+    fused_model.load_state_dict(plain.state_dict())
+    both.load_state_dict(plain.state_dict())
+    options = dict(autocast_dtype=torch.bfloat16, **options)
+    # eps=1e-4: see test_compiled_step_matches_eager_with_ranges_off_and_on.
+    plain_step = make_train_step(plain, AdamW(plain.parameters(), eps=1e-4, fused=fused), **options)
+    fused_step = make_train_step(fused_model, AdamW(fused_model.parameters(), eps=1e-4, fused=fused),
+                                 fused_loss=True, **options)
+    optimizer = AdamW(both.parameters(), eps=1e-4, fused=fused)
+    both_step = make_train_step(both, optimizer, fused_loss=True, bf16_weights=True, **options)
+    assert both.lm_head.weight.dtype == torch.bfloat16 and "master" in optimizer.state[both.lm_head.weight]
+    fused_grads, both_grads = _gradients_of_the_last_backward(fused_model), _gradients_of_the_last_backward(both)
+    batch = random_batch(17, 64, config.vocab_size, "cpu")  # 1088 tokens: two chunks of linear_cross_entropy
+    losses = [(plain_step(*batch), fused_step(*batch), both_step(*batch))]
+    assert torch.equal(losses[0][2], losses[0][1])
+    for name, p in both.named_parameters():
+        assert both_grads[name].dtype == p.dtype, name
+        assert torch.equal(both_grads[name], fused_grads[name].to(p.dtype)), name
+    assert not torch.equal(fused_grads["lm_head.weight"], both_grads["lm_head.weight"].float())
+    losses += [(plain_step(*batch), fused_step(*batch), both_step(*batch)) for _ in range(2)]
+    plain_losses, fused_losses, both_losses = (torch.stack(column) for column in zip(*losses, strict=True))
+    torch.testing.assert_close(fused_losses, plain_losses, rtol=2e-5, atol=0.0)
+    torch.testing.assert_close(both_losses, plain_losses, rtol=2e-5, atol=0.0)
+    for (name, mine), fused_p, reference in zip(both.named_parameters(), fused_model.parameters(), plain.parameters(),
+                                                strict=True):
+        master = optimizer.state[mine].get("master", mine)
+        assert torch.equal(mine.detach(), master.detach().to(mine.dtype)), name
+        error, fused_error = _relative_error(master.detach(), reference.detach()), \
+            _relative_error(fused_p.detach(), reference.detach())
+        # Under 1e-5 (the norm gains) both are rounding noise of the updates; the weight matrices sit near 1e-4.
+        assert error <= max(1.5 * fused_error, 1e-5), f"{name}: {error:.3g} against the fused loss's {fused_error:.3g}"
+
+
 @pytest.mark.parametrize(
     "options, optimizer_class, message",
     [
         (dict(bf16_weights=True), AdamW, "bf16_weights=True .* needs autocast_dtype=torch.bfloat16"),
         (dict(bf16_weights=True, autocast_dtype=torch.bfloat16), torch.optim.AdamW,
          "keep their fp32 masters in lmsys.optim.AdamW, not in AdamW"),
-        (dict(bf16_weights=True, autocast_dtype=torch.bfloat16, fused_loss=True), AdamW,
-         "bf16_weights=True with fused_loss=True is not supported"),
     ],
 )
 def test_bf16_weights_that_cannot_work_are_refused_and_change_nothing(options, optimizer_class, message):
@@ -410,23 +516,29 @@ def test_bf16_weights_that_cannot_work_are_refused_and_change_nothing(options, o
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
-def test_bf16_weights_refuse_a_linear_weight_tied_to_an_embedding():
+@pytest.mark.parametrize("fused_loss", [False, True])
+def test_bf16_weights_refuse_a_linear_weight_tied_to_an_embedding(fused_loss):
+    """Also with the fused loss, which never calls the head: the embedding's lookup would still read the bf16
+    weight, and its gradient would be bf16."""
     model = TransformerLM(TINY)
     model.lm_head.weight = model.embedding.weight
     with pytest.raises(ValueError, match="shared with a module that is not a Linear"):
-        make_train_step(model, AdamW(model.parameters()), autocast_dtype=torch.bfloat16, bf16_weights=True)
+        make_train_step(model, AdamW(model.parameters()), autocast_dtype=torch.bfloat16, bf16_weights=True,
+                        fused_loss=fused_loss)
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 @pytest.mark.gpu
-def test_cuda_graph_bf16_weights_step_matches_the_autocast_step_on_gpu(gpu, seed):
-    """Both compiled and replayed as CUDA graphs, bf16 weights against the plain autocast step: the same losses
-    and weights up to the compiler's rounding (inductor fuses differently around the casts it no longer makes);
-    the bf16 weights keep their addresses, as the graphs need."""
+@pytest.mark.parametrize("fused_loss", [False, True])
+def test_cuda_graph_bf16_weights_step_matches_the_autocast_step_on_gpu(gpu, seed, fused_loss):
+    """Both compiled and replayed as CUDA graphs, bf16 weights against the autocast step on fp32 weights (both with
+    the plain or both with the fused loss): the same losses and weights up to the compiler's rounding (inductor
+    fuses differently around the casts it no longer makes); the bf16 weights keep their addresses, as the graphs
+    need."""
     torch.compiler.reset()
     config = dataclasses.replace(SIZES["small"], num_layers=2, context_length=128, attention="sdpa")
     (plain, plain_step), (low, low_step, optimizer) = _bf16_weight_twins(config, gpu, None, compile=True,
-                                                                          cuda_graphs=True)
+                                                                          cuda_graphs=True, fused_loss=fused_loss)
     addresses = [p.data_ptr() for p in low.parameters()]
     batch = random_batch(2, 128, config.vocab_size, gpu)
     plain_losses = [plain_step(*batch) for _ in range(5)]
