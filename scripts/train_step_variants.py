@@ -3,8 +3,8 @@
 For each size (large and 2.7B by default): bf16 autocast + torch.compile, batch 4, context 512, random tokens;
 CUDA events around each step, the median of 20 steps after 8 warmup steps (how the plain-PyTorch reference numbers
 were taken). Prints a markdown table (ms, tokens/s, TFLOP/s, MFU, peak memory, the first step's wall time, which
-holds the compilation), then each of our variants beside the plain-PyTorch step with the same CUDA-graph setting
-from the same run, and writes every row to the CSV file named on the command line.
+holds the compilation), then each of our variants beside the plain-PyTorch step with the same CUDA-graph and
+max-autotune settings from the same run, and writes every row to the CSV file named on the command line.
 
     PYTHONPATH=. python scripts/train_step_variants.py variants.csv          (from the repository root)
     PYTHONPATH=. python scripts/train_step_variants.py variants.csv --sizes large --variants ours ours-compile-loss
@@ -30,6 +30,15 @@ Variants (model, attention, optimizer, make_train_step options):
     ours-bf16-weights             lmsys.model, SDPA, lmsys AdamW, Linear weights as bf16 parameters with their fp32
                                   masters in the optimizer (bf16_weights): no weight casts, bf16 weight gradients
     ours-bf16-weights-cuda-graphs ... replayed as CUDA graphs
+    ours-bf16-weights-fused-loss  lmsys.model, SDPA, lmsys AdamW, bf16 Linear weights (the LM head's too) and the
+                                  fused LM head + cross-entropy (bf16_weights, fused_loss)
+    ours-bf16-weights-fused-loss-cuda-graphs  ... replayed as CUDA graphs
+    ours-bf16-weights-max-autotune-cuda-graphs  ours-bf16-weights-cuda-graphs compiled with inductor's max-autotune
+                                  (max_autotune: matmul templates and kernel configurations benchmarked while
+                                  compiling: a longer first step)
+    ours-bf16-weights-fused-loss-max-autotune-cuda-graphs  ... the same for ours-bf16-weights-fused-loss-cuda-graphs
+    reference-max-autotune-cuda-graphs  reference-cuda-graphs compiled with max-autotune: the plain step that the
+                                  max-autotune variants are printed beside
 
 With `--top N`, each variant's timing is followed by the torch.profiler table of one more step (the N operators
 with the most device time), to see where two variants differ. With `--profile`, each variant also gets a row of
@@ -110,6 +119,15 @@ VARIANTS = {
     "ours-bf16-weights": Variant(TransformerLM, "sdpa", "lmsys", dict(bf16_weights=True)),
     "ours-bf16-weights-cuda-graphs": Variant(TransformerLM, "sdpa", "lmsys", dict(bf16_weights=True,
                                                                                   cuda_graphs=True)),
+    "ours-bf16-weights-fused-loss": Variant(TransformerLM, "sdpa", "lmsys", dict(bf16_weights=True, fused_loss=True)),
+    "ours-bf16-weights-fused-loss-cuda-graphs": Variant(TransformerLM, "sdpa", "lmsys",
+                                                        dict(bf16_weights=True, fused_loss=True, cuda_graphs=True)),
+    "ours-bf16-weights-max-autotune-cuda-graphs": Variant(TransformerLM, "sdpa", "lmsys",
+                                                          dict(bf16_weights=True, cuda_graphs=True, max_autotune=True)),
+    "ours-bf16-weights-fused-loss-max-autotune-cuda-graphs": Variant(
+        TransformerLM, "sdpa", "lmsys", dict(bf16_weights=True, fused_loss=True, cuda_graphs=True, max_autotune=True)),
+    "reference-max-autotune-cuda-graphs": Variant(ReferenceLM, "sdpa", "torch-fused",
+                                                  dict(cuda_graphs=True, max_autotune=True)),
 }
 DEFAULT_VARIANTS = ["reference", "ours-torch-adamw", "ours", "ours-cuda-graphs", "ours-flash_triton-cuda-graphs",
                     "reference-cuda-graphs"]
@@ -381,14 +399,20 @@ def _graphs(name: str) -> bool:
     return VARIANTS[name].options.get("cuda_graphs", False)
 
 
+def _compiled_alike(name: str) -> tuple[bool, bool]:
+    """What a variant shares with the plain step it is printed beside: CUDA graphs, and inductor's max-autotune."""
+    return _graphs(name), VARIANTS[name].options.get("max_autotune", False)
+
+
 def beside_reference(rows: list[dict]) -> str:
-    """Each of our variants beside the plain-PyTorch step of the same size and CUDA-graph setting, from the same
-    run: both medians, ours over plain, tokens/s and MFU of each. Empty when the run has no plain step to compare."""
+    """Each of our variants beside the plain-PyTorch step of the same size, CUDA-graph setting and max-autotune
+    setting, from the same run: both medians, ours over plain, tokens/s and MFU of each. Empty when the run has no
+    plain step to compare."""
     ok = [r for r in rows if not r.get("error")]
-    plain = {(r["size"], _graphs(r["variant"])): r for r in ok if _is_reference(r["variant"])}
+    plain = {(r["size"], *_compiled_alike(r["variant"])): r for r in ok if _is_reference(r["variant"])}
     lines = []
     for r in ok:
-        reference = plain.get((r["size"], _graphs(r["variant"])))
+        reference = plain.get((r["size"], *_compiled_alike(r["variant"])))
         if _is_reference(r["variant"]) or reference is None:
             continue
         mfu = (lambda row: "" if row["mfu"] == "" else f"{row['mfu']:.1%}")

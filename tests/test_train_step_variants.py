@@ -43,14 +43,15 @@ def test_interleaved_rounds_and_ours_beside_plain(tmp_path, capsys, seed):
 def test_fused_loss_and_bf16_weights_variants_run_beside_ours(tmp_path, capsys, seed):
     main = runpy.run_path(str(SCRIPT))["main"]
     out = tmp_path / "variants.csv"
-    variants = ["reference", "ours", "ours-fused-loss", "ours-bf16-weights"]
+    variants = ["reference", "ours", "ours-fused-loss", "ours-bf16-weights", "ours-bf16-weights-fused-loss"]
     main([str(out), "--sizes", "tiny", "--variants", *variants, "--warmup", "1",
           "--steps", "2", "--batch", "1", "--context", "16", "--compile-backend", "aot_eager"])
     rows = list(csv.DictReader(out.open()))
     assert [r["variant"] for r in rows] == variants
     assert all(float(r["median_ms"]) > 0 and not r["error"] for r in rows)
     printed = capsys.readouterr().out
-    assert "| tiny | ours-fused-loss | reference |" in printed and "| tiny | ours-bf16-weights | reference |" in printed
+    for name in variants[1:]:
+        assert f"| tiny | {name} | reference |" in printed
 
 
 def test_each_cuda_graph_variant_gets_a_model_of_its_own(tmp_path):
@@ -107,7 +108,23 @@ def test_bf16_weight_variants_get_models_of_their_own(tmp_path):
     main, groups = runpy.run_path(str(SCRIPT))["main"], []
     main.__globals__["run_group"] = lambda size, names, *rest, **kwargs: groups.append(names)
     main([str(tmp_path / "x.csv"), "--sizes", "tiny", "--variants", "ours", "ours-bf16-weights", "ours-fused-loss",
-          "ours-bf16-weights-cuda-graphs"])
-    assert groups == [["ours", "ours-fused-loss"], ["ours-bf16-weights"], ["ours-bf16-weights-cuda-graphs"]]
+          "ours-bf16-weights-cuda-graphs", "ours-bf16-weights-fused-loss", "ours-bf16-weights-fused-loss-cuda-graphs"])
+    assert groups == [["ours", "ours-fused-loss"], ["ours-bf16-weights"], ["ours-bf16-weights-cuda-graphs"],
+                      ["ours-bf16-weights-fused-loss"], ["ours-bf16-weights-fused-loss-cuda-graphs"]]
+
+
+def test_max_autotune_variants_are_printed_beside_the_max_autotune_reference():
+    """A variant compiled with max-autotune is compared with the plain step compiled the same way, the others with
+    the plain step of their CUDA-graph setting."""
+    module = runpy.run_path(str(SCRIPT))
+    names = ["reference-cuda-graphs", "reference-max-autotune-cuda-graphs", "ours-bf16-weights-cuda-graphs",
+             "ours-bf16-weights-max-autotune-cuda-graphs", "ours-bf16-weights-fused-loss-max-autotune-cuda-graphs"]
+    assert all(module["VARIANTS"][name].options.get("cuda_graphs") for name in names)
+    rows = [dict(size="2.7B", variant=name, median_ms=100.0 + index, tokens_per_s=1000, mfu=0.4, error="")
+            for index, name in enumerate(names)]
+    printed = module["beside_reference"](rows)
+    assert "| 2.7B | ours-bf16-weights-cuda-graphs | reference-cuda-graphs | 100.00 | 102.00 |" in printed
+    for name in names[3:]:
+        assert f"| 2.7B | {name} | reference-max-autotune-cuda-graphs | 101.00 |" in printed
 
 
