@@ -1,15 +1,18 @@
-"""Masked positions contribute nothing, forward or backward, in the reference implementations (naive, flash_torch).
+"""Masked positions contribute nothing, forward or backward, in the reference implementations (naive, flash_torch) and
+the Triton kernels (flash_triton).
 
 A causal query i cannot see key j > i. A NaN or inf planted in v[j] or k[j] must then leave row i of the output and of
 dQ as they are on clean inputs (0 * NaN is NaN, so zeroing the masked probabilities is not enough), and dV, which
 does not depend on v at all, must stay clean everywhere. Row j itself sees the planted value and must not come out
-finite (a fix that silently dropped it would pass the first check). fp16 inputs of magnitude ~300 have scores past
-fp16's range: the result, in range, must still be right. The reference is plain float64 arithmetic on the clean
-inputs, independent of the implementations under test.
+finite (a fix that silently dropped it would pass the first check), and the entries of the output and of the gradients
+that are not finite are those of naive attention (lmsys.attention.masking's semantics). fp16 inputs of magnitude ~300 have
+scores past fp16's range: the result, in range, must still be right. The reference is plain float64 arithmetic on the
+clean inputs, independent of the implementations under test.
 
-The fused Triton and Gluon kernels are not held to the first two tests: like SDPA's FlashAttention-2 and cuDNN
-backends, a NaN or inf in a masked key or value of a diagonal tile reaches that tile's rows. Guarding the diagonal
-tiles cost 15.7% at (1, 1, 4096, 64) causal forward + backward on the H200 (docs/attention.md, "Masked NaN and inf").
+flash_triton keeps a masked non-finite value out through its guard of the diagonal tiles (flash_triton.GUARD_MASKED;
+with it off these tests fail). The Gluon kernels (flash_hopper, flash_hopper_bwd: Hopper GPUs only) have no guard and
+are not held to these tests: like SDPA's FlashAttention-2 and cuDNN backends, a NaN or inf in a masked key or value of
+a diagonal tile reaches that tile's rows there (docs/attention.md, "Masked NaN and inf").
 """
 
 import math
@@ -27,8 +30,8 @@ ATTEND = {
     "flash_torch": FlashAttentionTorch.apply,
     "flash_triton": FlashAttentionTriton.apply,
 }
-# The implementations whose masked positions take no part even when non-finite: the references.
-GUARDED = ("naive", "flash_torch")
+# The implementations whose masked positions take no part even when non-finite.
+GUARDED = ("naive", "flash_torch", "flash_triton")
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 5e-3}
 # 72 positions, d = 16: two key tiles of flash_torch (64 wide), several query and key tiles of the Triton kernels
 # (32 x 16 under the interpreter). The planted positions sit in the first tile, inside a later diagonal tile, and in
@@ -67,15 +70,19 @@ def _inputs(shape, dtype, device, scale=1.0):
 
 
 def _assert_only_later_rows_see_it(impl, q, planted, do, expected, tensor, j, dtype, where):
-    """Rows before j of the output and of dq as on clean inputs, dv clean when v holds the planted value, and row j,
-    which sees it, not finite."""
+    """Rows before j of the output and of dq as on clean inputs, dv clean when v holds the planted value, row j, which
+    sees it, not finite, and the non-finite entries of the output and of every gradient those of naive attention."""
     expected_o, expected_dq, expected_dv = expected
-    o, dq, _, dv = _attend(impl, q, planted["k"], planted["v"], do, True)
+    o, dq, dk, dv = _attend(impl, q, planted["k"], planted["v"], do, True)
     _assert_matches(o[..., :j, :], expected_o[..., :j, :], dtype, f"{where}: output rows before {j}")
     _assert_matches(dq[..., :j, :], expected_dq[..., :j, :], dtype, f"{where}: dq rows before {j}")
     if tensor == "v":
         _assert_matches(dv, expected_dv, dtype, f"{where}: dv (independent of v)")
     assert not torch.isfinite(o[..., j, :]).all(), f"{where}: row {j} sees the planted value but is finite"
+    naive = _attend("naive", q, planted["k"], planted["v"], do, True)
+    for name, actual, reference in zip(("output", "dq", "dk", "dv"), (o, dq, dk, dv), naive, strict=True):
+        differ = (torch.isfinite(actual) != torch.isfinite(reference)).nonzero().tolist()
+        assert not differ, f"{where}: {name} is finite where naive attention's is not, or not where it is: {differ[:5]}"
 
 
 @pytest.mark.parametrize("impl", GUARDED)
@@ -93,16 +100,34 @@ def test_a_non_finite_key_or_value_reaches_only_the_rows_that_see_it(impl, tenso
 
 
 @pytest.mark.parametrize("impl", GUARDED)
-@pytest.mark.parametrize("tensor", ["v", "k"])
-def test_one_nan_element_reaches_only_the_rows_that_see_it(impl, tensor, seed):
-    """One NaN entry (not a whole row) in a diagonal tile of fp16 inputs."""
+@pytest.mark.parametrize("tensor,value", [("v", float("nan")), ("v", float("inf")), ("k", float("nan"))],
+                         ids=["v-nan", "v-inf", "k-nan"])
+def test_one_non_finite_element_reaches_only_the_rows_that_see_it(impl, tensor, value, seed):
+    """One NaN or inf entry (not a whole row) in a diagonal tile of fp16 inputs: in v, it makes one column of the later
+    rows NaN. (One inf in k makes a later row's score +inf or -inf, by the sign of q's entry: whether that row stays
+    finite is up to the seed, hence no such case.)"""
     dtype, j = torch.float16, 37
     q, k, v, do = _inputs((1, 1, 48, 16), dtype, DEVICES[impl])
     expected_o, expected_dq, _, expected_dv = _reference(q, k, v, do, True)
     planted = {"k": k.clone(), "v": v.clone()}
-    planted[tensor][..., j, 3] = float("nan")
+    planted[tensor][..., j, 3] = value
     _assert_only_later_rows_see_it(impl, q, planted, do, (expected_o, expected_dq, expected_dv), tensor, j, dtype,
-                                   f"{impl}, NaN in {tensor}[{j}, 3]")
+                                   f"{impl}, {value} in {tensor}[{j}, 3]")
+
+
+@pytest.mark.parametrize("impl", GUARDED)
+@pytest.mark.parametrize("tensor", ["v", "k"])
+@pytest.mark.parametrize("column", [3, 70])
+def test_a_non_finite_element_of_a_split_head_dim_reaches_only_the_rows_that_see_it(impl, tensor, column, seed):
+    """Head dim 80, which the Triton kernels split into columns [0, 64) and [64, 80) (flash_triton.SPLIT_HEAD_DIMS), a
+    length that is no multiple of a tile, and a NaN in either chunk."""
+    dtype, j = torch.float32, 21
+    q, k, v, do = _inputs((1, 1, 45, 80), dtype, DEVICES[impl])
+    expected_o, expected_dq, _, expected_dv = _reference(q, k, v, do, True)
+    planted = {"k": k.clone(), "v": v.clone()}
+    planted[tensor][..., j, column] = float("nan")
+    _assert_only_later_rows_see_it(impl, q, planted, do, (expected_o, expected_dq, expected_dv), tensor, j, dtype,
+                                   f"{impl}, NaN in {tensor}[{j}, {column}]")
 
 
 @pytest.mark.parametrize("impl", list(ATTEND))

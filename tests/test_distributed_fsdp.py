@@ -324,7 +324,8 @@ def _train_then_return(seed: int) -> None:
 
 def test_destroying_the_group_after_an_unfinished_step_never_aborts_a_rank(seed):
     """Destroying a gloo group with collectives in flight has aborted ranks ("terminate called without an active
-    exception", SIGABRT): the launcher waits for FSDP's pending work first. Twelve runs, as the abort was
-    intermittent."""
+    exception", SIGABRT): the launcher waits for FSDP's pending work first. The abort comes after a rank has
+    reported its result; the launcher fails such a run (tests/test_distributed_launch.py). Twelve runs, as the abort
+    was intermittent."""
     for run in range(12):
         launch_ranks(_train_then_return, 2, seed + run, backend="gloo", timeout=60)

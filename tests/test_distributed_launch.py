@@ -1,5 +1,6 @@
 """The rank launcher: results in rank order, torchrun's environment, and failures that never hang the caller."""
 
+import multiprocessing.util
 import os
 import signal
 import socket
@@ -101,6 +102,36 @@ def _rank_one_dies(how: str) -> None:
 def test_rank_that_dies_without_reporting_is_named_with_its_exit_status(how, expected):
     with pytest.raises(RankError, match=f"rank 1 of 2 failed:\n{expected}"):
         launch_ranks(_rank_one_dies, 2, how, timeout=60)
+
+
+def _rank_one_dies_after_returning(how: str) -> int:
+    """Rank 1 returns its result, then dies as its process exits: multiprocessing runs its exit finalizers after the
+    launcher's rank body has sent the result and destroyed the process group."""
+    if dist.get_rank() == 1:
+        die = os.abort if how == "signal" else lambda: os._exit(3)
+        multiprocessing.util.Finalize(None, die, exitpriority=100)
+    return dist.get_rank()
+
+
+@pytest.mark.parametrize("how,expected", [("signal", "died from signal SIGABRT"), ("exit", "exited with code 3")])
+def test_rank_that_dies_after_reporting_its_result_fails_the_run(how, expected):
+    with pytest.raises(RankError, match=f"rank 1 of 2 failed:\nreported its result, then {expected}") as info:
+        launch_ranks(_rank_one_dies_after_returning, 2, how, timeout=60)
+    assert type(info.value) is RankError and info.value.rank == 1
+
+
+def _rank_one_hangs_after_returning() -> int:
+    if dist.get_rank() == 1:
+        multiprocessing.util.Finalize(None, _a_function_that_hangs_for_the_test, exitpriority=100)
+    return dist.get_rank()
+
+
+def test_rank_that_hangs_after_reporting_its_result_times_out():
+    with pytest.raises(RankTimeout) as info:
+        launch_ranks(_rank_one_hangs_after_returning, 2, timeout=3)
+    assert info.value.ranks == [1]
+    assert "rank 1 was here (it had reported its result and was exiting):" in str(info.value)
+    assert "_a_function_that_hangs_for_the_test" in info.value.stacks[1]
 
 
 def _unpicklable():

@@ -61,6 +61,13 @@ LN2 = tl.constexpr(0.6931471805599453)
 MASKED = tl.constexpr(-1.0e6)
 
 _INTERPRET = triton.knobs.runtime.interpret
+# With a causal mask, a NaN or inf in a key or value that a query cannot see stays out of that query's output and dQ
+# row in the Triton-language kernels, as in lmsys.attention.masking (docs/attention.md, "Masked NaN and inf"): each
+# diagonal tile checks its K and V tiles for a non-finite entry and, only when it finds one, multiplies by their finite
+# part and sets NaN in the columns of the rows that see a non-finite entry. False drops the check (to time it:
+# scripts/masked_guard_timing.py); a non-finite key or value of a diagonal tile then reaches every row of that tile.
+# The Gluon kernels (flash_hopper, flash_hopper_bwd) have no such guard.
+GUARD_MASKED = True
 # Inputs that lmsys.attention.flash_hopper takes (Hopper, 16-bit, d=128, or d=64 on long sequences (`flash_hopper.plan`),
 # lengths multiples of 128) go to its Gluon forward, measured faster there than the forward below; False sends
 # everything to the Triton-language kernels.
@@ -205,15 +212,45 @@ def _store_rows(dst, value, rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.const
 
 
 @triton.jit
+def _has_nonfinite(x):
+    """Whether the 2-D tile x holds a NaN or an inf: 0 * x is 0 where x is finite and NaN elsewhere, and so is its
+    sum."""
+    return tl.sum(tl.sum((x * 0.0).to(tl.float32), 1), 0) != 0.0
+
+
+@triton.jit
+def _seen_dot(a, b, keep, acc, DOT_PRECISION: tl.constexpr):
+    """acc + a @ b for an `a` that is zero where `keep` is False (row i cannot see position j), with a non-finite
+    b[j, c] reaching only the rows that see j: the product takes b's finite entries, and column c of each row that sees
+    a non-finite b[j, c] is NaN (lmsys.attention.masking.seen_product)."""
+    finite = b * 0.0 == 0.0
+    out = tl.dot(a.to(b.dtype), tl.where(finite, b, 0.0), acc, input_precision=DOT_PRECISION)
+    bad = tl.where(finite, 0.0, 1.0).to(b.dtype)
+    seen = tl.dot(keep.to(b.dtype), bad, input_precision=DOT_PRECISION)  # how many non-finite entries each row sees
+    return tl.where(seen > 0.0, float("nan"), out)
+
+
+@triton.jit
+def _pv(p, v, v1, acc, acc1, HEAD_DIM1: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + p @ v, and acc1 + p @ v1 for the head dim's second chunk (HEAD_DIM1 > 0; else acc1 as it is)."""
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    if HEAD_DIM1 > 0:
+        acc1 = tl.dot(p.to(v1.dtype), v1, acc1, input_precision=DOT_PRECISION)
+    return acc, acc1
+
+
+@triton.jit
 def _fwd_inner(
     acc, acc1, l_i, m_i, q, q1, K, V, K1, V1,
     stride_kn, stride_vn,
     offs_m, offs_d, offs_d1, lo, hi, N_K, qk_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM1: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-    BOUNDS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    BOUNDS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, GUARD: tl.constexpr,
 ):
     """The online softmax over the key tiles [lo, hi). With HEAD_DIM1 the head dim is split: q1, acc1 and K1, V1 (the
-    columns from HEAD_DIM on, through pointers; offs_d1 wide, HEAD_DIM1 real) are its second chunk."""
+    columns from HEAD_DIM on, through pointers; offs_d1 wide, HEAD_DIM1 real) are its second chunk. With GUARD (and
+    CAUSAL_MASK) a non-finite value that a row cannot see stays out of that row (GUARD_MASKED); a non-finite key needs
+    nothing: its masked scores are replaced, not multiplied."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -240,11 +277,23 @@ def _fwd_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         v = _load_rows(V, start_n, offs_n, offs_d, stride_vn, N_K, HEAD_DIM, BOUNDS_MASK, USE_TMA)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         if HEAD_DIM1 > 0:
             acc1 = acc1 * alpha[:, None]
             v1 = _load_rows(V1, start_n, offs_n, offs_d1, stride_vn, N_K, HEAD_DIM1, BOUNDS_MASK, False)
-            acc1 = tl.dot(p.to(v1.dtype), v1, acc1, input_precision=DOT_PRECISION)
+        else:
+            v1 = v
+        if GUARD and CAUSAL_MASK:
+            bad = _has_nonfinite(v)
+            if HEAD_DIM1 > 0:
+                bad = bad | _has_nonfinite(v1)
+            if bad:  # rare: the plain products below unless a value of this tile is not finite
+                acc = _seen_dot(p, v, keep, acc, DOT_PRECISION)
+                if HEAD_DIM1 > 0:
+                    acc1 = _seen_dot(p, v1, keep, acc1, DOT_PRECISION)
+            else:
+                acc, acc1 = _pv(p, v, v1, acc, acc1, HEAD_DIM1, DOT_PRECISION)
+        else:
+            acc, acc1 = _pv(p, v, v1, acc, acc1, HEAD_DIM1, DOT_PRECISION)
         m_i = m_ij
     return acc, acc1, l_i, m_i
 
@@ -265,7 +314,7 @@ def _flash_fwd_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM1: tl.constexpr, BLOCK_D1: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_OK: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_OK: tl.constexpr, GUARD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
@@ -310,26 +359,26 @@ def _flash_fwd_kernel(
         acc, acc1, l_i, m_i = _fwd_inner(
             acc, acc1, l_i, m_i, q, q1, K, V, K1, V1, stride_kn, stride_vn,
             offs_m, offs_d, offs_d1, 0, diag, N_K, qk_scale,
-            HEAD_DIM, HEAD_DIM1, BLOCK_N, False, False, DOT_PRECISION, TMA,
+            HEAD_DIM, HEAD_DIM1, BLOCK_N, False, False, DOT_PRECISION, TMA, False,
         )
         # Stage 2: the diagonal tiles, masked (and bounds-checked when the length is ragged).
         acc, acc1, l_i, m_i = _fwd_inner(
             acc, acc1, l_i, m_i, q, q1, K, V, K1, V1, stride_kn, stride_vn,
             offs_m, offs_d, offs_d1, diag, tl.minimum(diag + BLOCK_M, N_K), N_K, qk_scale,
-            HEAD_DIM, HEAD_DIM1, BLOCK_N, True, not EVEN_N, DOT_PRECISION, TMA,
+            HEAD_DIM, HEAD_DIM1, BLOCK_N, True, not EVEN_N, DOT_PRECISION, TMA, GUARD,
         )
     else:
         n_full = (N_K // BLOCK_N) * BLOCK_N
         acc, acc1, l_i, m_i = _fwd_inner(
             acc, acc1, l_i, m_i, q, q1, K, V, K1, V1, stride_kn, stride_vn,
             offs_m, offs_d, offs_d1, 0, n_full, N_K, qk_scale,
-            HEAD_DIM, HEAD_DIM1, BLOCK_N, False, False, DOT_PRECISION, TMA,
+            HEAD_DIM, HEAD_DIM1, BLOCK_N, False, False, DOT_PRECISION, TMA, False,
         )
         if not EVEN_N:
             acc, acc1, l_i, m_i = _fwd_inner(
                 acc, acc1, l_i, m_i, q, q1, K, V, K1, V1, stride_kn, stride_vn,
                 offs_m, offs_d, offs_d1, n_full, N_K, N_K, qk_scale,
-                HEAD_DIM, HEAD_DIM1, BLOCK_N, False, True, DOT_PRECISION, TMA,
+                HEAD_DIM, HEAD_DIM1, BLOCK_N, False, True, DOT_PRECISION, TMA, False,
             )
 
     acc = acc / l_i[:, None]
@@ -445,10 +494,12 @@ def _bwd_dq_inner(
     stride_kn, stride_vn,
     offs_m, offs_d, offs_d1, lo, hi, N_K, qk_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM1: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-    BOUNDS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BOUNDS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, GUARD: tl.constexpr,
 ):
     """Accumulate dQ of one query tile over the key tiles [lo, hi). With HEAD_DIM1 the head dim is split: dq1, q1,
-    do1 and the columns of K and V from HEAD_DIM on are its second chunk."""
+    do1 and the columns of K and V from HEAD_DIM on are its second chunk. With GUARD (and CAUSAL_MASK) a non-finite
+    key or value that a row cannot see stays out of that row's dQ (GUARD_MASKED): a masked dS entry is 0 even where
+    dP, through a non-finite value, is not, and dS @ K takes K's finite entries."""
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -466,15 +517,27 @@ def _bwd_dq_inner(
             k1 = k
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if CAUSAL_MASK and BOUNDS_MASK:
-            p = tl.where((offs_m[:, None] >= cols[None, :]) & (cols[None, :] < N_K), p, 0.0)
+            keep = (offs_m[:, None] >= cols[None, :]) & (cols[None, :] < N_K)
+            p = tl.where(keep, p, 0.0)
         elif CAUSAL_MASK:
-            p = tl.where(offs_m[:, None] >= cols[None, :], p, 0.0)
+            keep = offs_m[:, None] >= cols[None, :]
+            p = tl.where(keep, p, 0.0)
         elif BOUNDS_MASK:
             p = tl.where(cols[None, :] < N_K, p, 0.0)
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
-        if HEAD_DIM1 > 0:
-            dq1 = tl.dot(ds.to(k1.dtype), k1, dq1, input_precision=DOT_PRECISION)
+        if GUARD and CAUSAL_MASK:
+            bad = _has_nonfinite(k) | _has_nonfinite(v)
+            if HEAD_DIM1 > 0:
+                bad = bad | _has_nonfinite(k1) | _has_nonfinite(v1)
+            if bad:  # rare: the plain products below unless a key or value of this tile is not finite
+                ds = tl.where(keep, ds, 0.0)
+                dq = _seen_dot(ds, k, keep, dq, DOT_PRECISION)
+                if HEAD_DIM1 > 0:
+                    dq1 = _seen_dot(ds, k1, keep, dq1, DOT_PRECISION)
+            else:
+                dq, dq1 = _pv(ds, k, k1, dq, dq1, HEAD_DIM1, DOT_PRECISION)
+        else:
+            dq, dq1 = _pv(ds, k, k1, dq, dq1, HEAD_DIM1, DOT_PRECISION)
     return dq, dq1
 
 
@@ -497,7 +560,7 @@ def _flash_bwd_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM1: tl.constexpr, BLOCK_D1: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, GUARD: tl.constexpr,
     BLOCK_BIG: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     # dK/dV: a key tile of BLOCK_BIG rows visits query tiles of BLOCK_M1 rows.
@@ -585,18 +648,18 @@ def _flash_bwd_kernel(
             dq, dq1 = _bwd_dq_inner(
                 dq, dq1, q, q1, do, do1, lse2, delta, K, V, stride_kn, stride_vn,
                 offs_m, offs_d, offs_d1, 0, start_m, N_K, qk_scale,
-                HEAD_DIM, HEAD_DIM1, BLOCK_N2, False, False, DOT_PRECISION,
+                HEAD_DIM, HEAD_DIM1, BLOCK_N2, False, False, DOT_PRECISION, False,
             )
             dq, dq1 = _bwd_dq_inner(
                 dq, dq1, q, q1, do, do1, lse2, delta, K, V, stride_kn, stride_vn,
                 offs_m, offs_d, offs_d1, start_m, tl.minimum(start_m + BLOCK_BIG, N_K), N_K, qk_scale,
-                HEAD_DIM, HEAD_DIM1, BLOCK_N2, True, not EVEN_N, DOT_PRECISION,
+                HEAD_DIM, HEAD_DIM1, BLOCK_N2, True, not EVEN_N, DOT_PRECISION, GUARD,
             )
         else:
             dq, dq1 = _bwd_dq_inner(
                 dq, dq1, q, q1, do, do1, lse2, delta, K, V, stride_kn, stride_vn,
                 offs_m, offs_d, offs_d1, 0, N_K, N_K, qk_scale,
-                HEAD_DIM, HEAD_DIM1, BLOCK_N2, False, not EVEN_N, DOT_PRECISION,
+                HEAD_DIM, HEAD_DIM1, BLOCK_N2, False, not EVEN_N, DOT_PRECISION, False,
             )
         _store_rows(DQ, dq * sm_scale, offs_m, offs_d, stride_dqm, N_Q, HEAD_DIM, not EVEN_M)
         if HEAD_DIM1 > 0:
@@ -692,6 +755,7 @@ class _ForwardPlan:
             # o and lse are new (aligned, contiguous): the rest of the launch follows from these.
             (q.device, q.dtype, q.shape, n_k, q_strides, k_strides, v_strides, launcher.aligned(q, k, v)),
             **_chunk_constexprs(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype), TMA_OK=self.tma,
+            GUARD=GUARD_MASKED,
         )
 
 
@@ -755,6 +819,7 @@ class _BackwardPlan:
             # dq, dk, dv and delta are new; lse is contiguous, one row per head.
             (q.device, q.dtype, q.shape, k.shape, q_strides, k_strides, v_strides, do_strides, aligned),
             **_chunk_constexprs(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
+            GUARD=GUARD_MASKED,
         )
 
 

@@ -9,9 +9,11 @@ We add no transport: torch.distributed is the engine.
 Failure handling. Each rank sends its result (or its traceback) to the parent through its own pipe; the parent
 waits on those pipes and on the processes' exit sentinels together. The first rank to raise, or to die without
 reporting (a signal, `os._exit`), stops every rank at once and raises `RankError` with that rank's number and
-traceback or exit status; when the timeout expires, every rank is killed and `RankTimeout` names the ranks still
-running, with the Python stack of each one's threads where it hung: each rank registers `faulthandler` on SIGUSR1,
-writing to a file of its own, and the launcher sends SIGUSR1 and waits a moment before killing. Every process is
+traceback or exit status. A result counts once its rank has exited with status 0: a rank that reports its result
+and then dies (a SIGABRT in `destroy_process_group`, say) fails the run with a `RankError` that says so. When the
+timeout expires, every rank is killed and `RankTimeout` names the ranks still running (reported or not), with the
+Python stack of each one's threads where it hung: each rank registers `faulthandler` on SIGUSR1, writing to a file of
+its own, and the launcher sends SIGUSR1 and waits a moment before killing. Every process is
 joined before `launch_ranks` returns or raises.
 
 Process trees. Each rank starts its own session (`os.setsid`), so the processes it starts (a shell command, DataLoader
@@ -72,13 +74,16 @@ class RankError(RuntimeError):
 
 class RankTimeout(RankError):
     """The timeout expired; `ranks` were still running (they have been killed). `stacks` maps each of them to the
-    Python stacks of its threads when it was stopped (faulthandler's dump), which the message includes."""
+    Python stacks of its threads when it was stopped (faulthandler's dump), which the message includes; the message
+    also says which of them (`reported`) had sent their result and were stuck exiting."""
 
-    def __init__(self, ranks: list[int], world_size: int, timeout: float, stacks: dict[int, str] | None = None):
+    def __init__(self, ranks: list[int], world_size: int, timeout: float, stacks: dict[int, str] | None = None,
+                 reported: list[int] = ()):
         details = f"ranks {ranks} of {world_size} still running after the {timeout:g} s timeout; all were killed"
         stacks = stacks or {}
         for rank in ranks:
-            details += f"\n\nrank {rank} was here:\n{stacks.get(rank) or '(it wrote no stack)'}"
+            state = " (it had reported its result and was exiting)" if rank in reported else ""
+            details += f"\n\nrank {rank} was here{state}:\n{stacks.get(rank) or '(it wrote no stack)'}"
         RuntimeError.__init__(self, details)
         self.rank, self.details, self.ranks, self.stacks = ranks[0], details, ranks, stacks
 
@@ -192,14 +197,25 @@ def _run(context, fn, args, kwargs, world_size, backend, deadline, timeout) -> l
 def _collect(processes, connections, world_size, deadline, timeout, stack_files) -> list | None:
     results: dict[int, object] = {}
     failures: list[tuple[int, int, str]] = []  # (kind: 0 died, 1 raised, 2 raised in a collective; rank; details)
-    waiting = dict(enumerate(connections))
-    while waiting:
+    waiting = dict(enumerate(connections))  # ranks that have not reported yet
+    exiting: set[int] = set()  # ranks that reported their result and have not exited yet
+    while waiting or exiting:
         ready = multiprocessing.connection.wait(
-            list(waiting.values()) + [processes[rank].sentinel for rank in waiting],
+            list(waiting.values()) + [processes[rank].sentinel for rank in sorted(set(waiting) | exiting)],
             timeout=max(deadline - time.monotonic(), 0),
         )
         if not ready and time.monotonic() >= deadline:
             break
+        for rank in sorted(exiting):
+            # A rank's result counts only once its process has exited cleanly: teardown (destroy_process_group,
+            # the interpreter's exit) can still abort it.
+            if processes[rank].sentinel in ready:
+                exiting.discard(rank)
+                processes[rank].join(_KILL_GRACE_S)
+                if processes[rank].exitcode != 0:
+                    failures.append((0, rank, _exit_status(processes[rank].exitcode, reported=True)))
+                    if len(failures) == 1:
+                        deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
         for rank in sorted(waiting):
             connection = waiting[rank]
             # A rank that sent its result and exited has both its pipe and its sentinel ready: read the pipe first.
@@ -215,6 +231,7 @@ def _collect(processes, connections, world_size, deadline, timeout, stack_files)
             del waiting[rank]
             if status == "ok":
                 results[rank] = pickle.loads(payload)
+                exiting.add(rank)
             elif status == "port_in_use":
                 return None
             elif status == "error":
@@ -231,10 +248,10 @@ def _collect(processes, connections, world_size, deadline, timeout, stack_files)
         _, rank, details = min(failures)
         others = sorted(r for _, r, _ in failures if r != rank)
         raise RankError(rank, world_size, details + (f"\n(ranks {others} failed as well)" if others else ""))
-    if waiting:
-        hung = sorted(waiting)
+    if waiting or exiting:
+        hung = sorted(set(waiting) | exiting)
         stacks = _dump_stacks([processes[rank] for rank in hung], [stack_files[rank] for rank in hung])
-        raise RankTimeout(hung, world_size, timeout, stacks)
+        raise RankTimeout(hung, world_size, timeout, stacks, reported=sorted(exiting))
     return [results[rank] for rank in range(world_size)]
 
 
@@ -292,10 +309,13 @@ def _stop(processes) -> None:
                 pass
 
 
-def _exit_status(exitcode: int | None) -> str:
+def _exit_status(exitcode: int | None, reported: bool = False) -> str:
+    """How a rank ended: `reported` says it had sent its result before it ended that way."""
     if exitcode is not None and exitcode < 0:
-        return f"died from signal {signal.Signals(-exitcode).name} (exit code {exitcode}) without reporting a result"
-    return f"exited with code {exitcode} without reporting a result"
+        how = f"died from signal {signal.Signals(-exitcode).name} (exit code {exitcode})"
+    else:
+        how = f"exited with code {exitcode}"
+    return f"reported its result, then {how} while exiting" if reported else f"{how} without reporting a result"
 
 
 def _free_port() -> int:
@@ -307,7 +327,7 @@ def _free_port() -> int:
 
 def _rank_main(fn, args, kwargs, rank, world_size, port, backend, environment, sender, stack_file) -> None:
     """Body of a rank process: its own session (the launcher kills its process group), its stacks on SIGUSR1 into
-    `stack_file`, environment, torch.distributed's process group, `fn`, then (status, payload) down the pipe."""
+    `stack_file` until it exits, environment, torch.distributed's process group, `fn`, then (status, payload) down the pipe."""
     os.setsid()
     stacks = open(stack_file, "w")  # noqa: SIM115 - faulthandler writes to it until the rank exits
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
@@ -351,8 +371,8 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, backend, environment, s
             fsdp.wait_for_pending_work()
             dist.destroy_process_group()
         sender.close()
-        faulthandler.unregister(signal.SIGUSR1)
-        stacks.close()
+        # faulthandler stays registered, its file open, until the process is gone: a rank stuck in its exit (a
+        # finalizer, a child it joins) still answers SIGUSR1 with its stacks.
 
 
 def _send(sender, status: str, payload) -> None:
