@@ -9,8 +9,8 @@ that are not finite are those of naive attention (lmsys.attention.masking's sema
 scores past fp16's range: the result, in range, must still be right. The reference is plain float64 arithmetic on the
 clean inputs, independent of the implementations under test.
 
-flash_triton keeps a masked non-finite value out through its guard of the diagonal tiles (flash_triton.GUARD_MASKED;
-with it off these tests fail). The Gluon kernels (flash_hopper, flash_hopper_bwd: Hopper GPUs only) have no guard and
+flash_triton keeps a masked non-finite value out through its guard of the diagonal tiles, which is off by default and
+switched on here (flash_triton.GUARD_MASKED; with it off these tests fail). The Gluon kernels (flash_hopper, flash_hopper_bwd: Hopper GPUs only) have no guard and
 are not held to these tests: like SDPA's FlashAttention-2 and cuDNN backends, a NaN or inf in a masked key or value of
 a diagonal tile reaches that tile's rows there (docs/attention.md, "Masked NaN and inf").
 """
@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from lmsys.attention import FlashAttentionTorch, FlashAttentionTriton, naive_attention
+from lmsys.attention import FlashAttentionTorch, FlashAttentionTriton, flash_triton, naive_attention
 
 HAS_CUDA = torch.cuda.is_available()
 # The Triton kernels run interpreted without CUDA (tests/conftest.py): small shapes there.
@@ -38,6 +38,11 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 5e-3}
 # flash_torch's second tile, never first in their tile, so some rows of the same diagonal tile cannot see them.
 SHAPE = (1, 2, 72, 16)
 POSITIONS = (5, 40, 66)
+
+
+@pytest.fixture(autouse=True)
+def _guard_on(monkeypatch):
+    monkeypatch.setattr(flash_triton, "GUARD_MASKED", True)
 
 
 def _reference(q, k, v, do, is_causal):

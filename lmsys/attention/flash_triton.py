@@ -61,13 +61,14 @@ LN2 = tl.constexpr(0.6931471805599453)
 MASKED = tl.constexpr(-1.0e6)
 
 _INTERPRET = triton.knobs.runtime.interpret
-# With a causal mask, a NaN or inf in a key or value that a query cannot see stays out of that query's output and dQ
-# row in the Triton-language kernels, as in lmsys.attention.masking (docs/attention.md, "Masked NaN and inf"): each
-# diagonal tile checks its K and V tiles for a non-finite entry and, only when it finds one, multiplies by their finite
-# part and sets NaN in the columns of the rows that see a non-finite entry. False drops the check (to time it:
-# scripts/masked_guard_timing.py); a non-finite key or value of a diagonal tile then reaches every row of that tile.
-# The Gluon kernels (flash_hopper, flash_hopper_bwd) have no such guard.
-GUARD_MASKED = True
+# GUARD_MASKED: with a causal mask, a NaN or inf in a key or value that a query cannot see stays out of that query's
+# output and dQ row in the Triton-language kernels, as in lmsys.attention.masking (docs/attention.md, "Masked NaN and
+# inf"): each diagonal tile checks its K and V tiles for a non-finite entry and, only when it finds one, multiplies by
+# their finite part and sets NaN in the columns of the rows that see a non-finite entry. Off by default: on an H200 the
+# check costs 2-6% on finite inputs and its result is wrong at some shapes (the docs give the numbers), so a
+# non-finite key or value of a diagonal tile reaches every row of that tile, as in SDPA's kernels. The Gluon kernels
+# (flash_hopper, flash_hopper_bwd) have no such guard.
+GUARD_MASKED = False
 # Inputs that lmsys.attention.flash_hopper takes (Hopper, 16-bit, d=128, or d=64 on long sequences (`flash_hopper.plan`),
 # lengths multiples of 128) go to its Gluon forward, measured faster there than the forward below; False sends
 # everything to the Triton-language kernels.
