@@ -743,6 +743,28 @@ def test_compact_renumbers_another_measurement_whose_name_is_taken_and_never_cop
     assert files("dest") == after
 
 
+def test_compact_of_two_sessions_numbered_alike_renumbers_onto_names_no_run_takes(monkeypatch, tmp_path, capsys):
+    """Two machines' measurements, each numbered from 0: the second's runs 0 and 1 are renumbered to 2 and 3, and its
+    run 2 (whose name the renumbered run 0 took) to 4, not onto the file just written."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(detection.reruns, "rerun", keeping_rerun([]))
+    argv = ["--in-process", "--inject", "0.05", "--keep"]
+    assert detection.main(["--runs", "2", *argv, "a", "--", "perf_tests"]) == 0
+    assert detection.main(["--runs", "3", *argv, "b", "--", "perf_tests"]) == 0
+    for run in range(2):
+        stamp("a", run, f"2026-11-28T12:0{run}:00")
+    for run in range(3):
+        stamp("b", run, f"2026-11-28T13:0{run}:00")
+    assert detection.main(["--compact", "a", "dest"]) == 0
+    capsys.readouterr()
+    assert detection.main(["--compact", "b", "dest"]) == 0
+    assert ("3 runs added to dest (3 renumbered, their names taken: runs/runs-run-0.json as runs-run-2.json, "
+            "runs/runs-run-1.json as runs-run-3.json, runs/runs-run-2.json as runs-run-4.json)") in capsys.readouterr().err
+    kept = {json.loads(path.read_text())["datetime"] for path in Path("dest/runs").glob("*.json")}
+    assert len(kept) == 5
+    assert table_of(capsys, "dest").splitlines()[-1].split() == ["all", "0/5", "5/5"]
+
+
 def test_a_compact_folder_is_resumed_with_a_fresh_reference_and_compacted_again(monkeypatch, tmp_path, capsys):
     """What a session does with the runs committed compact: resume a copy of them on the GPU (old runs compact, new
     ones full, no references: the session saves its own), then compact that copy into the committed folder."""

@@ -602,7 +602,8 @@ def compact(src: Path, dest: Path) -> str:
                 conflicts.extend(str(dest / name / n) for n in clash)
                 continue
             target = dest / name / path.name
-            if taken is not None:  # the name is another measurement's
+            # The name is another measurement's, or an earlier run of src was renumbered onto it.
+            if taken is not None or path.name in texts:
                 target = dest / name / f"{name}-run-{free}.json"
                 renamed.append(f"{path.relative_to(src)} as {target.name}")
                 free += 1
