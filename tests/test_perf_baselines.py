@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -318,3 +319,17 @@ def test_output_problem_protects_baselines_and_existing_files(tmp_path):
     assert "is a folder" in baselines.output_problem(tmp_path, True, [])
 
 
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_saved_baselines_and_reports_get_the_permissions_of_the_umask(tmp_path, umask):
+    """Written through a temporary file, yet as open() would create them: not mkstemp's 0600."""
+    previous = os.umask(umask)
+    try:
+        saved = baselines.save_new(tmp_path, "x", "{}")
+        report = baselines.replace_file(tmp_path / "report.json", "{}")
+        baselines.write_new_file(tmp_path / "kept" / "run.json", "{}")
+    finally:
+        os.umask(previous)
+    for path in (saved, report, tmp_path / "kept" / "run.json"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path

@@ -493,12 +493,23 @@ def _holding(folder: Path):
         yield
 
 
+def _temporary_file(folder: Path, prefix: str, suffix: str) -> tuple[int, str]:
+    """tempfile.mkstemp in folder, with the permissions a file created by open() would get (mkstemp's are 0600): the
+    file is linked or moved into place, and a baseline or report readable only by its writer is not what a shared
+    checkout or a CI cache expects."""
+    handle, temporary = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=suffix)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.fchmod(handle, 0o666 & ~mask)
+    return handle, temporary
+
+
 @contextlib.contextmanager
 def _staged(folder: Path, text: str, held: bool = False):
     """Under the folder's lock (taken here unless `held`): a hidden temporary file in folder holding text, flushed to
     disk, for the caller to link or move into place; removed at the end unless moved."""
     with contextlib.nullcontext() if held else _holding(folder):
-        handle, temporary = tempfile.mkstemp(dir=folder, prefix=TEMPORARY_PREFIX, suffix=".json")
+        handle, temporary = _temporary_file(folder, TEMPORARY_PREFIX, ".json")
         try:
             with os.fdopen(handle, "w", encoding="utf-8") as fh:
                 fh.write(text)
@@ -569,7 +580,7 @@ def write_new_file(path: Path, text: str) -> None:
     """Writes text to path atomically (a temporary file in the same folder, then a hard link, which fails with
     FileExistsError rather than replace a file that is already there)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    handle, temporary = _temporary_file(path.parent, f".{path.name}.", ".tmp")
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as fh:
             fh.write(text)
