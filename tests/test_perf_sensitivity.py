@@ -581,3 +581,34 @@ def test_one_mib_more_is_always_caught_and_an_unchanged_peak_never(pytester, now
     result = run(pytester, "--benchmark-compare")
     result.assert_outcomes(**{"failed" if verdict == "MORE-MEMORY" else "passed": 1})
     result.stdout.fnmatch_lines([f"*test_a*{verdict}*"])
+
+
+class GivingBackGpu(FakeGpu):
+    """A GPU on which the injected work adds only `share` of its length to a round (a kernel at the power cap gives
+    part of it back), and a call of `call_ms` device time."""
+
+    def __init__(self, share: float, call_ms: float):
+        super().__init__("g")
+        self.share, self.call_ms = share, call_ms
+
+    def make_work(self, seconds: float):
+        return self.make_delay(self.share * seconds)
+
+    def call(self):
+        if not self.hosting:
+            self.now += self.call_ms / 1e3
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("share, expected", [(1.0, 0.03), (0.6, 0.03), (1.5, 0.03), (0.2, 0.012)],
+                         ids=["exact", "read-low", "read-high", "past-the-limit"])
+def test_an_injected_delay_is_sized_by_what_it_adds_where_it_runs(graph, share, expected):
+    """The detection's +3% is what the gate reads: work that adds only part of its length (or more) is resized once,
+    by at most SIZING_LIMIT times."""
+    from lmsys.perf.injection import Injection
+
+    gpu = GivingBackGpu(share, call_ms=2.0)
+    delayed = Injection(delay=0.03).delayed(gpu, gpu.call, None, graph, False)
+    start = gpu.now
+    delayed()
+    assert (gpu.now - start) / 2e-3 - 1 == pytest.approx(expected, rel=1e-6)

@@ -35,6 +35,9 @@ INJECT_MEMORY = "LMSYS_INJECT_MEMORY"
 INJECT_CASES = "LMSYS_INJECT_CASES"
 INJECTED_CASES_KEY = "injected_cases"
 _CASES_KEY = pytest.StashKey[list]()
+# Rounds per block when a delay's work is sized where it runs (Injection._sized_in_place).
+SIZING_ROUNDS = 7
+SIZING_LIMIT = 2.0
 
 
 @dataclass(frozen=True)
@@ -65,14 +68,15 @@ class Injection:
     def delayed(self, backend, call: Callable[[], Any], flush, graph: bool, host: bool) -> Callable[[], Any]:
         """call followed by the delay: device-side work of the fraction of the median of three rounds of what the
         benchmark judges (the call; with graph=True the replays of a trial capture, or queued rounds when it cannot be
-        captured: a launch-bound call's eager time is mostly CPU), or with host=True a CPU spin of the fraction of its
-        host time."""
+        captured: a launch-bound call's eager time is mostly CPU), sized where it runs (`_sized_in_place`), or with
+        host=True a CPU spin of the fraction of its host time."""
         if not self.delay:
             return call
         if host:
             lead = timing.queue_lead(backend, call, flush)
             typical = median(timing.time_rounds(backend, call, 3, flush, lead, host=True))
             return _followed_by(call, backend.make_host_delay(self.delay * typical))
+        lead = None
         typical = median(timing.time_rounds(backend, call, 3, flush))
         if graph:
             try:
@@ -81,10 +85,39 @@ class Injection:
                 if backend.is_gpu:
                     lead = timing.queue_lead(backend, call, flush)
                     typical = median(timing.time_rounds(backend, call, 3, flush, lead))
+                graph = False
             else:
                 typical = median(timing.time_rounds(backend, replay, 3, flush))
                 release()
-        return _followed_by(call, backend.make_work(self.delay * typical))
+        return _followed_by(call, self._sized_in_place(backend, call, flush, graph, lead, typical))
+
+    def _sized_in_place(self, backend, call, flush, graph: bool, lead, typical: float) -> Callable[[], None]:
+        """The work of `delay` x typical, resized once by what it adds to the call's rounds where it runs: blocks of
+        SIZING_ROUNDS rounds of the call alone and of the call followed by the work, in turns, timed as the benchmark
+        is. The work's iterations are timed alone on an idle device, but after a kernel at the power cap it adds another
+        share of the round (docs/gate-measurements.md), and the sizes the detection reports are of what the gate
+        reads. The resizing is at most SIZING_LIMIT times either way: a ratio past it is noise of a short call."""
+        seconds = self.delay * typical
+        work = backend.make_work(seconds)
+        pair, releases = [call, _followed_by(call, work)], []
+        if graph:
+            try:
+                for index, which in enumerate(list(pair)):
+                    pair[index], release = backend.capture_graph(which)
+                    releases.append(release)
+            except Exception:
+                pair = [call, _followed_by(call, work)]
+        samples = ([], [])
+        try:
+            for index in (0, 1, 0, 1):
+                samples[index].extend(timing.time_rounds(backend, pair[index], SIZING_ROUNDS, flush, lead))
+        finally:
+            for release in releases:
+                release()
+        added = median(samples[1]) / median(samples[0]) - 1
+        if not added > 0:  # nothing measurable added: the work as timed alone
+            return work
+        return backend.make_work(seconds * min(max(self.delay / added, 1 / SIZING_LIMIT), SIZING_LIMIT))
 
     def delayed_ranks(self, ctx, timed: Callable[[], Any], step: Callable[[], Any], timer):
         """(timed, step) of a multi-rank benchmark followed by the same device-side work on every rank: the fraction
