@@ -19,16 +19,15 @@ Configurations, from the CS336 seeds (GPU sizes; the CPU runs one small point of
 - `test_attention_leaderboard`: the CS336 leaderboard, q, k, v of shape (16, 16384, 64), bf16, causal, forward +
   backward, every provider under torch.compile.
 - `test_attention_launch_cost`: the CPU's time per call (host timing) of flash_triton and SDPA at (1, 1, 4096, 64)
-  causal bf16, forward and forward + backward; all of it in the default subset.
+  causal bf16, forward and forward + backward (SDPA restricted to one backend with --perf-full-grid).
 Modes: "fwd" (no autograd graph), "bwd" (the forward runs once, untimed; each call is one backward through the
 kept graph) and "fwd_bwd". Gradients are taken with a random dO through `torch.autograd.grad`, so nothing
 accumulates into `.grad` across rounds.
 
-The default run is a representative subset: the leaderboard and the (4, 16, 8192, 128) causal bf16 forward with
-every provider, and bf16 forward + backward at seq 4096 (d 64 and 128 in the causal grid, d 64 in the seeds' grid)
-with the fused kernels (flash_triton and SDPA's), and four training shapes' forward + backward (TRAINING_DEFAULT, one
-per head dim) with flash_triton and cuDNN; every other point is marked `full_grid` (run them with
---perf-full-grid).
+The default run is a representative subset, each point with flash_triton and SDPA's cuDNN backend: the leaderboard,
+the (4, 16, 8192, 128) causal bf16 forward, bf16 forward + backward at seq 4096 (d 64 and 128 in the causal grid, d 64
+in the seeds' grid), four training shapes' forward + backward (TRAINING_DEFAULT, one per head dim), and the launch
+costs; every other point and provider is marked `full_grid` (run them with --perf-full-grid).
 """
 
 import math
@@ -145,18 +144,19 @@ def _anchor_points():
 
 
 # Compiling these takes minutes per shape (flash_torch unrolls its tile loop) or they are 10-50x off the fused
-# kernels: they run only with --perf-full-grid, so the default subset times our kernels against SDPA's in about a
-# minute.
-SLOW_PROVIDERS = ("naive", "naive_compiled", "flash_torch_compiled")
+# kernels; on a GPU SDPA's FlashAttention-2 backend is a second reference beside cuDNN, SDPA's fastest on Hopper (on
+# the CPU it is the SDPA path that runs). They run only with --perf-full-grid, so the default subset times our
+# kernels against cuDNN's in under a minute.
+FULL_GRID_PROVIDERS = ("naive", "naive_compiled", "flash_torch_compiled") + ("sdpa_flash",) * HAS_CUDA
 
 
 def providers(names):
-    """Each provider as a pytest.param, the slow ones behind --perf-full-grid."""
-    return [pytest.param(name, marks=[pytest.mark.full_grid] if name in SLOW_PROVIDERS else [], id=name)
+    """Each provider as a pytest.param, those of FULL_GRID_PROVIDERS behind --perf-full-grid."""
+    return [pytest.param(name, marks=[pytest.mark.full_grid] if name in FULL_GRID_PROVIDERS else [], id=name)
             for name in names]
 
 
-def with_providers(points, names=PROVIDERS, full_grid_only=SLOW_PROVIDERS):
+def with_providers(points, names=PROVIDERS, full_grid_only=FULL_GRID_PROVIDERS):
     """Each grid point once per provider of `names`; the default point of a provider in `full_grid_only` moves behind
     --perf-full-grid."""
     params = []
@@ -185,7 +185,7 @@ def test_attention_anchors(gpu_benchmark, fresh_compiler, device, seed, provider
     run_case(gpu_benchmark, device, provider, shape, causal, DTYPES[dtype], mode)
 
 
-# The training grid's providers (sdpa_flash only with --perf-full-grid), and its points in the default subset (forward +
+# The training grid's providers, and its points in the default subset (forward +
 # backward, flash_triton and cuDNN): one per head dim, causal as language models train, one full.
 TRAINING_PROVIDERS = ("flash_triton", "sdpa_cudnn", "sdpa_flash")
 TRAINING_DEFAULT = (
@@ -204,7 +204,7 @@ def _training_params():
     else:
         points = [point(shape, causal, "bf16", mode, default=(shape, causal) in TRAINING_DEFAULT and mode == "fwd_bwd")
                   for shape, causal in training_grid() for mode in MODES]
-    return with_providers(points, TRAINING_PROVIDERS, full_grid_only=("sdpa_flash",))
+    return with_providers(points, TRAINING_PROVIDERS)
 
 
 @pytest.mark.parametrize("provider, shape, causal, dtype, mode", _training_params())
@@ -233,7 +233,8 @@ LAUNCH_PROVIDERS = ("flash_triton", "sdpa", "sdpa_flash", "sdpa_cudnn")
 
 
 @pytest.mark.parametrize("mode", ["fwd", "fwd_bwd"])
-@pytest.mark.parametrize("provider", LAUNCH_PROVIDERS)
+@pytest.mark.parametrize("provider", [pytest.param(p, marks=[pytest.mark.full_grid] * (p in FULL_GRID_PROVIDERS + (
+    "sdpa_cudnn",)), id=p) for p in LAUNCH_PROVIDERS])
 def test_attention_launch_cost(gpu_benchmark, device, seed, provider, mode):
     """CPU time per causal call through autograd, bf16 (1, 1, 4096, 64) (CPU: fp32 (1, 1, 128, 32))."""
     shape, dtype = (LAUNCH_SHAPE, torch.bfloat16) if HAS_CUDA else ((1, 1, 128, 32), torch.float32)

@@ -612,3 +612,14 @@ def test_an_injected_delay_is_sized_by_what_it_adds_where_it_runs(graph, share, 
     start = gpu.now
     delayed()
     assert (gpu.now - start) / 2e-3 - 1 == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_launch_rounds_beside_graph_replays_are_a_share_of_the_planned_rounds():
+    """Reported and not gated, they take LAUNCH_SHARE of the rounds planned for the call, at least min_rounds. (The
+    fake's calls take no wall time, so MAX_ROUNDS are planned.)"""
+    gpu = GivingBackGpu(1.0, call_ms=1.0)
+    measured = timing.run(gpu, gpu.call, flush=None, max_time=0.1, min_rounds=5, warmup_rounds=None, graph=True)
+    assert (measured.timing, len(measured.samples)) == (timing.GRAPH, timing.MAX_ROUNDS)
+    assert len(measured.launch_samples) == timing.LAUNCH_SHARE * timing.MAX_ROUNDS == 250
+    measured = timing.run(gpu, gpu.call, flush=None, max_time=0.1, min_rounds=400, warmup_rounds=None, graph=True)
+    assert len(measured.launch_samples) == 400
