@@ -43,5 +43,9 @@ def test_the_machine_start_is_the_boot_id_or_none(monkeypatch, tmp_path):
     boot.write_text("3f1c0e4a-0d1b-4c4e-9a55-6c2b1d0f7e21\n")
     monkeypatch.setattr(environment, "BOOT_ID", boot)
     assert environment.machine_start() == "3f1c0e4a-0d1b-4c4e-9a55-6c2b1d0f7e21"
+    # A GPU is named by its UUID too: another GPU of the same boot is another start.
+    assert (environment.machine_start({"kind": "cuda", "uuid": "GPU-1a2b"})
+            == "3f1c0e4a-0d1b-4c4e-9a55-6c2b1d0f7e21/GPU-1a2b")
+    assert environment.machine_start({"kind": "cpu"}) == "3f1c0e4a-0d1b-4c4e-9a55-6c2b1d0f7e21"
     monkeypatch.setattr(environment, "BOOT_ID", tmp_path / "missing")
     assert environment.machine_start() is None

@@ -9,7 +9,7 @@ import math
 import pytest
 from perf_fakes import INJECTION, MACHINE, MIB, FakeGpu, run, save_baseline, write_suite
 
-from lmsys.perf import calibration, machine, timing, verdict
+from lmsys.perf import calibration, environment, machine, timing, verdict
 
 pytest_plugins = ["pytester"]
 
@@ -110,15 +110,17 @@ SAME, OTHER = (0.025, "same machine start"), (0.06, "baseline from another machi
 @pytest.mark.parametrize(("start", "device_ms", "outcome", "tolerance"), [
     ("this", 1.05, "failed", SAME), ("this", 1.015, "passed", SAME),
     ("another-boot", 1.04, "passed", OTHER), ("another-boot", 1.08, "failed", OTHER),
-    (None, 1.04, "passed", OTHER), (None, 1.08, "failed", OTHER),
-], ids=["same-start+5%", "same-start+1.5%", "other-start+4%", "other-start+8%", "unrecorded-start+4%",
-        "unrecorded-start+8%"])
+    ("this-boot-another-gpu", 1.04, "passed", OTHER), (None, 1.04, "passed", OTHER), (None, 1.08, "failed", OTHER),
+], ids=["same-start+5%", "same-start+1.5%", "other-start+4%", "other-start+8%", "other-gpu-of-this-boot+4%",
+        "unrecorded-start+4%", "unrecorded-start+8%"])
 def test_the_device_time_floor_is_that_of_the_machine_start_the_baseline_was_saved_in(pytester, start, device_ms,
                                                                                       outcome, tolerance):
     # Kernels at the power cap drift between starts of a lent machine by more than within one: a baseline saved in
     # this start (the same boot id) is compared at 2.5%, one from another start (or that names none) at 6%.
     save_baseline(pytester, {"test_a": {"ms": 1.0, "noise": 0.002}})
-    if start != "this":
+    if start == "this-boot-another-gpu":
+        _recorded_on(pytester, f"{environment.machine_start()}/GPU-another")
+    elif start != "this":
         _recorded_on(pytester, start)
     write_suite(pytester, {"test_a": {"ms": device_ms, "noise": 0.002}}, seed=2)
     result = run(pytester, "--benchmark-compare", "--benchmark-json=out.json")

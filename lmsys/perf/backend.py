@@ -230,6 +230,7 @@ class CudaBackend:
             "sm_count": props.multi_processor_count,
             "memory_bytes": props.total_memory,
             "l2_cache_bytes": getattr(props, "L2_cache_size", None),
+            "uuid": None if getattr(props, "uuid", None) is None else f"GPU-{props.uuid}",
         }
 
     def synchronize(self) -> None:

@@ -79,22 +79,27 @@ def git_commit(root: Path) -> str | None:
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
-def machine_start() -> str | None:
-    """This boot of the machine (Linux's boot id): every start of a lent GPU machine, or a reboot, gets another.
-    None where there is none to read."""
+def machine_start(device: dict[str, Any] | None = None) -> str | None:
+    """This boot of the machine (Linux's boot id: every start of a lent GPU machine, or a reboot, gets another) and,
+    for a GPU, its UUID ('<boot id>/GPU-...'): the GPUs of one machine differ by up to 2% on kernels at the power cap
+    (docs/gate-measurements.md), so a baseline saved on another GPU of this machine is from another start. None where
+    there is no boot id to read."""
     try:
-        return BOOT_ID.read_text().strip() or None
+        boot = BOOT_ID.read_text().strip() or None
     except OSError:
         return None
+    uuid = (device or {}).get("uuid")
+    return boot if boot is None or uuid is None else f"{boot}/{uuid}"
 
 
 def collect(backend, machine_id: str, root: Path) -> dict[str, Any]:
     """Everything above for one backend, as the dict stored under machine_info['lmsys']."""
+    device = backend.describe()
     return {
         "machine_id": machine_id,
         "schema": SCHEMA,
-        "machine_start": machine_start(),
-        "device": backend.describe(),
+        "machine_start": machine_start(device),
+        "device": device,
         "software": software_versions(backend.is_gpu),
         "git_commit": git_commit(root),
     }
