@@ -63,11 +63,9 @@ MASKED = tl.constexpr(-1.0e6)
 _INTERPRET = triton.knobs.runtime.interpret
 # GUARD_MASKED: with a causal mask, a NaN or inf in a key or value that a query cannot see stays out of that query's
 # output and dQ row in the Triton-language kernels, as in lmsys.attention.masking (docs/attention.md, "Masked NaN and
-# inf"): each diagonal tile checks its K and V tiles for a non-finite entry and, only when it finds one, multiplies by
-# their finite part and sets NaN in the columns of the rows that see a non-finite entry. Off by default: on an H200 the
-# check costs 2-6% on finite inputs and its result is wrong at some shapes (the docs give the numbers), so a
-# non-finite key or value of a diagonal tile reaches every row of that tile, as in SDPA's kernels. The Gluon kernels
-# (flash_hopper, flash_hopper_bwd) have no such guard.
+# inf"): in each diagonal tile the product with V (forward) or K (dQ) takes their finite entries, and NaN goes to the
+# columns of the rows that see a non-finite entry (`_seen_dot`). Off by default until its cost and its result are
+# measured on a GPU (the docs give the state). The Gluon kernels (flash_hopper, flash_hopper_bwd) have no such guard.
 GUARD_MASKED = False
 # Inputs that lmsys.attention.flash_hopper takes (Hopper, 16-bit, d=128, or d=64 on long sequences (`flash_hopper.plan`),
 # lengths multiples of 128) go to its Gluon forward, measured faster there than the forward below; False sends
@@ -213,22 +211,15 @@ def _store_rows(dst, value, rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.const
 
 
 @triton.jit
-def _has_nonfinite(x):
-    """Whether the 2-D tile x holds a NaN or an inf: 0 * x is 0 where x is finite and NaN elsewhere, and so is its
-    sum."""
-    return tl.sum(tl.sum((x * 0.0).to(tl.float32), 1), 0) != 0.0
-
-
-@triton.jit
-def _seen_dot(a, b, keep, acc, DOT_PRECISION: tl.constexpr):
-    """acc + a @ b for an `a` that is zero where `keep` is False (row i cannot see position j), with a non-finite
-    b[j, c] reaching only the rows that see j: the product takes b's finite entries, and column c of each row that sees
-    a non-finite b[j, c] is NaN (lmsys.attention.masking.seen_product)."""
+def _seen_dot(a, b, cols, rows, acc, DOT_PRECISION: tl.constexpr):
+    """acc + a @ b in a diagonal tile, for an `a` that is zero where row i cannot see position j (j > i, causal), with a
+    non-finite b[j, c] reaching only the rows that see j: the product takes b's finite entries, and column c of each
+    row at or past the first position whose b[., c] is not finite is NaN (lmsys.attention.masking.seen_product). `cols`
+    are b's positions and `rows` a's. No branch: a tile of finite values costs a select and a column minimum."""
     finite = b * 0.0 == 0.0
     out = tl.dot(a.to(b.dtype), tl.where(finite, b, 0.0), acc, input_precision=DOT_PRECISION)
-    bad = tl.where(finite, 0.0, 1.0).to(b.dtype)
-    seen = tl.dot(keep.to(b.dtype), bad, input_precision=DOT_PRECISION)  # how many non-finite entries each row sees
-    return tl.where(seen > 0.0, float("nan"), out)
+    first = tl.min(tl.where(finite, 2**30, cols[:, None]), 0)  # per column, the first non-finite position
+    return tl.where(rows[:, None] >= first[None, :], float("nan"), out)
 
 
 @triton.jit
@@ -284,15 +275,9 @@ def _fwd_inner(
         else:
             v1 = v
         if GUARD and CAUSAL_MASK:
-            bad = _has_nonfinite(v)
+            acc = _seen_dot(p, v, cols, offs_m, acc, DOT_PRECISION)
             if HEAD_DIM1 > 0:
-                bad = bad | _has_nonfinite(v1)
-            if bad:  # rare: the plain products below unless a value of this tile is not finite
-                acc = _seen_dot(p, v, keep, acc, DOT_PRECISION)
-                if HEAD_DIM1 > 0:
-                    acc1 = _seen_dot(p, v1, keep, acc1, DOT_PRECISION)
-            else:
-                acc, acc1 = _pv(p, v, v1, acc, acc1, HEAD_DIM1, DOT_PRECISION)
+                acc1 = _seen_dot(p, v1, cols, offs_m, acc1, DOT_PRECISION)
         else:
             acc, acc1 = _pv(p, v, v1, acc, acc1, HEAD_DIM1, DOT_PRECISION)
         m_i = m_ij
@@ -527,16 +512,11 @@ def _bwd_dq_inner(
             p = tl.where(cols[None, :] < N_K, p, 0.0)
         ds = p * (dp - delta[:, None])
         if GUARD and CAUSAL_MASK:
-            bad = _has_nonfinite(k) | _has_nonfinite(v)
+            # A masked dS entry is 0 even where dP, through a non-finite value, is not; dS @ K takes K's finite entries.
+            ds = tl.where(keep, ds, 0.0)
+            dq = _seen_dot(ds, k, cols, offs_m, dq, DOT_PRECISION)
             if HEAD_DIM1 > 0:
-                bad = bad | _has_nonfinite(k1) | _has_nonfinite(v1)
-            if bad:  # rare: the plain products below unless a key or value of this tile is not finite
-                ds = tl.where(keep, ds, 0.0)
-                dq = _seen_dot(ds, k, keep, dq, DOT_PRECISION)
-                if HEAD_DIM1 > 0:
-                    dq1 = _seen_dot(ds, k1, keep, dq1, DOT_PRECISION)
-            else:
-                dq, dq1 = _pv(ds, k, k1, dq, dq1, HEAD_DIM1, DOT_PRECISION)
+                dq1 = _seen_dot(ds, k1, cols, offs_m, dq1, DOT_PRECISION)
         else:
             dq, dq1 = _pv(ds, k, k1, dq, dq1, HEAD_DIM1, DOT_PRECISION)
     return dq, dq1
