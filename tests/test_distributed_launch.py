@@ -126,14 +126,6 @@ def _rank_one_hangs_after_returning() -> int:
     return dist.get_rank()
 
 
-def test_rank_that_hangs_after_reporting_its_result_times_out():
-    with pytest.raises(RankTimeout) as info:
-        launch_ranks(_rank_one_hangs_after_returning, 2, timeout=3)
-    assert info.value.ranks == [1]
-    assert "rank 1 was here (it had reported its result and was exiting):" in str(info.value)
-    assert "_a_function_that_hangs_for_the_test" in info.value.stacks[1]
-
-
 def _unpicklable():
     return lambda: None
 
@@ -205,10 +197,14 @@ def _rank_one_hangs_in_a_known_function() -> int:
     return dist.get_rank()
 
 
-def test_a_timeout_reports_where_each_hung_rank_was():
+@pytest.mark.parametrize(("function", "where"), [
+    (_rank_one_hangs_in_a_known_function, "rank 1 was here:"),
+    (_rank_one_hangs_after_returning, "rank 1 was here (it had reported its result and was exiting):"),
+], ids=["while-working", "after-reporting-its-result"])
+def test_a_timeout_reports_where_each_hung_rank_was(function, where):
     with pytest.raises(RankTimeout) as info:
-        launch_ranks(_rank_one_hangs_in_a_known_function, 2, timeout=3)
+        launch_ranks(function, 2, timeout=3)
     assert info.value.ranks == [1]
-    assert "rank 1 was here:" in str(info.value)
+    assert where in str(info.value)
     assert "_a_function_that_hangs_for_the_test" in info.value.stacks[1]
     assert "_a_function_that_hangs_for_the_test" in str(info.value)
