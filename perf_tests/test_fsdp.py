@@ -26,8 +26,12 @@ WORLD_SIZE = max(2, torch.cuda.device_count())
 WRAPPERS = ("fsdp", "torch-fsdp2", "bucketed-100mb", "torch-ddp")
 
 
+# The default subset on GPUs: the fully sharded wrappers at xl (the DDP ones there are perf_tests/test_ddp.py's too);
+# 2.7B and the DDP wrappers with --perf-full-grid. The CPU runs them all.
+DEFAULT = (("xl", "fsdp"), ("xl", "torch-fsdp2"))
 CASES = [
-    pytest.param(size, wrapper, id=f"{size}-{COMPUTE}-{wrapper}-ws{WORLD_SIZE}-{TRANSPORT}")
+    pytest.param(size, wrapper, id=f"{size}-{COMPUTE}-{wrapper}-ws{WORLD_SIZE}-{TRANSPORT}",
+                 marks=[] if not HAS_CUDA or (size, wrapper) in DEFAULT else [pytest.mark.full_grid])
     for size in SIZES
     for wrapper in WRAPPERS
 ]

@@ -12,9 +12,11 @@ every GPU of the machine (at least 2); on the CPU: the tiny model with gloo.
 import pytest
 
 from lmsys.distributed.steps import setup_train_step, step_flops
-from perf_tests.test_ddp import BATCH, CONTEXT, PRECISIONS, SIZE, TRANSPORT, WORLD_SIZE
+from perf_tests.test_ddp import BATCH, CONTEXT, HAS_CUDA, PRECISIONS, SIZE, TRANSPORT, WORLD_SIZE
 
 OPTIMIZERS = ("torch-adamw", "adamw")
+# The default subset on GPUs: our AdamW in bf16, sharded and not; the rest with --perf-full-grid (the CPU runs all).
+DEFAULT = ("bf16", "adamw")
 
 
 def cases():
@@ -23,7 +25,9 @@ def cases():
             for sharded in (False, True):
                 kind = "sharded" if sharded else "unsharded"
                 name = f"{SIZE}-{precision}-{optimizer}-{kind}-ws{WORLD_SIZE}-{TRANSPORT}"
-                yield pytest.param(precision, optimizer, sharded, id=name)
+                default = not HAS_CUDA or (precision, optimizer) == DEFAULT
+                yield pytest.param(precision, optimizer, sharded, id=name,
+                                   marks=[] if default else [pytest.mark.full_grid])
 
 
 @pytest.mark.parametrize("precision, optimizer, sharded", list(cases()))
