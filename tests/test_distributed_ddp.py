@@ -245,9 +245,10 @@ def _cuda_rank() -> RankContext:
 
 def _captured_against_eager(wrapper: str, compute: str, sharded: bool) -> float:
     """On this rank: two copies of the benchmarked step (perf_tests/test_ddp.py, the tiny model; with the optimizer
-    state sharded, perf_tests/test_sharded_optimizer.py), one run eagerly three times, the other captured in a CUDA
-    graph as the gate captures it (a step run on a side stream first, then two replays); returns how far apart their
-    parameters end, relative to how far the eager ones moved."""
+    state sharded, perf_tests/test_sharded_optimizer.py; fsdp, perf_tests/test_fsdp.py), one run eagerly three times,
+    the other captured in a CUDA graph as the gate captures it (a step run on a side stream first, then two replays);
+    returns how far apart their parameters end, relative to how far the eager ones moved (under fsdp this rank's
+    shards and the replicated parameters)."""
     ctx = _cuda_rank()
     eager, eager_params = build_train_step(ctx, "tiny", 64, 2, compute, wrapper, sharded=sharded)
     graphed, graphed_params = build_train_step(ctx, "tiny", 64, 2, compute, wrapper, sharded=sharded)
@@ -264,8 +265,8 @@ def _captured_against_eager(wrapper: str, compute: str, sharded: bool) -> float:
     return float(apart / moved)
 
 
-# Every captured step: the wrappers of CAPTURED with the optimizer state replicated, those of CAPTURED_SHARDED with
-# ShardedOptimizer (ZeRO-1); single on one GPU, the others on two.
+# Every captured step: the wrappers of CAPTURED (fsdp among them) with the optimizer state replicated, those of
+# CAPTURED_SHARDED with ShardedOptimizer (ZeRO-1); single on one GPU, the others on two.
 CAPTURED_CASES = [
     pytest.param(wrapper, sharded, id=f"{wrapper}-sharded" if sharded else wrapper,
                  marks=[] if wrapper == "single" else TWO_GPUS)
@@ -280,9 +281,10 @@ CAPTURED_CASES = [
 @pytest.mark.parametrize("wrapper, sharded", CAPTURED_CASES)
 def test_the_captured_step_trains_like_the_eager_one(wrapper, sharded, compute):
     # Graph mode of the DDP benchmarks times replays of the captured steps: they must be the step (backward,
-    # synchronization, optimizer step, and under ZeRO-1 the broadcast of every rank's updated share), not a part of
-    # it. A replay that skipped the update or applied it twice would leave the copies a third apart; one that skipped
-    # the broadcast, or replayed a buffer since reused, would leave the other rank's share behind.
+    # synchronization, optimizer step; under ZeRO-1 the broadcast of every rank's updated share; under FSDP the
+    # all-gathers into buffers allocated and freed within the step, and the reduce-scatters), not a part of it. A
+    # replay that skipped the update or applied it twice would leave the copies a third apart; one that skipped a
+    # collective, or replayed a buffer since reused, would leave the other rank's share behind.
     world_size = 1 if wrapper == "single" else 2
     results = launch_ranks(_captured_against_eager, world_size, wrapper, compute, sharded, backend="nccl",
                            timeout=300)
@@ -304,7 +306,6 @@ def _refused_then_stepped(wrapper: str, optimizer: str, sharded: bool) -> str:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("wrapper, optimizer, sharded, named", [
     ("torch-ddp", "torch-adamw", False, "DistributedDataParallel"),
-    ("fsdp", "torch-adamw", False, "the captured step of fsdp is not tested"),
     ("torch-fsdp2", "torch-adamw", False, "the captured step of torch-fsdp2 is not tested"),
     ("single", "torch-adamw", True, "the captured step of single with ShardedOptimizer is not tested"),
     ("bucketed-100mb", "adamw", False, "adamw (lmsys.optim.AdamW) keeps its step count on the host"),
@@ -343,8 +344,8 @@ def test_graph_mode_captures_exactly_the_tested_steps():
                                                else "it is not captured"), case
     assert capture_refusal("torch-ddp", "adamw", True) == (
         "torch's DistributedDataParallel is not captured in a CUDA graph here")
-    assert capture_refusal("fsdp") == (
-        "the captured step of fsdp is not tested to train like the eager one: it is not captured")
+    assert capture_refusal("torch-fsdp2") == (
+        "the captured step of torch-fsdp2 is not tested to train like the eager one: it is not captured")
     assert capture_refusal("bucketed-100mb", "torch-adamw", True) is None
     assert capture_refusal("bucketed-100mb", "adamw", True) == (
         "adamw (lmsys.optim.AdamW) keeps its step count on the host, so a replay would repeat one step's update: it is "

@@ -61,7 +61,7 @@ SHARDED_WRAPPERS = ("fsdp", "torch-fsdp2")
 # wrappers with the optimizer state replicated, the CAPTURED_SHARDED ones with it sharded (ZeRO-1), both with an
 # optimizer of CAPTURED_OPTIMIZERS. Graph mode captures these only; the others refuse the capture (capture_refusal)
 # and are timed uncaptured.
-CAPTURED = ("single", "naive", "flat", "individual", *BUCKETED)
+CAPTURED = ("single", "naive", "flat", "individual", *BUCKETED, "fsdp")
 CAPTURED_SHARDED = ("naive", "flat", "individual", *BUCKETED)
 CAPTURED_OPTIMIZERS = ("torch-adamw",)
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
