@@ -3,7 +3,10 @@ DDP and torch's DDP, one training step on ranks spawned by the test (`gpu_benchm
 
 Per benchmark: the step time (each round the slowest rank's), the share of it spent waiting for communication after
 backward (extra_info spans.comm_wait: our wrappers' finish_gradient_synchronization; torch's waits inside backward),
-and each rank's memory (extra_info per_rank_memory); the gate judges the time and the largest rank's peak.
+and each rank's memory (extra_info per_rank_memory); the gate judges the time and the largest rank's peak. On GPUs the
+steps of our FSDP and bucketed DDP are timed as CUDA graph replays, as perf_tests/test_ddp.py times its steps (their
+captured steps are tested to train like the eager ones: lmsys/distributed/steps.py); torch's wrappers refuse the
+capture and are timed queued, with a note saying so.
 
 On GPUs: `xl` and `2.7B`, context 512, batch 4 per rank, bf16 compute (FSDP: weights gathered in bf16, gradients
 reduced in fp32; DDP: bf16 autocast), NCCL on every GPU of the machine (at least 2); on the CPU: the tiny model in
@@ -41,5 +44,5 @@ CASES = [
 def test_fsdp_step(gpu_benchmark, size, wrapper):
     gpu_benchmark.distributed(
         setup_train_step, world_size=WORLD_SIZE, flops=step_flops(size, CONTEXT, BATCH), precision=COMPUTE,
-        size=size, context=CONTEXT, batch=BATCH, compute=COMPUTE, wrapper=wrapper,
+        size=size, context=CONTEXT, batch=BATCH, compute=COMPUTE, wrapper=wrapper, graph=True,
     )

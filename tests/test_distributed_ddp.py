@@ -14,7 +14,10 @@ from torch import nn
 from lmsys.distributed.ddp import DDPBucketed, DDPFlat, DDPIndividualParameters, DDPNaive
 from lmsys.distributed.launch import init_process_group, launch_ranks
 from lmsys.distributed.sharded_optimizer import ShardedOptimizer
-from lmsys.distributed.steps import CAPTURED, build_train_step
+from lmsys.distributed.steps import (
+    CAPTURED, CAPTURED_SHARDED, OPTIMIZERS, SHARDED_WRAPPERS, WRAPPERS, build_train_step,
+    capture_refusal,
+)
 from lmsys.model import SIZES, TransformerLM
 from lmsys.perf.backend import CudaBackend
 from lmsys.perf.multirank import RankContext
@@ -240,13 +243,15 @@ def _cuda_rank() -> RankContext:
     return RankContext(dist.get_rank(), dist.get_world_size(), device, CudaBackend())
 
 
-def _captured_against_eager(wrapper: str, compute: str) -> float:
-    """On this rank: two copies of the benchmarked step (perf_tests/test_ddp.py, the tiny model), one run eagerly
-    three times, the other captured in a CUDA graph as the gate captures it (a step run on a side stream first, then
-    two replays); returns how far apart their parameters end, relative to how far the eager ones moved."""
+def _captured_against_eager(wrapper: str, compute: str, sharded: bool) -> float:
+    """On this rank: two copies of the benchmarked step (perf_tests/test_ddp.py, the tiny model; with the optimizer
+    state sharded, perf_tests/test_sharded_optimizer.py; fsdp, perf_tests/test_fsdp.py), one run eagerly three times,
+    the other captured in a CUDA graph as the gate captures it (a step run on a side stream first, then two replays);
+    returns how far apart their parameters end, relative to how far the eager ones moved (under fsdp this rank's
+    shards and the replicated parameters)."""
     ctx = _cuda_rank()
-    eager, eager_params = build_train_step(ctx, "tiny", 64, 2, compute, wrapper)
-    graphed, graphed_params = build_train_step(ctx, "tiny", 64, 2, compute, wrapper)
+    eager, eager_params = build_train_step(ctx, "tiny", 64, 2, compute, wrapper, sharded=sharded)
+    graphed, graphed_params = build_train_step(ctx, "tiny", 64, 2, compute, wrapper, sharded=sharded)
     start = [p.detach().clone() for p in eager_params]
     for _ in range(3):
         eager()
@@ -260,24 +265,36 @@ def _captured_against_eager(wrapper: str, compute: str) -> float:
     return float(apart / moved)
 
 
+# Every captured step: the wrappers of CAPTURED (fsdp among them) with the optimizer state replicated, those of
+# CAPTURED_SHARDED with ShardedOptimizer (ZeRO-1); single on one GPU, the others on two.
+CAPTURED_CASES = [
+    pytest.param(wrapper, sharded, id=f"{wrapper}-sharded" if sharded else wrapper,
+                 marks=[] if wrapper == "single" else TWO_GPUS)
+    for sharded, wrappers in ((False, CAPTURED), (True, CAPTURED_SHARDED))
+    for wrapper in wrappers
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("compute", ["fp32", "bf16"])
-@pytest.mark.parametrize("wrapper", [name if name == "single" else pytest.param(name, marks=TWO_GPUS)
-                                     for name in CAPTURED])
-def test_the_captured_step_trains_like_the_eager_one(wrapper, compute):
-    # Graph mode of the DDP benchmarks times replays of the steps in CAPTURED: they must be the step (backward,
-    # synchronization, optimizer), not a part of it. A replay that skipped the update or applied it twice would leave
-    # the copies a third apart.
+@pytest.mark.parametrize("wrapper, sharded", CAPTURED_CASES)
+def test_the_captured_step_trains_like_the_eager_one(wrapper, sharded, compute):
+    # Graph mode of the DDP benchmarks times replays of the captured steps: they must be the step (backward,
+    # synchronization, optimizer step; under ZeRO-1 the broadcast of every rank's updated share; under FSDP the
+    # all-gathers into buffers allocated and freed within the step, and the reduce-scatters), not a part of it. A
+    # replay that skipped the update or applied it twice would leave the copies a third apart; one that skipped a
+    # collective, or replayed a buffer since reused, would leave the other rank's share behind.
     world_size = 1 if wrapper == "single" else 2
-    results = launch_ranks(_captured_against_eager, world_size, wrapper, compute, backend="nccl", timeout=300)
+    results = launch_ranks(_captured_against_eager, world_size, wrapper, compute, sharded, backend="nccl",
+                           timeout=300)
     for rank, apart in enumerate(results):
         assert apart < 0.02, f"rank {rank}: the captured step's parameters end {apart:.1%} from the eager step's"
 
 
-def _refused_then_stepped(wrapper: str, sharded: bool) -> str:
+def _refused_then_stepped(wrapper: str, optimizer: str, sharded: bool) -> str:
     ctx = _cuda_rank()
-    step, _ = build_train_step(ctx, "tiny", 64, 2, "bf16", wrapper, sharded=sharded)
+    step, _ = build_train_step(ctx, "tiny", 64, 2, "bf16", wrapper, optimizer, sharded)
     with pytest.raises(RuntimeError, match="not captured") as refused:
         ctx.backend.capture_graph(step)
     step()  # nothing was recorded: the step still runs
@@ -287,15 +304,56 @@ def _refused_then_stepped(wrapper: str, sharded: bool) -> str:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("wrapper, sharded, named", [
-    ("torch-ddp", False, "DistributedDataParallel"),
-    ("fsdp", False, "the captured step of fsdp is not tested"),
-    ("torch-fsdp2", False, "the captured step of torch-fsdp2 is not tested"),
-    ("bucketed-100mb", True, "the captured step of bucketed-100mb with ShardedOptimizer is not tested"),
+@pytest.mark.parametrize("wrapper, optimizer, sharded, named", [
+    ("torch-ddp", "torch-adamw", False, "DistributedDataParallel"),
+    ("torch-fsdp2", "torch-adamw", False, "the captured step of torch-fsdp2 is not tested"),
+    ("single", "torch-adamw", True, "the captured step of single with ShardedOptimizer is not tested"),
+    ("bucketed-100mb", "adamw", False, "adamw (lmsys.optim.AdamW) keeps its step count on the host"),
+    ("bucketed-100mb", "adamw", True, "adamw (lmsys.optim.AdamW) keeps its step count on the host"),
 ])
-def test_a_step_outside_captured_refuses_the_capture_before_recording_anything(wrapper, sharded, named):
-    # torch's DistributedDataParallel fails a capture midway (its reducer), which left a rank out of memory; the
-    # replays of the others are not checked against the eager step. The benchmarked step refuses the capture at
-    # once, so graph mode times it queued, and the rank goes on as before.
-    (message,) = launch_ranks(_refused_then_stepped, 1, wrapper, sharded, backend="nccl", timeout=300)
+def test_a_step_outside_captured_refuses_the_capture_before_recording_anything(wrapper, optimizer, sharded, named):
+    # torch's DistributedDataParallel fails a capture midway (its reducer), which left a rank out of memory; lmsys's
+    # AdamW would replay one step's bias corrections; the replays of the others are not checked against the eager
+    # step. The benchmarked step refuses the capture at once, so graph mode times it queued, and the rank goes on as
+    # before.
+    (message,) = launch_ranks(_refused_then_stepped, 1, wrapper, optimizer, sharded, backend="nccl", timeout=300)
     assert named in message
+
+
+def _benchmarked_steps():
+    """Every (wrapper, optimizer, sharded) that lmsys-bench ddp and the perf tests build (lmsys/bench/ddp.py's
+    cases: no ShardedOptimizer with single or a fully sharded wrapper)."""
+    for wrapper in ("single", *WRAPPERS, *SHARDED_WRAPPERS):
+        for optimizer in OPTIMIZERS:
+            for sharded in (False, True):
+                if not (sharded and (wrapper == "single" or wrapper in SHARDED_WRAPPERS)):
+                    yield wrapper, optimizer, sharded
+
+
+def test_graph_mode_captures_exactly_the_tested_steps():
+    # What the GPU test above checks (CAPTURED, CAPTURED_SHARDED, with torch's capturable AdamW) is what graph mode
+    # captures; every other step has a message that names why.
+    captured = {case for case in _benchmarked_steps() if capture_refusal(*case) is None}
+    assert captured == {
+        *((wrapper, "torch-adamw", False) for wrapper in CAPTURED),
+        *((wrapper, "torch-adamw", True) for wrapper in CAPTURED_SHARDED),
+    }
+    assert {"bucketed-100mb", "bucketed-25mb", "bucketed-25mb-bf16reduce"} <= set(CAPTURED_SHARDED)
+    for case in set(_benchmarked_steps()) - captured:
+        assert capture_refusal(*case).endswith("not captured in a CUDA graph here" if case[0] == "torch-ddp"
+                                               else "it is not captured"), case
+    assert capture_refusal("torch-ddp", "adamw", True) == (
+        "torch's DistributedDataParallel is not captured in a CUDA graph here")
+    assert capture_refusal("torch-fsdp2") == (
+        "the captured step of torch-fsdp2 is not tested to train like the eager one: it is not captured")
+    assert capture_refusal("bucketed-100mb", "torch-adamw", True) is None
+    assert capture_refusal("bucketed-100mb", "adamw", True) == (
+        "adamw (lmsys.optim.AdamW) keeps its step count on the host, so a replay would repeat one step's update: it is "
+        "not captured")
+
+
+def test_capture_refusal_names_an_unknown_wrapper_or_optimizer():
+    with pytest.raises(ValueError, match="unknown wrapper 'bucketed-2mb'"):
+        capture_refusal("bucketed-2mb")
+    with pytest.raises(ValueError, match="unknown optimizer 'sgd'"):
+        capture_refusal("flat", "sgd")

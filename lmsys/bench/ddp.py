@@ -13,9 +13,10 @@ ones shard it already).
 Timing (--graph, on by default on a GPU): as the regression gate times the step (perf_tests/test_ddp.py,
 `gpu_benchmark.distributed(graph=True)`): every rank's step is captured in a CUDA graph and the replays are timed,
 so the step time is the GPU's, not the CPU's time to launch thousands of kernels; the eager rounds, launch cost
-included, are timed beside. A step that a rank cannot capture (torch's DistributedDataParallel; a wrapper whose
-captured step is not tested to train like the eager one, lmsys/distributed/steps.py) is timed queued, as the gate
-times it, and its note, printed under the table, says why. On the CPU, and with --no-graph, the rounds are eager.
+included, are timed beside. A step that a rank cannot capture (torch's DistributedDataParallel; lmsys's AdamW, whose
+step count is on the host; a wrapper, or wrapper and sharded optimizer, whose captured step is not tested to train like
+the eager one, lmsys/distributed/steps.py) is timed queued, as the gate times it, and its note, printed under the
+table, says why. On the CPU, and with --no-graph, the rounds are eager.
 
 Columns: timing (graph, queued or eager); median step ms (each round the slowest rank's; mean and std beside it);
 eager_ms, the median of the eager rounds beside graph or queued ones; comm_wait_share, the share of the step spent

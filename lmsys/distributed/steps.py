@@ -13,8 +13,12 @@ wrappers), cross-entropy, backward, the wait for gradient communication (the spa
 gradients cleared. Each rank draws its own batch; the model starts from the same seed everywhere (the wrappers
 broadcast rank 0's parameters anyway). Memory marks per rank: "after_init" (model, wrapper and optimizer built),
 "before_optimizer_step" and "after_optimizer_step" (allocated bytes at that point and the peak since the measured
-call began). Graph mode captures the step in a CUDA graph where its replays are tested to train like the eager step
-(CAPTURED); any other step raises as soon as a capture starts, nothing recorded, and is timed uncaptured.
+call began).
+
+Graph mode captures the step in a CUDA graph where its replays are tested to train like the eager step: the wrappers
+of CAPTURED with the optimizer state replicated, those of CAPTURED_SHARDED with it sharded (ZeRO-1, ShardedOptimizer),
+both with torch's AdamW (fused and capturable: its step count is a tensor on the device). Any other step raises as
+soon as a capture starts, nothing recorded, and is timed uncaptured; `capture_refusal` gives its message.
 """
 
 import dataclasses
@@ -53,10 +57,36 @@ WRAPPERS = {
 OPTIMIZERS = {"torch-adamw": torch.optim.AdamW, "adamw": AdamW}
 # Fully sharded wrappers compute in the given dtype themselves (weights gathered in it); the others run under autocast.
 SHARDED_WRAPPERS = ("fsdp", "torch-fsdp2")
-# The steps whose CUDA graph replays are tested to train like the eager step (tests/test_distributed_ddp.py), with the
-# optimizer state replicated: graph mode captures these only, the others refuse the capture and are timed uncaptured.
-CAPTURED = ("single", "naive", "flat", "individual", *BUCKETED)
+# The steps whose CUDA graph replays are tested to train like the eager step (tests/test_distributed_ddp.py): these
+# wrappers with the optimizer state replicated, the CAPTURED_SHARDED ones with it sharded (ZeRO-1), both with an
+# optimizer of CAPTURED_OPTIMIZERS. Graph mode captures these only; the others refuse the capture (capture_refusal)
+# and are timed uncaptured.
+CAPTURED = ("single", "naive", "flat", "individual", *BUCKETED, "fsdp")
+CAPTURED_SHARDED = ("naive", "flat", "individual", *BUCKETED)
+CAPTURED_OPTIMIZERS = ("torch-adamw",)
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def capture_refusal(wrapper: str, optimizer: str = "torch-adamw", sharded: bool = False) -> str | None:
+    """Why graph mode does not capture this step (the message its step raises when a capture starts), or None when
+    its captured step is tested to train like the eager one (CAPTURED, CAPTURED_SHARDED, CAPTURED_OPTIMIZERS)."""
+    if wrapper not in ("single", *WRAPPERS, *SHARDED_WRAPPERS):
+        raise ValueError(f"unknown wrapper {wrapper!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}")
+    if wrapper == "torch-ddp":
+        # It would fail the capture midway: on two H200s its reducer's work failed it
+        # (cudaErrorStreamCaptureUnsupported) and the benchmark was then skipped out of memory.
+        return "torch's DistributedDataParallel is not captured in a CUDA graph here"
+    if wrapper not in (CAPTURED_SHARDED if sharded else CAPTURED):
+        what = f"{wrapper} with ShardedOptimizer" if sharded else wrapper
+        return f"the captured step of {what} is not tested to train like the eager one: it is not captured"
+    if optimizer not in CAPTURED_OPTIMIZERS:
+        # A replay would repeat the captured step's update: lmsys's AdamW counts steps on the host (the bias
+        # corrections are written into each step's table) and copies that table from pinned memory.
+        return (f"{optimizer} (lmsys.optim.AdamW) keeps its step count on the host, so a replay would repeat one "
+                "step's update: it is not captured")
+    return None
 
 
 def torch_fully_shard(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
@@ -116,15 +146,8 @@ def build_train_step(ctx, size, context, batch, compute, wrapper, optimizer="tor
     generator = torch.Generator(ctx.device).manual_seed(1000 + ctx.rank)
     inputs, targets = random_batch(batch, context, model.config.vocab_size, ctx.device, generator)
     finish = getattr(wrapped, "finish_gradient_synchronization", None)
-    # A step refuses a CUDA graph capture before anything is recorded unless its replays are tested (CAPTURED). torch's
-    # DDP would fail it midway: on two H200s its reducer's work failed the capture (cudaErrorStreamCaptureUnsupported)
-    # and the benchmark was then skipped out of memory.
-    refusal = None
-    if wrapper == "torch-ddp":
-        refusal = "torch's DistributedDataParallel is not captured in a CUDA graph here"
-    elif wrapper not in CAPTURED or sharded:
-        what = f"{wrapper} with ShardedOptimizer" if sharded else wrapper
-        refusal = f"the captured step of {what} is not tested to train like the eager one: it is not captured"
+    # A step refuses a CUDA graph capture before anything is recorded unless its replays are tested.
+    refusal = capture_refusal(wrapper, optimizer, sharded)
     ctx.mark("after_init")
 
     def step():
