@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmsys.attention import flash_hopper, flash_hopper_bwd, launch_order, launcher, plans
+from lmsys.attention import flash_hopper, flash_hopper_bwd, launch_order, launcher, plans, tuned
 from lmsys.attention.checks import check_causal, check_inputs, refuse_double_backward
 
 # Any head dim up to 128: the kernels' tiles are BLOCK_D = _block_d(d) wide, zero-padded past d.
@@ -126,12 +126,13 @@ def _even_flags(rows: str, cols: str) -> dict:
     return {"EVEN_M": lambda a: a["N_Q"] % a[rows] == 0, "EVEN_N": lambda a: a["N_K"] % a[cols] == 0}
 
 
-def _prune_configs(configs, named_args, rows, tiles=None, **kwargs):
+def _prune_configs(configs, named_args, rows, tiles=None, kernel=None, **kwargs):
     """Drop tiles much taller (`rows`) than the problem, and for fp32 all but the small tiles verified on the H100
     to fit shared memory up to d=128 (fp32 operands take twice the room). With `tiles` (head dim -> configs), keep
     only the configs listed for the tiles' width along the head dim (BLOCK_D, plus BLOCK_D1 when the head dim is
     split: a head dim of 80 has the tiles of 128 either way), in their order. Up to _SMALL_PROBLEM tokens, keep one
-    config of each tile height."""
+    config of each tile height. Of what is left, the config that this GPU's table pins at this key for the kernel
+    named `kernel` (a global of this module) is kept alone (lmsys.attention.tuned)."""
     n = max(named_args["N_Q"], named_args["N_K"])
     fp32 = named_args["Q"].element_size() == 4
     if tiles is not None and not _INTERPRET:
@@ -144,7 +145,7 @@ def _prune_configs(configs, named_args, rows, tiles=None, **kwargs):
     ]
     if n <= _SMALL_PROBLEM:
         kept = [next(c for c in kept if c.kwargs[rows] == h) for h in {c.kwargs[rows]: None for c in kept}]
-    return kept
+    return kept if kernel is None else tuned.choose(globals()[kernel], kept, named_args, kwargs)
 
 
 def _fwd_config(bm, bn, warps, stages, tma, maxnreg=None):
@@ -302,7 +303,8 @@ def _fwd_inner(
 @triton.autotune(
     configs=_fwd_configs(),
     key=["N_BUCKET", "HEAD_DIM", "HEAD_DIM1", "CAUSAL"],
-    prune_configs_by={"early_config_prune": functools.partial(_prune_configs, rows="BLOCK_M", tiles=_FWD_CONFIGS)},
+    prune_configs_by={"early_config_prune": functools.partial(_prune_configs, rows="BLOCK_M", tiles=_FWD_CONFIGS,
+                                                              kernel="_flash_fwd_kernel")},
     cache_results=True,
 )
 @triton.heuristics(_even_flags("BLOCK_M", "BLOCK_N"))
@@ -545,7 +547,8 @@ def _bwd_dq_inner(
 @triton.autotune(
     configs=_bwd_configs(),
     key=["N_BUCKET", "HEAD_DIM", "HEAD_DIM1", "CAUSAL"],
-    prune_configs_by={"early_config_prune": functools.partial(_prune_configs, rows="BLOCK_BIG")},
+    prune_configs_by={"early_config_prune": functools.partial(_prune_configs, rows="BLOCK_BIG",
+                                                              kernel="_flash_bwd_kernel")},
     cache_results=True,
 )
 @triton.heuristics(_even_flags("BLOCK_BIG", "BLOCK_BIG"))
