@@ -284,3 +284,19 @@ def test_the_tuning_sweep_turns_pins_off(tmp_path, monkeypatch):
     sweep = runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "attention_tuning_sweep.py"))
     assert sweep["main"]([str(tmp_path / "t.csv")]) == 2
     assert os.environ.get(tuned.ENV) == "0"
+
+
+def test_the_command_prints_a_table(tmp_path, capsys):
+    path = tmp_path / "t.json"
+    tuned.write(path, tuned.merged(None, GPU, {"_flash_fwd_kernel": {"fingerprint": "f", "pins": [
+        {"key": _key("_flash_fwd_kernel"), "config": tuned.config_record(_fwd(32))}]}}))
+    assert tuned.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "N_BUCKET=64 HEAD_DIM=16 HEAD_DIM1=0 CAUSAL=True float32/float32" in out
+    assert "BLOCK_M=32 BLOCK_N=16 USE_TMA=False num_warps=4 num_stages=1 num_ctas=1" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU")
+def test_the_export_needs_a_gpu(capsys):
+    assert tuned.main(["--export"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err

@@ -27,7 +27,10 @@ Tuning: tile sizes, warps and pipeline depth are autotuned per (length rounded u
 dtype); the forward may load its tiles through tensor descriptors (TMA on Hopper) instead of pointers, whichever is
 faster. The choice is kept in triton's on-disk cache (``cache_results``; its key holds the kernel's source, the configs,
 triton's version and the GPU's architecture), so later processes take the same config without timing them again: the
-perf gate then compares one config's time across runs, not the autotuner's pick among configs a few percent apart. Under
+perf gate then compares one config's time across runs, not the autotuner's pick among configs a few percent apart. A GPU
+whose committed table (lmsys.attention.tuned, ``python -m lmsys.attention.tuned --export``) pins a config for a kernel
+at a key gets that config alone from the pruning hook, so a cold cache compiles one config there, not all of them;
+``LMSYS_ATTENTION_PINS=0`` turns the pins off. Under
 ``torch.compile`` the wrappers are ``torch.library`` custom ops, opaque to the compiler; eager calls skip the custom-op
 dispatch, every launch after the first of its kind skips triton's wrappers (lmsys.attention.launcher), and what a call
 works out from its inputs' signature is kept per signature (lmsys.attention.plans). Any sequence
