@@ -6,10 +6,10 @@ Points: lmsys.bench.attention's training grid (`lmsys-bench attention --grid tra
 by --budget-s still compares the variants everywhere):
 
 1. `fwd`, `bwd` (the forward once, untimed; each timed call one backward) and `fwd_bwd` of SDPA's cuDNN and flash
-   backends and of flash_triton as it ships (`default`: the autotuner's choice among its configs, the Gluon kernels
-   where they take the inputs) and, at head dims 65 to 96, split along the head dim (`split`:
-   flash_triton.SPLIT_HEAD_DIMS, 64 columns + 16 or 32), the autotuner choosing again; the configs the autotuner chose
-   are in the `config` column.
+   backends and of flash_triton as it ships (`default`: the autotuner's choice among its configs, this GPU's pinned
+   configs off (lmsys.attention.tuned), the Gluon kernels where they take the inputs) and, at head dims 65 to 96, split
+   along the head dim (`split`: flash_triton.SPLIT_HEAD_DIMS, 64 columns + 16 or 32), the autotuner choosing again; the
+   configs the autotuner chose are in the `config` column.
 2. Each candidate config forced alone, the Gluon forward off (flash_triton.HOPPER_FORWARD): at head dims 65 to 96
    (where the Triton kernels run) the forward's (FWD_CANDIDATES) timed `fwd` and the backward's (all of
    flash_triton's) timed `bwd`, padded and split; at d=64 the forward's (FWD_64_CANDIDATES: the Gluon forward takes
@@ -29,6 +29,7 @@ Needs a CUDA GPU: elsewhere it says so and exits with status 2.
 """
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -37,7 +38,7 @@ import pandas as pd
 import torch
 import triton
 
-from lmsys.attention import flash_triton, launcher, plans
+from lmsys.attention import flash_triton, launcher, plans, tuned
 from lmsys.attention.providers import attention_function, timed_call
 from lmsys.bench.attention import TRAINING_HEADS, TRAINING_SEQS, training_grid
 
@@ -151,6 +152,8 @@ def main(argv=None) -> int:
               if shape[3] in args.head_dims and shape[2] in args.seqs and causal in {masks[m] for m in args.masks}]
     if not wanted:
         parser.error("no point of the training grid has these --head-dims, --seqs and --masks")
+    # The autotuner's own choices, not this GPU's pinned ones (lmsys.attention.tuned).
+    os.environ[tuned.ENV] = "0"
     if not torch.cuda.is_available():
         print("attention_tuning_sweep needs a CUDA GPU (it times kernels)", file=sys.stderr)
         return 2

@@ -27,7 +27,10 @@ Tuning: tile sizes, warps and pipeline depth are autotuned per (length rounded u
 dtype); the forward may load its tiles through tensor descriptors (TMA on Hopper) instead of pointers, whichever is
 faster. The choice is kept in triton's on-disk cache (``cache_results``; its key holds the kernel's source, the configs,
 triton's version and the GPU's architecture), so later processes take the same config without timing them again: the
-perf gate then compares one config's time across runs, not the autotuner's pick among configs a few percent apart. Under
+perf gate then compares one config's time across runs, not the autotuner's pick among configs a few percent apart. A GPU
+whose committed table (lmsys.attention.tuned, ``python -m lmsys.attention.tuned --export``) pins a config for a kernel
+at a key gets that config alone from the pruning hook, so a cold cache compiles one config there, not all of them;
+``LMSYS_ATTENTION_PINS=0`` turns the pins off. Under
 ``torch.compile`` the wrappers are ``torch.library`` custom ops, opaque to the compiler; eager calls skip the custom-op
 dispatch, every launch after the first of its kind skips triton's wrappers (lmsys.attention.launcher), and what a call
 works out from its inputs' signature is kept per signature (lmsys.attention.plans). Any sequence
@@ -48,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmsys.attention import flash_hopper, flash_hopper_bwd, launch_order, launcher, plans
+from lmsys.attention import flash_hopper, flash_hopper_bwd, launch_order, launcher, plans, tuned
 from lmsys.attention.checks import check_causal, check_inputs, refuse_double_backward
 
 # Any head dim up to 128: the kernels' tiles are BLOCK_D = _block_d(d) wide, zero-padded past d.
@@ -124,12 +127,13 @@ def _even_flags(rows: str, cols: str) -> dict:
     return {"EVEN_M": lambda a: a["N_Q"] % a[rows] == 0, "EVEN_N": lambda a: a["N_K"] % a[cols] == 0}
 
 
-def _prune_configs(configs, named_args, rows, tiles=None, **kwargs):
+def _prune_configs(configs, named_args, rows, tiles=None, kernel=None, **kwargs):
     """Drop tiles much taller (`rows`) than the problem, and for fp32 all but the small tiles verified on the H100
     to fit shared memory up to d=128 (fp32 operands take twice the room). With `tiles` (head dim -> configs), keep
     only the configs listed for the tiles' width along the head dim (BLOCK_D, plus BLOCK_D1 when the head dim is
     split: a head dim of 80 has the tiles of 128 either way), in their order. Up to _SMALL_PROBLEM tokens, keep one
-    config of each tile height."""
+    config of each tile height. Of what is left, the config that this GPU's table pins at this key for the kernel
+    named `kernel` (a global of this module) is kept alone (lmsys.attention.tuned)."""
     n = max(named_args["N_Q"], named_args["N_K"])
     fp32 = named_args["Q"].element_size() == 4
     if tiles is not None and not _INTERPRET:
@@ -142,7 +146,7 @@ def _prune_configs(configs, named_args, rows, tiles=None, **kwargs):
     ]
     if n <= _SMALL_PROBLEM:
         kept = [next(c for c in kept if c.kwargs[rows] == h) for h in {c.kwargs[rows]: None for c in kept}]
-    return kept
+    return kept if kernel is None else tuned.choose(globals()[kernel], kept, named_args, kwargs)
 
 
 def _fwd_config(bm, bn, warps, stages, tma, maxnreg=None):
@@ -287,7 +291,8 @@ def _fwd_inner(
 @triton.autotune(
     configs=_fwd_configs(),
     key=["N_BUCKET", "HEAD_DIM", "HEAD_DIM1", "CAUSAL"],
-    prune_configs_by={"early_config_prune": functools.partial(_prune_configs, rows="BLOCK_M", tiles=_FWD_CONFIGS)},
+    prune_configs_by={"early_config_prune": functools.partial(_prune_configs, rows="BLOCK_M", tiles=_FWD_CONFIGS,
+                                                              kernel="_flash_fwd_kernel")},
     cache_results=True,
 )
 @triton.heuristics(_even_flags("BLOCK_M", "BLOCK_N"))
@@ -525,7 +530,8 @@ def _bwd_dq_inner(
 @triton.autotune(
     configs=_bwd_configs(),
     key=["N_BUCKET", "HEAD_DIM", "HEAD_DIM1", "CAUSAL"],
-    prune_configs_by={"early_config_prune": functools.partial(_prune_configs, rows="BLOCK_BIG")},
+    prune_configs_by={"early_config_prune": functools.partial(_prune_configs, rows="BLOCK_BIG",
+                                                              kernel="_flash_bwd_kernel")},
     cache_results=True,
 )
 @triton.heuristics(_even_flags("BLOCK_BIG", "BLOCK_BIG"))
