@@ -97,11 +97,17 @@ def test_the_device_detection_helper_is_valid_bash_and_refuses_what_it_cannot_ru
         assert done.returncode == 2 and said in done.stderr, done.stderr
 
 
+# The runs' arguments: the one benchmark whose timing is quickest, and no plugin the runs do not need (hypothesis's
+# costs each fresh process a second or two of imports).
+DETECTION_ARGS = ["perf_tests/test_timing_overhead.py", "-p", "no:cacheprovider", "-p", "no:hypothesispytest"]
+
+
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs the git checkout")
 def test_the_detection_script_adds_runs_per_call_until_it_has_them_all(tmp_path):
-    # No untimed run first (the next test covers it): each call a reference and its one run.
+    # Each call a reference and its one run; the first call an untimed run before them, unless the caches are warm
+    # already (a device machine given the earlier start's): LMSYS_DETECTION_WARM_UP=0 leaves it out.
     env = {**os.environ, "GITHUB_STEP_SUMMARY": str(tmp_path / "step-summary.md"), "LMSYS_DETECTION_RUNS": "2",
-           "LMSYS_DETECTION_PER_CALL": "1", "LMSYS_DETECTION_WARM_UP": "0"}
+           "LMSYS_DETECTION_PER_CALL": "1"}
     calibrations = [str(p.relative_to(ROOT)) for p in (ROOT / "baselines").glob("*/calibration.json")]
     paths = ["lmsys/perf", ":(exclude)lmsys/perf/detection.py", ":(exclude)lmsys/perf/docs.py", "perf_tests",
              "conftest.py", "pytest.ini", *calibrations]
@@ -111,14 +117,15 @@ def test_the_detection_script_adds_runs_per_call_until_it_has_them_all(tmp_path)
                              cwd=ROOT, capture_output=True, text=True).stdout.strip()
     gate += "-changed" if changed else ""  # a checkout that changes the gate further is another gate
 
-    def call() -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", str(ROOT / ".ci" / "detection"), str(tmp_path / "root"), "--",
-                               "perf_tests/test_timing_overhead.py", "-p", "no:cacheprovider"],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    def call(warm_up: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(ROOT / ".ci" / "detection"), str(tmp_path / "root"), "--", *DETECTION_ARGS],
+                              cwd=ROOT, env={**env, "LMSYS_DETECTION_WARM_UP": warm_up}, capture_output=True,
+                              text=True, timeout=300)
 
-    for kept in (1, 2, 2):  # one run per call, then nothing more to run
-        done = call()
+    for kept, warm_up in ((1, "1"), (2, "0"), (2, "0")):  # one run per call, then nothing more to run
+        done = call(warm_up)
         assert done.returncode == 0, done.stdout + done.stderr
+        assert ("an untimed run first" in done.stderr) == (warm_up == "1"), done.stderr
         [keep] = (tmp_path / "root").iterdir()
         assert keep.name == gate  # named after the gate's last change
         assert len(list((keep / "runs").glob("*.json"))) == kept
@@ -126,6 +133,10 @@ def test_the_detection_script_adds_runs_per_call_until_it_has_them_all(tmp_path)
     assert "2 runs kept already: nothing to run" in done.stderr
     summary = (tmp_path / "step-summary.md").read_text()
     assert summary.count("### Detection rate of the gate") == 3 and "2 of 2 runs" in summary
+    done = subprocess.run(["bash", str(ROOT / ".ci" / "detection"), str(tmp_path / "other"), "--", *DETECTION_ARGS],
+                          cwd=ROOT, env={**env, "LMSYS_DETECTION_WARM_UP": "2"}, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "LMSYS_DETECTION_WARM_UP must be" in done.stderr
 
 
 def test_the_detection_script_in_a_copy_without_git_needs_the_gate_named(tmp_path):
@@ -133,10 +144,10 @@ def test_the_detection_script_in_a_copy_without_git_needs_the_gate_named(tmp_pat
     tree = tmp_path / "tree"
     for name in (".ci", "lmsys", "perf_tests", "conftest.py", "pytest.ini"):
         (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, tree / name)
-    env = {**os.environ, "LMSYS_DETECTION_RUNS": "1", "GIT_CEILING_DIRECTORIES": str(tmp_path)}
+    env = {**os.environ, "LMSYS_DETECTION_RUNS": "1", "LMSYS_DETECTION_WARM_UP": "0",
+           "GIT_CEILING_DIRECTORIES": str(tmp_path)}
     env.pop("GITHUB_STEP_SUMMARY", None)
-    command = ["bash", str(tree / ".ci" / "detection"), str(tmp_path / "root"), "--",
-               "perf_tests/test_timing_overhead.py", "-p", "no:cacheprovider"]
+    command = ["bash", str(tree / ".ci" / "detection"), str(tmp_path / "root"), "--", *DETECTION_ARGS]
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "LMSYS_DETECTION_GATE" in done.stderr, done.stdout + done.stderr
     assert not (tmp_path / "root").exists()
@@ -147,18 +158,8 @@ def test_the_detection_script_in_a_copy_without_git_needs_the_gate_named(tmp_pat
     named = {**env, "LMSYS_DETECTION_GATE": "abc1234", "LMSYS_GIT_COMMIT": "0" * 40}
     done = subprocess.run(command, cwd=tree, env=named, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "an untimed run first" in done.stderr
     assert [p.name for p in (tmp_path / "root").iterdir()] == ["abc1234"]
     assert "| test_empty_function | 0/1 |" in (tmp_path / "root" / "abc1234" / "table.md").read_text()
-    # Caches already warm (a device machine given the earlier start's): LMSYS_DETECTION_WARM_UP=0 skips the untimed run
-    done = subprocess.run(command, cwd=tree, env={**named, "LMSYS_DETECTION_WARM_UP": "2"}, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 2 and "LMSYS_DETECTION_WARM_UP must be" in done.stderr
-    cold = {**named, "LMSYS_DETECTION_WARM_UP": "0", "LMSYS_DETECTION_RUNS": "2"}
-    done = subprocess.run(command, cwd=tree, env=cold, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "an untimed run first" not in done.stderr
-    assert "| test_empty_function | 0/2 |" in (tmp_path / "root" / "abc1234" / "table.md").read_text()
 
 
 def run_script(out: Path, *args: str, extra: tuple[str, ...] = (), root: Path = ROOT,

@@ -48,7 +48,7 @@ def test_refuses_too_few_processes_and_an_existing_output(tmp_path, capsys):
 def test_a_small_run_on_the_cpu(tmp_path):
     main = runpy.run_path(str(SCRIPT))["main"]
     out = tmp_path / "s.csv"
-    assert main([str(out), "--processes", "2", "--rounds", "3", "--gap", "0"]) == 0
+    assert main([str(out), "--processes", "2", "--rounds", "1", "--gap", "0"]) == 0
     frame = pd.read_csv(out)
     assert set(frame["measure"]) == {"wall", "thread", "instructions", "wall/adds", "wall/autograd", "wall/python"}
     assert {"sdpa-fwd", "sdpa-fwd_bwd"} <= set(frame["call"])
