@@ -358,12 +358,12 @@ def test_custom_ops_pass_opcheck(shape, q_layout, kv_layout, is_causal, dtype, s
 
 # ------------------------------------------------------------------------- head dims that are not powers of two
 
-# The Triton kernels' tiles are a power of two wide along the head dim (80 -> 128, 48 -> 64, 8 -> 16): the padding
-# columns must load as zeros (so Q K^T, P V and the gradients' products are unchanged) and never be stored.
-# 80: the 2.7B preset's head dim, padded to 128, as is 96 (the training grid's); 48 and 8 are padded to 64 and 16.
+# The Triton kernels' tiles are a power of two wide along the head dim (48 -> 64, 8 -> 16): the padding columns must
+# load as zeros (so Q K^T, P V and the gradients' products are unchanged) and never be stored. 80 (the 2.7B preset's)
+# and 96 (the training grid's) run split, 64 columns and a 16- or 32-wide rest (SPLIT_HEAD_DIMS), here as the model
+# calls them: both layouts, causal and not.
 PADDED_HEAD_DIMS = [
     pytest.param(80, torch.float32, id="d80-fp32"),
-    pytest.param(80, torch.float16, id="d80-fp16"),
     pytest.param(96, torch.float16, id="d96-fp16"),
     pytest.param(48, torch.float16, id="d48-fp16"),
     pytest.param(8, torch.float32, id="d8-fp32"),
