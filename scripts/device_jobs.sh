@@ -44,7 +44,9 @@ case ${1:-} in
             sleep 5
         done
         for name in "$@"; do
-            echo "=== $name: $([[ -f $jobs_dir/$name.done ]] && echo "ended, exit $(cat "$jobs_dir/$name.done")" || echo running)"
+            state=running
+            [[ -f $jobs_dir/$name.done ]] && state="ended, exit $(cat "$jobs_dir/$name.done")"
+            echo "=== $name: $state"
             tail -n 15 "$jobs_dir/$name.log"
         done
         mkdir -p "${OUT:?}/logs" && cp "$jobs_dir"/*.log "$OUT/logs/" ;;

@@ -10,9 +10,10 @@ scores past fp16's range: the result, in range, must still be right. The referen
 clean inputs, independent of the implementations under test.
 
 flash_triton keeps a masked non-finite value out through its guard of the diagonal tiles, which is off by default and
-switched on here (flash_triton.GUARD_MASKED; with it off these tests fail). The Gluon kernels (flash_hopper, flash_hopper_bwd: Hopper GPUs only) have no guard and
-are not held to these tests: like SDPA's FlashAttention-2 and cuDNN backends, a NaN or inf in a masked key or value of
-a diagonal tile reaches that tile's rows there (docs/attention.md, "Masked NaN and inf").
+switched on here (flash_triton.GUARD_MASKED; with it off these tests fail). The Gluon kernels (flash_hopper,
+flash_hopper_bwd: Hopper GPUs only) have no guard and are not held to these tests: like SDPA's FlashAttention-2 and
+cuDNN backends, a NaN or inf in a masked key or value of a diagonal tile reaches that tile's rows there
+(docs/attention.md, "Masked NaN and inf").
 """
 
 import math

@@ -327,7 +327,8 @@ def _free_port() -> int:
 
 def _rank_main(fn, args, kwargs, rank, world_size, port, backend, environment, sender, stack_file) -> None:
     """Body of a rank process: its own session (the launcher kills its process group), its stacks on SIGUSR1 into
-    `stack_file` until it exits, environment, torch.distributed's process group, `fn`, then (status, payload) down the pipe."""
+    `stack_file` until it exits, environment, torch.distributed's process group, `fn`, then (status, payload) down the
+    pipe."""
     os.setsid()
     stacks = open(stack_file, "w")  # noqa: SIM115 - faulthandler writes to it until the rank exits
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
