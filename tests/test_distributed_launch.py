@@ -68,7 +68,18 @@ def _rank_one_hangs(pid_file: str) -> int:
     return dist.get_rank()
 
 
-def test_hanging_rank_is_killed_after_the_timeout(tmp_path):
+def _rank() -> int:
+    return dist.get_rank()
+
+
+@pytest.fixture
+def warm_launcher():
+    """A first launch in a process starts the forkserver (torch imported anew), which can take longer than the short
+    timeouts of the hang tests: one launch first, so that their timeout falls on the hang and not on the start."""
+    assert launch_ranks(_rank, 2) == [0, 1]
+
+
+def test_hanging_rank_is_killed_after_the_timeout(tmp_path, warm_launcher):
     pid_file = tmp_path / "pid"
     with pytest.raises(RankTimeout) as info:
         launch_ranks(_rank_one_hangs, 2, str(pid_file), timeout=3)
@@ -201,7 +212,7 @@ def _rank_one_hangs_in_a_known_function() -> int:
     (_rank_one_hangs_in_a_known_function, "rank 1 was here:"),
     (_rank_one_hangs_after_returning, "rank 1 was here (it had reported its result and was exiting):"),
 ], ids=["while-working", "after-reporting-its-result"])
-def test_a_timeout_reports_where_each_hung_rank_was(function, where):
+def test_a_timeout_reports_where_each_hung_rank_was(function, where, warm_launcher):
     with pytest.raises(RankTimeout) as info:
         launch_ranks(function, 2, timeout=3)
     assert info.value.ranks == [1]
