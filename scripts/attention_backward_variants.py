@@ -65,6 +65,9 @@ POINTS = {
     "grid": [(1, 1, seq, d) for d in (64, 128) for seq in (8192, 16384, 32768, 65536)],
     # d=64 problems of many heads (15.5 or 7.8 blocks of 128 rows per multiprocessor) at several lengths
     "d64-heads": [(4, 16, 4096, 64), (2, 16, 8192, 64), (1, 8, 16384, 64), (1, 8, 32768, 64), (1, 4, 65536, 64)],
+    # the training grid's points (lmsys.bench.attention: 16384 tokens a batch) where the Gluon backward runs
+    "training": [(16384 // seq, heads, seq, d) for d, heads in ((64, 32), (128, 16))
+                 for seq in (512, 1024, 2048, 4096, 8192, 16384)],
 }
 # name -> (provider, settings of lmsys.attention's modules for it: the Gluon backward, its defaults changed, the
 # Gluon forward at d=64 at any size from one block per multiprocessor, or never). The Gluon variants run its two
@@ -147,6 +150,8 @@ def apply(settings: dict) -> None:
     """Sets every knob of DEFAULTS: the variant's value, or the default."""
     for name, (module, default) in DEFAULTS.items():
         setattr(module, name, settings.get(name, default))
+    # The GPU's measured choice of backward (lmsys.attention.tuned) is the default's; every other variant is its own.
+    flash_hopper_bwd.MEASURED = settings.get("MEASURED", not settings)
 
 
 def agreement(shape: tuple, variants: list[str], is_causal: bool) -> dict[str, dict[str, float]]:

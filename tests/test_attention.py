@@ -38,6 +38,8 @@ from lmsys.attention import (
     launch_order,
     launcher,
     naive_attention,
+    plans,
+    tuned,
 )
 from lmsys.attention.checks import check_inputs
 from lmsys.model import ModelConfig, TransformerLM
@@ -753,6 +755,7 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, dq
     than keys and fewer; its two kernels, and dQ accumulated by the dK/dV kernel (FUSED_DQ, each warpgroup's over its
     keys or, FUSED_SPLIT, half of its columns over the program's) at the head dims that take it; and it is the backward
     that ran."""
+    monkeypatch.setattr(flash_hopper_bwd, "MEASURED", False)  # the thresholds decide, not the table
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
     if dq != "two-kernels" and q_shape[-1] not in flash_hopper_bwd.FUSED_HEAD_DIMS:
@@ -801,6 +804,7 @@ def test_hopper_backward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, dq
                                                 ((2, 3, 640, 64), False)])
 def test_hopper_backward_variants_gpu(gpu, settings, q_shape, is_causal, monkeypatch, seed):
     """Each variant of the Gluon backward that scripts/attention_backward_variants.py times, against float64."""
+    monkeypatch.setattr(flash_hopper_bwd, "MEASURED", False)  # the thresholds decide, not the table
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
     monkeypatch.setattr(flash_triton, "HOPPER_BACKWARD", True)
@@ -956,6 +960,7 @@ def test_the_gluon_backward_is_the_default_from_its_measured_sizes_gpu(gpu, monk
     measured faster (from 1.9 programs the dK/dV kernel accumulates dQ, `flash_hopper_bwd.fused`: no dQ kernel beside
     it), and on the Triton kernel below that (shorter problems from 1.5); both checked against float32 SDPA (the
     float64 tests run the Gluon kernels on small problems)."""
+    monkeypatch.setattr(flash_hopper_bwd, "MEASURED", False)  # the thresholds decide, not the table
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
     assert flash_triton.HOPPER_BACKWARD and flash_hopper_bwd.CONCURRENT_DQ is None
@@ -976,12 +981,41 @@ def test_the_gluon_backward_is_the_default_from_its_measured_sizes_gpu(gpu, monk
         _assert_sdpa_gradients(grads, q, k, v, do, True)
 
 
+@pytest.mark.parametrize("choice", tuned.BACKWARD_CHOICES)
+def test_the_backward_runs_as_the_gpus_table_measured_gpu(gpu, choice, tmp_path, monkeypatch, seed):
+    """A problem in a bucket of this GPU's table (lmsys.attention.tuned) runs as the table says: the Triton kernel, the
+    Gluon kernels one after the other, side by side, or dQ accumulated by the dK/dV kernel; the gradients against
+    float32 SDPA."""
+    if torch.cuda.get_device_capability(gpu) != (9, 0):
+        pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
+    q, k, v, do = (torch.randn(2, 4, 1024, 64, device=gpu, dtype=torch.bfloat16) for _ in range(4))
+    per_sm = flash_hopper.blocks_per_sm(q, flash_hopper_bwd.BLOCK_ROWS)
+    table = {"schema": tuned.SCHEMA, "device": torch.cuda.get_device_name(gpu), "kernels": {}, "backward": {
+        "fingerprint": tuned.backward_fingerprint(),
+        "choices": [{"key": tuned.backward_bucket(64, True, 1024, per_sm), "choice": choice}]}}
+    monkeypatch.setattr(tuned, "FOLDER", tmp_path)
+    tuned.write(tuned.table_path(torch.cuda.get_device_name(gpu)), table)
+    plans.forget()
+    found = flash_hopper_bwd.views(q, k, v, do, True)
+    if choice == "triton":
+        assert found is None
+    else:
+        assert (found.concurrent, found.fused_dq) == (choice == "gluon-concurrent", choice == "gluon-fused")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    grads = torch.autograd.grad(flash_attention(q, k, v, is_causal=True, impl="triton"), (q, k, v), do)
+    _assert_sdpa_gradients(grads, q, k, v, do, True)
+    tuned.load.cache_clear()
+    tuned.load_backward.cache_clear()
+    plans.forget()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_the_gluon_backward_accumulates_dq_by_size_gpu(gpu, head_dim, monkeypatch, seed):
     """By default (FUSED_DQ None, FUSED_SPLIT, groups of one head) the dK/dV kernel accumulates dQ for one causal head
     of about 32768 tokens (two programs per multiprocessor), not for one of about 16384 nor without the mask, at both
     head dims; the gradients against float32 SDPA."""
+    monkeypatch.setattr(flash_hopper_bwd, "MEASURED", False)  # the thresholds decide, not the table
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
     defaults = (flash_hopper_bwd.FUSED_DQ, flash_hopper_bwd.FUSED_SPLIT, flash_hopper_bwd.FUSED_GROUP_HEADS)
@@ -1009,6 +1043,7 @@ def test_the_gluon_backward_under_graph_capture_gpu(gpu, fused_dq, monkeypatch, 
     from MIN_PROGRAMS_PER_SM; replayed, it gives the eager call's gradients: the same bits from the two kernels, and
     within bf16 rounding with dQ accumulated by the dK/dV kernel (FUSED_DQ, whose fp32 reductions land in any order;
     its buffer's zeroing is captured too)."""
+    monkeypatch.setattr(flash_hopper_bwd, "MEASURED", False)  # the thresholds decide, not the table
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
     monkeypatch.setattr(flash_hopper_bwd, "FUSED_DQ", fused_dq)

@@ -300,3 +300,86 @@ def test_the_command_prints_a_table(tmp_path, capsys):
 def test_the_export_needs_a_gpu(capsys):
     assert tuned.main(["--export"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ backward choices
+
+
+def _cuda_query(shape=(4, 8, 1024, 64)):
+    """A stand-in for a query tensor on GPU 0 (what backward_choice reads: its device and shape), made without CUDA."""
+    return type("Query", (), {"device": torch.device("cuda", 0), "shape": shape})()
+
+
+def _choices(*entries, fingerprint=None):
+    return {"fingerprint": fingerprint or tuned.backward_fingerprint(),
+            "choices": [{"key": tuned.backward_bucket(*key), "choice": choice} for key, choice in entries]}
+
+
+@pytest.fixture
+def gpu_table(kernels, monkeypatch):
+    """Tables read from tmp_path for the fake GPU that GPU 0 is."""
+    monkeypatch.setattr(tuned, "_device_name", lambda index: GPU)
+    tuned.load_backward.cache_clear()
+    yield
+    tuned.load_backward.cache_clear()
+
+
+@pytest.mark.parametrize("keys, per_sm, bucket_keys, bucket_per_sm", [
+    (1024, 31.0, 1024, 16.0), (1000, 16.0, 1024, 16.0), (1025, 15.9, 2048, 8.0), (128, 0.01, 128, 0.125)])
+def test_a_backward_bucket_rounds_keys_up_and_programs_down(keys, per_sm, bucket_keys, bucket_per_sm):
+    assert tuned.backward_bucket(64, 1, keys, per_sm) == {"head_dim": 64, "causal": True, "keys": bucket_keys,
+                                                          "per_sm": bucket_per_sm}
+
+
+def test_the_measured_backward_choice_is_looked_up_by_bucket(tmp_path, gpu_table, monkeypatch):
+    table = _table("_flash_fwd_kernel", _fwd(32))
+    table["backward"] = _choices(((64, True, 1024, 31.0), "triton"), ((128, True, 4096, 15.5), "gluon-fused"))
+    _save(tmp_path, table)
+    assert tuned.backward_choice(_cuda_query(), True, 1024, 20.0) == "triton"  # the same bucket: 16 to 32
+    assert tuned.backward_choice(_cuda_query(), True, 4096, 12.0) is None  # a head dim of 64 at 4096: not measured
+    assert tuned.backward_choice(_cuda_query((1, 1, 4096, 128)), True, 3000, 9.0) == "gluon-fused"
+    assert tuned.backward_choice(_cuda_query(), False, 1024, 20.0) is None  # the other mask
+    assert tuned.backward_choice(type("Q", (), {"device": torch.device("cpu"), "shape": (1, 1, 1024, 64)})(),
+                                 True, 1024, 20.0) is None
+    monkeypatch.setenv(tuned.ENV, "0")
+    assert tuned.backward_choice(_cuda_query(), True, 1024, 20.0) is None
+
+
+def test_backward_choices_of_other_sources_warn_and_are_ignored(tmp_path, gpu_table):
+    table = _table("_flash_fwd_kernel", _fwd(32))
+    table["backward"] = _choices(((64, True, 1024, 31.0), "triton"), fingerprint="0" * 16)
+    _save(tmp_path, table)
+    with pytest.warns(UserWarning, match="another version of its source"):
+        assert tuned.backward_choice(_cuda_query(), True, 1024, 20.0) is None
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda b: b.pop("fingerprint"), "'backward' needs a 'fingerprint'"),
+    (lambda b: b["choices"][0].update(choice="cudnn"), "a 'choice' among triton"),
+    (lambda b: b["choices"][0]["key"].pop("per_sm"), "a 'key' of head_dim, causal, keys, per_sm"),
+])
+def test_a_malformed_backward_part_is_named(edit, problem):
+    table = _table("_flash_fwd_kernel", _fwd(32))
+    table["backward"] = _choices(((64, True, 1024, 31.0), "triton"))
+    edit(table["backward"])
+    with pytest.raises(ValueError, match=problem):
+        tuned._parse(table)
+
+
+def test_backward_choices_merge_by_bucket_and_are_printed(tmp_path, capsys):
+    def entry(key, choice):
+        return {"key": tuned.backward_bucket(*key), "choice": choice, "ms": {choice: 1.0}}
+
+    table = tuned.merged(None, GPU, {}, [entry((64, True, 1024, 31), "triton"), entry((128, False, 512, 2), "gluon")])
+    table = tuned.merged(table, GPU, {}, [entry((64, True, 1024, 20), "gluon-fused")])  # the same bucket: replaced
+    assert [(e["key"]["head_dim"], e["choice"]) for e in table["backward"]["choices"]] == [
+        (128, "gluon"), (64, "gluon-fused")]
+    kept = tuned.merged(table, GPU, {})  # nothing new: the choices stay
+    assert kept["backward"] == table["backward"]
+    stale = dict(table, backward=dict(table["backward"], fingerprint="0" * 16))
+    assert tuned.merged(stale, GPU, {}, [entry((64, False, 512, 1), "triton")])["backward"]["choices"] == [
+        entry((64, False, 512, 1), "triton")]  # choices of other sources are replaced, not merged into
+    path = tmp_path / "t.json"
+    tuned.write(path, table)
+    assert tuned.main([str(path)]) == 0
+    assert "HEAD_DIM=64 CAUSAL=True KEYS<=1024 PROGRAMS_PER_SM>=16" in capsys.readouterr().out

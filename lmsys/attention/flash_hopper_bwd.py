@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from lmsys.attention import flash_hopper, launch_order, launcher, plans
+from lmsys.attention import flash_hopper, launch_order, launcher, plans, tuned
 from lmsys.attention.checks import check_causal
 from lmsys.attention.flash_hopper import ring, stream_kv
 
@@ -67,6 +67,10 @@ HEAD_DIMS = (64, 128)
 # (docs/attention.md).
 MIN_PROGRAMS_PER_SM = 1.5
 MIN_PROGRAMS_PER_SM_CONCURRENT = 0.75
+# Whether a problem in a bucket that this GPU's table measured (lmsys.attention.tuned.backward_choice: the fastest of
+# the Triton backward and this one's three ways of running) runs as measured; the thresholds here decide the others.
+# Scripts that time each way in turn set it off.
+MEASURED = True
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 # Whether the dQ kernel runs on a side stream beside the dK/dV kernel (they share only their inputs), so that a
@@ -162,11 +166,16 @@ def plan(programs_per_sm: float, keys: int, capturing: bool) -> bool | None:
 def fused(head_dim: int, programs_per_sm: float, keys: int, is_causal: bool) -> bool:
     """Whether the dK/dV kernel accumulates dQ (FUSED_DQ) for a problem of this head dim, `programs_per_sm` programs
     per multiprocessor and `keys` keys, causal or not."""
-    if head_dim not in FUSED_HEAD_DIMS or (head_dim > 64 and (not FUSED_SPLIT or NUM_STAGES > 2)):
+    if not _fusable(head_dim):
         return False
     if FUSED_DQ is not None:
         return FUSED_DQ
     return is_causal and keys >= FUSED_MIN_KEYS and programs_per_sm >= FUSED_MIN_PROGRAMS_PER_SM
+
+
+def _fusable(head_dim: int) -> bool:
+    """Whether the dK/dV kernel can accumulate dQ at this head dim with these settings (FUSED_HEAD_DIMS)."""
+    return head_dim in FUSED_HEAD_DIMS and (head_dim == 64 or (FUSED_SPLIT and NUM_STAGES == 2))
 
 
 def ds_from_shared(head_dim: int, programs_per_sm: float) -> bool:
@@ -203,12 +212,22 @@ def views(q, k, v, do, is_causal) -> BackwardPlan | None:
         return None
     # The plan before the views: a problem that runs on the Triton backward (the launch-bound ones) leaves without them.
     per_sm = flash_hopper.blocks_per_sm(q, BLOCK_ROWS)
-    concurrent = plan(per_sm, k.shape[-2], torch.cuda.is_current_stream_capturing())
+    capturing = torch.cuda.is_current_stream_capturing()
+    choice = tuned.backward_choice(q, is_causal, k.shape[-2], per_sm) if MEASURED else None
+    if choice == "triton":
+        return None
+    if choice is None:
+        concurrent = plan(per_sm, k.shape[-2], capturing)
+    else:
+        concurrent = choice == "gluon-concurrent" and not capturing
     found = None if concurrent is None else flash_hopper.views(q, k, v, head_dims=HEAD_DIMS)
     dov = flash_hopper._view(do) if found is not None else None
     if dov is None:
         return None
-    fused_dq = fused(q.shape[-1], per_sm, k.shape[-2], is_causal)
+    if choice is None:
+        fused_dq = fused(q.shape[-1], per_sm, k.shape[-2], is_causal)
+    else:
+        fused_dq = choice == "gluon-fused" and _fusable(q.shape[-1])
     ds_smem = fused_dq and FUSED_SPLIT and ds_from_shared(q.shape[-1], per_sm)
     return BackwardPlan(*found, dov, ds_smem, fused_dq, concurrent and not fused_dq)
 

@@ -23,28 +23,45 @@ kernels autotune.
 `--export` runs flash_triton's forward and backward, pins off, at the shapes the perf suite's default subset gives it
 (DEFAULT_SHAPES; `--grid training`: lmsys.bench.attention's training grid too), then merges each autotuner's choices
 into the table, written atomically.
+
+The table also holds which backward runs where on that GPU ("backward"): at each shape of those lists that the Gluon
+backward can take (flash_hopper_bwd: head dims 64 and 128, lengths multiples of 128), `--export` times the Triton
+backward and the Gluon one's three ways of running (two kernels one after the other, side by side, or dQ accumulated by
+the dK/dV kernel: BACKWARD_CHOICES) and keeps the fastest, under the shape's bucket (`backward_bucket`: head dim, mask,
+keys rounded up to a power of two, programs per multiprocessor down to one). flash_hopper_bwd runs a problem in a
+measured bucket as measured (`backward_choice`), and every other problem by its thresholds. The choices carry a
+fingerprint of the two backward modules' sources; when it differs they are ignored, with a warning.
+`--export --backward-only` measures the choices alone, pins on (the configs already pinned are not tuned again).
 """
 
 import argparse
 import ast
+import contextlib
 import functools
 import hashlib
 import inspect
 import json
+import math
 import os
 import re
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITCallable
 
 ENV = "LMSYS_ATTENTION_PINS"
+# How flash_triton can run a backward that the Gluon backward can take: the Triton kernel, or the Gluon kernels one after
+# the other, side by side (not while a CUDA graph is captured: then one after the other), or fused (dQ accumulated by
+# the dK/dV kernel).
+BACKWARD_CHOICES = ("triton", "gluon", "gluon-concurrent", "gluon-fused")
 SCHEMA = 1
 FOLDER = Path(__file__).with_name("tuned_configs")
 CONFIG_FIELDS = ("kwargs", "num_warps", "num_stages", "num_ctas", "maxnreg")
@@ -197,7 +214,30 @@ def _parse(table) -> dict:
                 raise ValueError(f"a pin of {name!r} needs a 'key' object with a 'dtypes' list, got {pin!r}")
             configs[_canonical(pin["key"])] = config_from(pin.get("config"))
         parsed[name] = Pins(entry["fingerprint"], configs)
+    _parse_backward(table)
     return parsed
+
+
+BUCKET_FIELDS = ("head_dim", "causal", "keys", "per_sm")
+
+
+def _parse_backward(table: dict) -> tuple[str, dict] | None:
+    """The fingerprint and the choices (`_canonical` of a bucket -> choice) of a table's "backward" part, None when it
+    has none; ValueError naming what is wrong."""
+    part = table.get("backward")
+    if part is None:
+        return None
+    if not isinstance(part, dict) or not isinstance(part.get("fingerprint"), str) \
+            or not isinstance(part.get("choices"), list):
+        raise ValueError("'backward' needs a 'fingerprint' string and a 'choices' list")
+    choices = {}
+    for entry in part["choices"]:
+        if not isinstance(entry, dict) or not isinstance(entry.get("key"), dict) \
+                or sorted(entry["key"]) != sorted(BUCKET_FIELDS) or entry.get("choice") not in BACKWARD_CHOICES:
+            raise ValueError(f"a backward choice needs a 'key' of {', '.join(BUCKET_FIELDS)} and a 'choice' among "
+                             f"{', '.join(BACKWARD_CHOICES)}, got {entry!r}")
+        choices[_canonical(entry["key"])] = entry["choice"]
+    return part["fingerprint"], choices
 
 
 @functools.cache
@@ -218,6 +258,17 @@ def load(path: Path) -> dict:
         warnings.warn(f"ignoring the attention config table {path}, which is malformed ({exc}): the Triton attention "
                       f"kernels autotune; regenerate it with `python -m lmsys.attention.tuned --export`", stacklevel=2)
         return {}
+
+
+@functools.cache
+def load_backward(path: Path) -> tuple[str, dict] | None:
+    """`_parse_backward` of the table at `path`, read once: None when there is no such file, no "backward" part, or the
+    table cannot be read (`load` warns about that)."""
+    load(path)
+    try:
+        return _parse_backward(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
 
 
 @functools.cache
@@ -261,6 +312,39 @@ def choose(autotuner, candidates: list, named_args: dict, kwargs: dict) -> list:
     return chosen[:1] or candidates
 
 
+def backward_bucket(head_dim: int, causal: bool, keys: int, per_sm: float) -> dict:
+    """The bucket of a backward problem: its head dim and mask, its keys rounded up to a power of two and its programs
+    (of 128 query rows) per multiprocessor rounded down to one (1/8 at least)."""
+    return {"head_dim": int(head_dim), "causal": bool(causal), "keys": 1 << max(int(keys) - 1, 0).bit_length(),
+            "per_sm": 2.0 ** math.floor(math.log2(max(per_sm, 0.125)))}
+
+
+@functools.cache
+def backward_fingerprint() -> str:
+    """A hash of the sources of the two backward modules (flash_triton, flash_hopper_bwd): the choices were timed on
+    these kernels."""
+    from lmsys.attention import flash_hopper_bwd, flash_triton
+
+    text = inspect.getsource(flash_triton) + inspect.getsource(flash_hopper_bwd)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def backward_choice(q: torch.Tensor, causal: bool, keys: int, per_sm: float) -> str | None:
+    """The measured choice (BACKWARD_CHOICES) for a backward of q on its GPU's table, or None: pins off, q not on a
+    GPU, no table or no choice for this problem's bucket, or choices timed on other sources (a warning, once)."""
+    if not enabled() or q.device.type != "cuda":
+        return None
+    path = table_path(_device_name(q.device.index if q.device.index is not None else torch.cuda.current_device()))
+    found = load_backward(path)
+    if found is None:
+        return None
+    fingerprint_, choices = found
+    if fingerprint_ != backward_fingerprint():
+        _stale(path, "the backward's choices")
+        return None
+    return choices.get(_canonical(backward_bucket(q.shape[-1], causal, keys, per_sm)))
+
+
 # ------------------------------------------------------------------------------------------------ writing a table
 
 
@@ -271,10 +355,18 @@ def kernel_entry(autotuner) -> dict:
     return {"fingerprint": fingerprint(autotuner), "pins": sorted(pins, key=lambda pin: _canonical(pin["key"]))}
 
 
-def merged(table: dict | None, device: str, entries: dict) -> dict:
+def merged(table: dict | None, device: str, entries: dict, backward: list | None = None) -> dict:
     """`table` (None: a new one) with each kernel's `entries` merged in: a kernel of the same fingerprint keeps its
-    other pins and takes the new ones, a kernel of another fingerprint is replaced, kernels not in `entries` stay."""
-    kernels = dict((table or {}).get("kernels", {}))
+    other pins and takes the new ones, a kernel of another fingerprint is replaced, kernels not in `entries` stay. The
+    `backward` choices merge alike: into those of the same fingerprint (the new one at a bucket measured twice), else
+    in their place."""
+    table = table or {}
+    choices = {}
+    old_backward = table.get("backward")
+    if old_backward is not None and old_backward["fingerprint"] == backward_fingerprint():
+        choices = {_canonical(entry["key"]): entry for entry in old_backward["choices"]}
+    choices.update({_canonical(entry["key"]): entry for entry in backward or []})
+    kernels = dict(table.get("kernels", {}))
     for name, entry in entries.items():
         old = kernels.get(name)
         if old is not None and old.get("fingerprint") == entry["fingerprint"]:
@@ -282,8 +374,14 @@ def merged(table: dict | None, device: str, entries: dict) -> dict:
             pins.update({_canonical(pin["key"]): pin for pin in entry["pins"]})
             entry = {"fingerprint": entry["fingerprint"], "pins": [pins[k] for k in sorted(pins)]}
         kernels[name] = entry
-    return {"schema": SCHEMA, "device": device, "triton": triton.__version__, "torch": torch.__version__,
-            "kernels": dict(sorted(kernels.items()))}
+    merged_table = {"schema": SCHEMA, "device": device, "triton": triton.__version__, "torch": torch.__version__,
+                    "kernels": dict(sorted(kernels.items()))}
+    if choices:
+        merged_table["backward"] = {"fingerprint": backward_fingerprint(),
+                                    "choices": [choices[key] for key in sorted(choices)]}
+    elif old_backward is not None:
+        merged_table["backward"] = old_backward
+    return merged_table
 
 
 def write(path: Path, table: dict) -> None:
@@ -303,6 +401,7 @@ def write(path: Path, table: dict) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     load.cache_clear()
+    load_backward.cache_clear()
 
 
 def _read_existing(path: Path) -> dict | None:
@@ -318,10 +417,80 @@ def _read_existing(path: Path) -> dict | None:
     return table
 
 
-def export(path: Path | None = None, shapes=DEFAULT_SHAPES) -> tuple[Path, dict]:
+@contextlib.contextmanager
+def _settings(settings: dict):
+    """Sets module attributes ({module: {name: value}}) for the block, and restores them after it."""
+    saved = [(module, name, getattr(module, name)) for module, names in settings.items() for name in names]
+    try:
+        for module, names in settings.items():
+            for name, value in names.items():
+                setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def _choice_settings(choice: str) -> dict:
+    """The module settings under which flash_triton runs every backward the Gluon one can take as `choice` says."""
+    from lmsys.attention import flash_hopper_bwd, flash_triton
+
+    if choice == "triton":
+        return {flash_triton: {"HOPPER_BACKWARD": False}}
+    gluon = {"MEASURED": False, "MIN_PROGRAMS_PER_SM": 0, "MIN_PROGRAMS_PER_SM_CONCURRENT": 0,
+             "CONCURRENT_DQ": choice == "gluon-concurrent", "FUSED_DQ": choice == "gluon-fused"}
+    return {flash_triton: {"HOPPER_BACKWARD": True}, flash_hopper_bwd: gluon}
+
+
+def measure_backward(shapes, budget_s: float = math.inf, log=print) -> list[dict]:
+    """Times each of BACKWARD_CHOICES at every shape of `shapes` ((shape, causal), bf16) that the Gluon backward can
+    take, and returns a choice entry for each (its bucket, the fastest choice, each choice's median ms and the shape),
+    a shape's bucket once. Each choice's gradients are checked against the Triton backward's: a choice that disagrees
+    is not chosen (and said). Shapes left when `budget_s` seconds have passed are not measured (and said)."""
+    from lmsys.attention import flash_hopper, flash_hopper_bwd, flash_triton
+
+    start, entries, seen = time.monotonic(), [], set()
+    for shape, causal in shapes:
+        if time.monotonic() - start > budget_s:
+            log(f"backward choices: budget of {budget_s:.0f} s spent, {shape} and later shapes not measured")
+            break
+        q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        per_sm = flash_hopper.blocks_per_sm(q, flash_hopper_bwd.BLOCK_ROWS)
+        key = backward_bucket(shape[-1], causal, shape[-2], per_sm)
+        with _settings(_choice_settings("gluon")):
+            takes = flash_hopper_bwd.views(q, k, v, do, causal) is not None
+        if not takes or _canonical(key) in seen:
+            continue
+        seen.add(_canonical(key))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        grads, times = {}, {choice: [] for choice in BACKWARD_CHOICES}
+        for turn in (BACKWARD_CHOICES, BACKWARD_CHOICES[::-1]):  # each choice timed early and late once
+            for choice in turn:
+                with _settings(_choice_settings(choice)):
+                    o = flash_triton.FlashAttentionTriton.apply(q, k, v, causal)
+                    grads.setdefault(choice, torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
+                    times[choice].append(triton.testing.do_bench(
+                        lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), warmup=25, rep=60))
+        agree = [c for c in BACKWARD_CHOICES if all(
+            (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()
+            for a, b in zip(grads[c], grads["triton"]))]
+        for choice in sorted(set(BACKWARD_CHOICES) - set(agree)):
+            log(f"backward choices: {choice} disagrees with the Triton backward at {shape} causal={causal}: not chosen")
+        ms = {choice: round(sum(t) / len(t), 4) for choice, t in times.items()}
+        best = min(agree, key=ms.__getitem__)
+        entries.append({"key": key, "choice": best, "ms": ms, "shape": list(shape)})
+        log(f"backward choices: {tuple(shape)} causal={causal}: {best} "
+            + " ".join(f"{c}={t:.4f}" for c, t in ms.items()))
+    return entries
+
+
+def export(path: Path | None = None, shapes=DEFAULT_SHAPES, backward_only: bool = False,
+           budget_s: float = math.inf) -> tuple[Path, dict]:
     """Runs flash_triton forward (and backward, per `shapes`: ((shape, causal, mode), ...), bf16) on this GPU with
-    pins off, and merges the choices of its autotuners into the table at `path` (default: this GPU's). Returns the
-    path and the table written. Run it in a fresh process: the choices recorded are all those of this process."""
+    pins off, then times the backward's choices at those of `shapes` with a backward (`measure_backward`, pins on,
+    within `budget_s`), and merges the choices of its autotuners and the backward's into the table at `path`
+    (default: this GPU's). `backward_only`: the choices alone. Returns the path and the table written. Run it in a
+    fresh process: the autotuners' choices recorded are all those of this process."""
     from lmsys.attention import flash_triton
 
     device = torch.cuda.get_device_name()
@@ -330,7 +499,7 @@ def export(path: Path | None = None, shapes=DEFAULT_SHAPES) -> tuple[Path, dict]
     previous = os.environ.get(ENV)
     os.environ[ENV] = "0"
     try:
-        for shape, causal, mode in shapes:
+        for shape, causal, mode in () if backward_only else shapes:
             q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=mode != "fwd")
                        for _ in range(3))
             o = flash_triton.FlashAttentionTriton.apply(q, k, v, causal)
@@ -342,9 +511,10 @@ def export(path: Path | None = None, shapes=DEFAULT_SHAPES) -> tuple[Path, dict]
             os.environ.pop(ENV, None)
         else:
             os.environ[ENV] = previous
+    backward = measure_backward([(shape, causal) for shape, causal, mode in shapes if mode != "fwd"], budget_s)
     entries = {kernel.base_fn.__name__: kernel_entry(kernel)
                for kernel in (flash_triton._flash_fwd_kernel, flash_triton._flash_bwd_kernel) if kernel.cache}
-    table = merged(existing, device, entries)
+    table = merged(existing, device, entries, backward)
     write(path, table)
     return path, table
 
@@ -362,6 +532,11 @@ def describe(table: dict) -> str:
             extra = " ".join(f"{k}={config[k]}" for k in CONFIG_FIELDS[1:] if config[k] is not None)
             kwargs = " ".join(f"{k}={v}" for k, v in config["kwargs"].items())
             lines.append(f"{name:<18} {key_text:<46} {kwargs} {extra}")
+    for entry in table.get("backward", {}).get("choices", []):
+        key = entry["key"]
+        key_text = (f"HEAD_DIM={key['head_dim']} CAUSAL={key['causal']} KEYS<={key['keys']} "
+                    f"PROGRAMS_PER_SM>={key['per_sm']:g}")
+        lines.append(f"{'backward':<18} {key_text:<46} {entry['choice']}")
     return "\n".join(lines)
 
 
@@ -373,6 +548,10 @@ def main(argv=None) -> int:
                         help="run the kernels with pins off and merge the autotuner's choices into the table")
     parser.add_argument("--grid", choices=["default", "training"], default="default",
                         help="default: the perf suite's default shapes; training: the training grid's too")
+    parser.add_argument("--backward-only", action="store_true",
+                        help="with --export: time the backward's choices alone (pins on), not the autotuners' configs")
+    parser.add_argument("--budget-s", type=float, default=math.inf, metavar="SECONDS",
+                        help="with --export: stop timing the backward's choices after SECONDS (default: no limit)")
     args = parser.parse_args(argv)
     if (args.export or args.path is None) and not torch.cuda.is_available():
         print("no CUDA device: give the table's path to print one, or export on a GPU", file=sys.stderr)
@@ -383,7 +562,7 @@ def main(argv=None) -> int:
             from lmsys.bench.attention import training_grid
 
             shapes += tuple((shape, causal, "fwd_bwd") for shape, causal in training_grid())
-        path, table = export(args.path, shapes)
+        path, table = export(args.path, shapes, args.backward_only, args.budget_s)
         print(f"wrote {path} ({torch.cuda.get_device_name()}, triton {triton.__version__})")
     else:
         path = args.path or table_path(torch.cuda.get_device_name())
