@@ -470,7 +470,8 @@ def measure_backward(shapes, budget_s: float = math.inf, log=print) -> list[dict
                     o = flash_triton.FlashAttentionTriton.apply(q, k, v, causal)
                     grads.setdefault(choice, torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
                     times[choice].append(triton.testing.do_bench(
-                        lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), warmup=25, rep=60))
+                        lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), warmup=25, rep=60,
+                        return_mode="median"))
         agree = [c for c in BACKWARD_CHOICES if all(
             (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()
             for a, b in zip(grads[c], grads["triton"]))]
