@@ -7,7 +7,9 @@ runs long problems of few blocks: flash_hopper.plan), SDPA's cuDNN and flash bac
 flash_attention runs: the Gluon backward as flash_hopper_bwd.plan decides by the problem's programs per
 multiprocessor, else the Triton one; dQ accumulated by the dK/dV kernel as flash_hopper_bwd.fused decides) and the
 default with the two kernels always (as before 2026-11-26), at the CS336 leaderboard's shape (and that shape
-at d=128) and the causal grid's points from 8192 tokens (issue 15).
+at d=128), the causal grid's points from 8192 tokens (issue 15) and the training grid's at d=64 and 128 (--points
+training). The default variant runs as the GPU's table chose (lmsys.attention.tuned); every other variant as its
+settings say.
 
 For each point (bf16, causal unless --not-causal): first each variant's output and gradients against the Triton
 kernels' on the same inputs (the largest difference of each of o, dq, dk, dv relative to the Triton tensor's largest

@@ -25,7 +25,9 @@ Scope: what the Gluon forward takes (`flash_hopper.views`: sm_90, bf16 or fp16, 
 and dO contiguous or the (B, H, T, D) views of (B, T, H, D) tensors), head dims 64 and 128, problems of at least
 MIN_PROGRAMS_PER_SM programs per multiprocessor (MIN_PROGRAMS_PER_SM_CONCURRENT with the kernels side by side).
 `flash_triton` runs it for such inputs unless `flash_triton.HOPPER_BACKWARD` is off (LMSYS_HOPPER_BACKWARD=0 at
-import). tests/test_attention.py compiles both kernels for sm_90 on any machine (no spilled register) and checks them
+import). Where the GPU's table measured a problem's bucket (`lmsys.attention.tuned.backward_choice`, MEASURED), the
+table says whether it runs here and how (one after the other, side by side, fused); the thresholds below decide the
+rest. tests/test_attention.py compiles both kernels for sm_90 on any machine (no spilled register) and checks them
 against float64 on a Hopper GPU.
 
 Why each constant below has its value (the variants measured on the H100, with their numbers, and those removed):
