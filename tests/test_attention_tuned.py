@@ -383,3 +383,26 @@ def test_backward_choices_merge_by_bucket_and_are_printed(tmp_path, capsys):
     tuned.write(path, table)
     assert tuned.main([str(path)]) == 0
     assert "HEAD_DIM=64 CAUSAL=True KEYS<=1024 PROGRAMS_PER_SM>=16" in capsys.readouterr().out
+
+
+def test_the_backward_fingerprint_follows_the_kernels_and_settings_not_the_docstrings(monkeypatch):
+    from lmsys.attention import flash_hopper_bwd
+
+    tuned.backward_fingerprint.cache_clear()
+    before = tuned.backward_fingerprint()
+    monkeypatch.setattr(flash_hopper_bwd, "__doc__", "another docstring")
+    monkeypatch.setattr(flash_hopper_bwd, "MEASURED", False)
+    tuned.backward_fingerprint.cache_clear()
+    assert tuned.backward_fingerprint() == before
+    monkeypatch.setattr(flash_hopper_bwd, "NUM_STAGES", 3)
+    tuned.backward_fingerprint.cache_clear()
+    assert tuned.backward_fingerprint() != before
+    monkeypatch.undo()
+    tuned._sources.cache_clear()
+    monkeypatch.setitem(flash_hopper_bwd._dq_loop.fn.__globals__, "LOG2E", flash_hopper_bwd.gl.constexpr(2.0))
+    tuned.backward_fingerprint.cache_clear()
+    assert tuned.backward_fingerprint() != before  # a constexpr a kernel's callee reads
+    monkeypatch.undo()
+    tuned._sources.cache_clear()
+    tuned.backward_fingerprint.cache_clear()
+    assert tuned.backward_fingerprint() == before

@@ -321,11 +321,18 @@ def backward_bucket(head_dim: int, causal: bool, keys: int, per_sm: float) -> di
 
 @functools.cache
 def backward_fingerprint() -> str:
-    """A hash of the sources of the two backward modules (flash_triton, flash_hopper_bwd): the choices were timed on
-    these kernels."""
+    """A hash of what the backward's choices were timed on: the sources of the backward kernels (the Triton one and
+    its preprocessing, the Gluon ones) with the functions they call (`_triton_functions`) and flash_hopper_bwd's
+    settings (its UPPER_CASE names but MEASURED). The Triton kernel's configs have their own pins and fingerprint."""
     from lmsys.attention import flash_hopper_bwd, flash_triton
 
-    text = inspect.getsource(flash_triton) + inspect.getsource(flash_hopper_bwd)
+    found = {}
+    for kernel in (flash_triton._flash_bwd_kernel, flash_triton._flash_bwd_preprocess_kernel,
+                   flash_hopper_bwd._dkdv_kernel, flash_hopper_bwd._dq_kernel):
+        _triton_functions(inspect.unwrap(getattr(kernel, "base_fn", None) or kernel.fn), found)
+    settings = {name: repr(value) for name, value in vars(flash_hopper_bwd).items()
+                if name.isupper() and name != "MEASURED"}
+    text = json.dumps([sorted(found.items()), sorted(settings.items())], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -449,6 +456,7 @@ def measure_backward(shapes, budget_s: float = math.inf, log=print) -> list[dict
     is not chosen (and said). Shapes left when `budget_s` seconds have passed are not measured (and said)."""
     from lmsys.attention import flash_hopper, flash_hopper_bwd, flash_triton
 
+    backward_fingerprint()  # of the settings as they are, before the choices' settings change them
     start, entries, seen = time.monotonic(), [], set()
     for shape, causal in shapes:
         if time.monotonic() - start > budget_s:
