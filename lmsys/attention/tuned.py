@@ -30,7 +30,8 @@ backward and the Gluon one's three ways of running (two kernels one after the ot
 the dK/dV kernel: BACKWARD_CHOICES) and keeps the fastest, under the shape's bucket (`backward_bucket`: head dim, mask,
 keys rounded up to a power of two, programs per multiprocessor down to one). flash_hopper_bwd runs a problem in a
 measured bucket as measured (`backward_choice`), and every other problem by its thresholds. The choices carry a
-fingerprint of the two backward modules' sources; when it differs they are ignored, with a warning.
+fingerprint of the backward kernels' sources and flash_hopper_bwd's settings; when it differs they are ignored, with a
+warning.
 `--export --backward-only` measures the choices alone, pins on (the configs already pinned are not tuned again).
 """
 
