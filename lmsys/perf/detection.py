@@ -11,7 +11,7 @@ compilation caches (--no-warm-up: none). The cases take turns (a round is one ru
 machine over the measurement (warming up, another start) falls on every case alike, and a measurement stopped
 partway has as many runs of each case. Their runs load the injection plugin (-p lmsys.perf.injection), where
 LMSYS_INJECT_DELAY=f makes every benchmarked call queue device-side work of f times its own time (tensor-core
-multiplies, CudaBackend.make_work), LMSYS_INJECT_MEMORY=B hold B more bytes on the device while it runs.
+multiplies, injection.make_work), LMSYS_INJECT_MEMORY=B hold B more bytes on the device while it runs.
 --in-process measures every case in each run instead: a fresh process judges each benchmark unchanged (the A/A
 case), then once more per injected case (LMSYS_INJECT_CASES, judged against the same reference, failing nothing):
 the cases share each run's process, and its start-up and compilations are paid once (on the H100 such a run of the
