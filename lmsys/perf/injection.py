@@ -53,11 +53,10 @@ WORK_PROBE_ITERATIONS = 256
 def make_work(backend, seconds: float) -> Callable[[], None]:
     """A function that queues about `seconds` of work on the backend's device: on a CUDA GPU tensor-core multiplies
     on the current stream (spin.MmaSpin), on the CPU its spin (make_delay). Unlike CudaBackend.make_delay's wait the
-    multiplies draw power as a slower kernel would: on the lent H100 at its power cap the leaderboards' forward and
-    backward ran 0.2-2.0% faster after an injected wait of 5% of their time, giving part of it back, and from 0.3%
-    slower to 1.0% faster after this work, but for one block 2.9% faster whose power fell (scripts/injection_study.py,
-    docs/gate-measurements.md, "Why the injection changed"). The iterations are timed alone, from an idle device; a
-    delay shorter than MIN_WORK_SECONDS, below the kernel's own start-up, is a wait."""
+    multiplies draw power as a slower kernel would: after a wait, a GPU at its power cap runs the next kernels faster
+    and gives back part of the delay (docs/gate-measurements.md, "Why the injection changed", has the H100's numbers).
+    The iterations are timed alone, from an idle device; a delay shorter than MIN_WORK_SECONDS, below the kernel's own
+    start-up, is a wait."""
     if hasattr(backend, "make_work"):
         return backend.make_work(seconds)
     if not isinstance(backend, CudaBackend) or seconds < MIN_WORK_SECONDS:
