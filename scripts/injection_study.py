@@ -7,7 +7,7 @@ For each call (the leaderboard's forward + backward, (16, 16384, 64) bf16 causal
 flash_triton; a 2 GiB copy that stays below the power cap), blocks of rounds are timed in turn, `--reps` times over:
 the call alone, then followed by a delay of `--fraction` of its time (the median of the first block alone): `sleep`
 (CudaBackend.make_delay, a kernel spinning on the clock: the injection up to gate b2d238b) and `work`
-(CudaBackend.make_work, tensor-core multiplies: the injection since). Each round is timed as the gate times
+(lmsys.perf.injection.make_work, tensor-core multiplies: the injection since). Each round is timed as the gate times
 one, behind a short sleep, with events before the call, after it and after the delay, so the table shows where the
 time went: the call's own median, the delay's, and the whole round's change against the call alone in the same
 repetition. NVML's power, SM clock and throttle reasons are sampled every 10 ms during each block.
@@ -24,6 +24,7 @@ import torch
 
 from lmsys.attention.providers import attention_function, timed_call
 from lmsys.perf.backend import SLEEP_CYCLES, CudaBackend
+from lmsys.perf.injection import make_work
 
 
 class Sampler:
@@ -101,7 +102,7 @@ def main():
         torch.cuda.synchronize()
         base = time_block(call, None, args.block_seconds)[2]
         target = args.fraction * base
-        variants = {"none": None, "sleep": backend.make_delay(target), "work": backend.make_work(target)}
+        variants = {"none": None, "sleep": backend.make_delay(target), "work": make_work(backend, target)}
         print(f"{name}: call {base * 1e3:.3f} ms, delay {target * 1e6:.1f} us", flush=True)
         for rep in range(args.reps):
             for variant, delay in variants.items():  # "none" first: the repetition's reference

@@ -1464,7 +1464,7 @@ def test_bad_input_raises_value_error(backend, case):
 
 def _causal_entry_points():
     """Every function that takes `is_causal`, as f(q, is_causal) on a (1, 2, 4, 16) float32 q used as q, k and v."""
-    from lmsys.attention.providers import SDPA_BACKENDS, attention_function
+    from lmsys.attention.providers import PROVIDERS, attention_function
 
     def backward(module):
         def call(q, is_causal):
@@ -1477,7 +1477,7 @@ def _causal_entry_points():
     calls |= {f"flash_attention[{impl}]": functools.partial(lambda i, q, c: flash_attention(q, q, q, c, impl=i), impl)
               for impl in FUNCTIONS}
     calls |= {f"provider[{name}]": functools.partial(lambda f, q, c: f(q, q, q, c), attention_function(name))
-              for name in ("naive", "flash_torch", "sdpa", *SDPA_BACKENDS) if name != "sdpa_cudnn"}
+              for name in PROVIDERS if not name.endswith("_compiled")}  # compiled: the same functions, traced
     calls |= {f"{name}.backward": backward(IMPLS[name]) for name in IMPLS}
     # The Gluon kernels check the flag before they look at the plan or the device.
     calls["flash_hopper.forward"] = lambda q, c: flash_hopper.forward(q, q, q, c, None)

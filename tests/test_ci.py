@@ -106,20 +106,21 @@ DETECTION_ARGS = ["perf_tests/test_timing_overhead.py", "-p", "no:cacheprovider"
 def test_the_detection_script_adds_runs_per_call_until_it_has_them_all(tmp_path):
     # Each call a reference and its one run; the first call an untimed run before them, unless the caches are warm
     # already (a device machine given the earlier start's): LMSYS_DETECTION_WARM_UP=0 leaves it out.
+    root, _ = tracked_copy(tmp_path / "tree", git=True)
     env = {**os.environ, "GITHUB_STEP_SUMMARY": str(tmp_path / "step-summary.md"), "LMSYS_DETECTION_RUNS": "2",
            "LMSYS_DETECTION_PER_CALL": "1"}
-    calibrations = [str(p.relative_to(ROOT)) for p in (ROOT / "baselines").glob("*/calibration.json")]
+    calibrations = [str(p.relative_to(root)) for p in (root / "baselines").glob("*/calibration.json")]
     paths = ["lmsys/perf", ":(exclude)lmsys/perf/detection.py", ":(exclude)lmsys/perf/docs.py", "perf_tests",
              "conftest.py", "pytest.ini", *calibrations]
     gate = subprocess.run(["git", "log", "-1", "--format=%h", "--", *paths],
-                          cwd=ROOT, capture_output=True, text=True).stdout.strip()
+                          cwd=root, capture_output=True, text=True).stdout.strip()
     changed = subprocess.run(["git", "status", "--porcelain", "--", *paths],
-                             cwd=ROOT, capture_output=True, text=True).stdout.strip()
+                             cwd=root, capture_output=True, text=True).stdout.strip()
     gate += "-changed" if changed else ""  # a checkout that changes the gate further is another gate
 
     def call(warm_up: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", str(ROOT / ".ci" / "detection"), str(tmp_path / "root"), "--", *DETECTION_ARGS],
-                              cwd=ROOT, env={**env, "LMSYS_DETECTION_WARM_UP": warm_up}, capture_output=True,
+        return subprocess.run(["bash", str(root / ".ci" / "detection"), str(tmp_path / "root"), "--", *DETECTION_ARGS],
+                              cwd=root, env={**env, "LMSYS_DETECTION_WARM_UP": warm_up}, capture_output=True,
                               text=True, timeout=300)
 
     for kept, warm_up in ((1, "1"), (2, "0"), (2, "0")):  # one run per call, then nothing more to run
@@ -133,8 +134,8 @@ def test_the_detection_script_adds_runs_per_call_until_it_has_them_all(tmp_path)
     assert "2 runs kept already: nothing to run" in done.stderr
     summary = (tmp_path / "step-summary.md").read_text()
     assert summary.count("### Detection rate of the gate") == 3 and "2 of 2 runs" in summary
-    done = subprocess.run(["bash", str(ROOT / ".ci" / "detection"), str(tmp_path / "other"), "--", *DETECTION_ARGS],
-                          cwd=ROOT, env={**env, "LMSYS_DETECTION_WARM_UP": "2"}, capture_output=True, text=True,
+    done = subprocess.run(["bash", str(root / ".ci" / "detection"), str(tmp_path / "other"), "--", *DETECTION_ARGS],
+                          cwd=root, env={**env, "LMSYS_DETECTION_WARM_UP": "2"}, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2 and "LMSYS_DETECTION_WARM_UP must be" in done.stderr
 
@@ -173,20 +174,26 @@ def run_script(out: Path, *args: str, extra: tuple[str, ...] = (), root: Path = 
     )
 
 
-def tracked_copy(tree: Path) -> tuple[Path, dict]:
-    """A copy of the checkout's tracked files (git ls-files) in tree, and the environment that names its commit: the
-    baselines a user saved into the checkout (untracked) stay out of it. Without git (a copy of the tree on a device
-    machine) the checkout itself, which then cannot tell its own files from the user's."""
+def tracked_copy(tree: Path, git: bool = False) -> tuple[Path, dict]:
+    """A copy of the checkout's tracked files (git ls-files) in tree, as its working tree has them, and the environment
+    to run the scripts there with: the baselines and calibrations a user saved into the checkout (untracked) stay out
+    of it. Without `git` the copy has no repository and the environment names the checkout's commit; with it the copy
+    is a clone sharing the checkout's objects, at its commit and with its changes to tracked files, for the scripts that
+    read the history (.ci/perf --base, .ci/detection). Without git (a copy of the tree on a device machine) the checkout
+    itself, which then cannot tell its own files from the user's."""
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         return ROOT, {}
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    if git:
+        subprocess.run(["git", "clone", "--quiet", "--shared", "--no-checkout", str(ROOT), str(tree)], check=True)
+        subprocess.run(["git", "reset", "--quiet", head], cwd=tree, check=True)  # the index at HEAD; files below
     listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     for name in filter(None, listed.decode().split("\0")):
         source = ROOT / name
         if source.is_file():
             (tree / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, tree / name, follow_symlinks=False)
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    return tree, {"LMSYS_GIT_COMMIT": head, "GIT_CEILING_DIRECTORIES": str(tree.parent)}
+    return tree, {} if git else {"LMSYS_GIT_COMMIT": head, "GIT_CEILING_DIRECTORIES": str(tree.parent)}
 
 
 def test_the_gpu_script_compares_reports_and_saves_into_a_copy(tmp_path):
@@ -213,8 +220,9 @@ def test_the_gpu_script_compares_reports_and_saves_into_a_copy(tmp_path):
 def test_the_gpu_script_compares_a_change_with_its_base_timed_in_the_same_job(tmp_path):
     before = sorted(p.relative_to(ROOT) for p in (ROOT / "baselines").rglob("*"))
     out = tmp_path / "ab"
+    root, env = tracked_copy(tmp_path / "tree", git=True)
     # A/A on the CPU: the commit checked out against itself (the plumbing, not the timing: a wide tolerance).
-    done = run_script(out, "--base", "HEAD", extra=("--perf-time-tolerance=1",))
+    done = run_script(out, "--base", "HEAD", extra=("--perf-time-tolerance=1",), root=root, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     assert f"the base, HEAD ({head}): compiling, untimed, then timing it on this machine" in done.stdout

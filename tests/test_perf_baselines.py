@@ -300,7 +300,8 @@ def test_save_problem_names_what_cannot_be_written(tmp_path, monkeypatch):
         raise PermissionError(30, "Read-only file system")
 
     monkeypatch.setattr(baselines.tempfile, "mkstemp", read_only)
-    assert baselines.save_problem(tmp_path, "x") == f"cannot write into {tmp_path}: Read-only file system"
+    assert baselines.save_problem(tmp_path, "x") == (
+        f"baselines cannot be saved into {tmp_path}: {tmp_path} is not writable (Read-only file system)")
     assert list(tmp_path.iterdir()) == [tmp_path / "file"]
 
 

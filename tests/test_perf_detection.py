@@ -363,7 +363,7 @@ def test_runs_of_another_gate_are_never_resumed_nor_tabulated_together(monkeypat
     (tmp_path / "perf_tests" / "test_b.py").unlink()
     capsys.readouterr()
     assert detection.main(["--runs", "2", "--resume", *argv]) == 0
-    assert "| test_x | 0/2 | 2/2 |" in detection._markdown(detection._table_of_kept([Path("kept")])[0])
+    assert "| test_x | 0/2 | 2/2 |" in detection._shown(detection._table_of_kept([Path("kept")])[0], markdown=True)
 
 
 def test_a_folder_kept_before_the_gate_was_recorded_takes_this_gate_with_a_warning(monkeypatch, tmp_path, capsys):

@@ -44,11 +44,18 @@ def with_calibration(pytester):
 
 # A baseline or the calibration is never destroyed.
 
-@pytest.mark.parametrize("where", ["baselines/link.json", "link.json"])
-def test_benchmark_json_through_a_symlink_to_a_baseline_is_refused(pytester, where):
-    save_baseline(pytester, {"test_a": {"ms": 1.0}})
-    (baseline,) = baseline_files(pytester)
-    (pytester.path / where).symlink_to(baseline)
+@pytest.mark.parametrize(("link", "to", "where"), [
+    ("baselines/link.json", "baseline", "baselines/link.json"),
+    ("link.json", "baseline", "link.json"),
+    ("link.json", "calibration", "link.json"),  # named like no baseline: only where it leads tells
+    ("linked", "folder", "linked/report.json"),  # a file that does not exist yet, in a linked GPU folder
+])
+def test_benchmark_json_through_a_symlink_into_a_baseline_folder_is_refused(pytester, link, to, where):
+    with_calibration(pytester)
+    folder = pytester.path / "baselines" / MACHINE
+    (baseline,) = baselines.baseline_files(folder)
+    (pytester.path / link).symlink_to({"baseline": baseline, "calibration": folder / calibration.FILE_NAME,
+                                       "folder": folder}[to])
     before = folder_state(pytester)
     result = run(pytester, f"--benchmark-json={where}")
     assert result.ret == USAGE_ERROR

@@ -240,7 +240,7 @@ def test_unwritable_outputs_stop_the_run_before_any_test(pytester):
     (pytester.path / "store").write_text("a file where the baselines folder should be")
     result = run(pytester, "--benchmark-storage=store", "--benchmark-save=x")
     assert result.ret == USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--benchmark-save=x: *store is not a folder, so baselines cannot be saved into*"])
+    result.stderr.fnmatch_lines(["*--benchmark-save=x: baselines cannot be saved into *store*: *store is not a folder*"])
     result.assert_outcomes()
 
     result = run(pytester, f"--benchmark-save={'x' * 300}")

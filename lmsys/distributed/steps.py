@@ -75,8 +75,8 @@ def capture_refusal(wrapper: str, optimizer: str = "torch-adamw", sharded: bool 
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}")
     if wrapper == "torch-ddp":
-        # It would fail the capture midway: on two H200s its reducer's work failed it
-        # (cudaErrorStreamCaptureUnsupported) and the benchmark was then skipped out of memory.
+        # Its reducer's work fails the capture midway (cudaErrorStreamCaptureUnsupported on two H200s), and the
+        # benchmark then skips out of memory.
         return "torch's DistributedDataParallel is not captured in a CUDA graph here"
     if wrapper not in (CAPTURED_SHARDED if sharded else CAPTURED):
         what = f"{wrapper} with ShardedOptimizer" if sharded else wrapper

@@ -1,7 +1,7 @@
 """What the plugin needs from the hardware: a name, a clock that covers the device's work, an L2 flush, a memory
-high-water mark, CUDA-graph capture (to time replays), device-side waits (queued timing's lead) and work (the
-regression injected to measure the gate) and readings of the machine's state. One class per kind of device;
-`detect_backend` picks one.
+high-water mark, CUDA-graph capture (to time replays), device-side waits (queued timing's lead) and readings of the
+machine's state. One class per kind of device; `detect_backend` picks one. What the gate's self-measurement adds
+(device-side work, a CPU spin, memory held) lives with it, in lmsys/perf/injection.py.
 
 Tests and other plugins can supply their own object with the same methods (see `Backend`) through the
 `pytest_perf_backend(config)` hook; the plugin's tests do that to get a deterministic clock and fake memory readings.
@@ -14,7 +14,6 @@ import gc
 import platform
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import cached_property, partial
 from typing import Any, Protocol
@@ -25,10 +24,6 @@ from lmsys.perf import machine, timing
 
 # About 0.5 ms on a GPU clocked near 2 GHz: longer than the launch latency of a Python call into a few kernels.
 SLEEP_CYCLES = 1_000_000
-# make_work (the detection's injected regression): below this a wait, since a launch of the tensor-core kernel alone
-# takes a few microseconds; WORK_PROBE_ITERATIONS (about 0.3 ms on the H100) give the first estimate of a count.
-MIN_WORK_SECONDS = 20e-6
-WORK_PROBE_ITERATIONS = 256
 
 
 @dataclass(frozen=True)
@@ -103,9 +98,6 @@ class Backend(Protocol):
     def for_rank(self) -> Callable[[], Any]: ...
     def capture_graph(self, call: Callable[[], Any]) -> tuple[Callable[[], None], Callable[[], None]]: ...
     def make_delay(self, seconds: float) -> Callable[[], None]: ...
-    def make_work(self, seconds: float) -> Callable[[], None]: ...
-    def make_host_delay(self, seconds: float) -> Callable[[], None]: ...
-    def holding(self, nbytes: int) -> AbstractContextManager: ...
     def machine_state(self) -> dict[str, Any] | None: ...
 
 
@@ -177,20 +169,9 @@ class CpuBackend:
         raise RuntimeError("CUDA graphs need a CUDA device")
 
     def make_delay(self, seconds: float) -> Callable[[], None]:
-        """A function that keeps the CPU busy for `seconds` (the CPU is the device here)."""
-        return self.make_host_delay(seconds)
-
-    def make_work(self, seconds: float) -> Callable[[], None]:
-        """The CPU's work is its spin: make_delay."""
-        return self.make_delay(seconds)
-
-    def make_host_delay(self, seconds: float) -> Callable[[], None]:
-        """A function that keeps the CPU busy for `seconds` (a sleep would give the CPU away and come back late)."""
+        """A function that keeps the CPU, the device here, busy for `seconds` (a sleep would give the CPU away and come
+        back late)."""
         return partial(timing.spin, seconds)
-
-    def holding(self, nbytes: int) -> AbstractContextManager:
-        """The CPU has no memory reading, so nothing is held."""
-        return nullcontext()
 
     def machine_state(self) -> None:
         """No readings on the CPU."""
@@ -372,45 +353,6 @@ class CudaBackend:
         stream: the lead of queued timing, which should draw no power."""
         cycles = max(1, round(seconds * self._sleep_cycles_per_second))
         return lambda: torch.cuda._sleep(cycles)
-
-    def make_work(self, seconds: float) -> Callable[[], None]:
-        """A function that queues about `seconds` of tensor-core work on the current stream (spin.MmaSpin): the
-        regression the gate's detection injects. Unlike make_delay's wait it draws power as a slower kernel would:
-        on the lent H100 at its power cap the leaderboards' forward and backward ran 0.2-2.0% faster after an
-        injected wait of 5% of their time, giving part of it back, and from 0.3% slower to 1.0% faster after this
-        work, but for one block 2.9% faster whose power fell (scripts/injection_study.py, docs/gate-measurements.md,
-        "Why the injection changed"). The iterations are timed alone, from an idle device; a delay shorter than
-        MIN_WORK_SECONDS, below the kernel's own start-up, is a wait (make_delay)."""
-        if seconds < MIN_WORK_SECONDS:
-            return self.make_delay(seconds)
-        work = self._mma_spin
-        iterations = max(1, round(seconds / (self._time_work(work, WORK_PROBE_ITERATIONS) / WORK_PROBE_ITERATIONS)))
-        for _ in range(2):  # the probe's time holds the launch: rescale by the time of the count itself
-            iterations = max(1, round(iterations * seconds / self._time_work(work, iterations)))
-        return partial(work, iterations)
-
-    @cached_property
-    def _mma_spin(self):
-        from lmsys.perf.spin import MmaSpin  # Triton is imported when the gate is measured, not at start-up
-
-        return MmaSpin(self.index)
-
-    def _time_work(self, work: Callable[[int], None], iterations: int) -> float:
-        """The median of three timings of work(iterations), each behind a wait (time_call)."""
-        return sorted(self.time_call(partial(work, iterations)) for _ in range(3))[1]
-
-    def make_host_delay(self, seconds: float) -> Callable[[], None]:
-        """A function that keeps the CPU busy for `seconds` (host timing's injected delay)."""
-        return partial(timing.spin, seconds)
-
-    @contextmanager
-    def holding(self, nbytes: int):
-        """Holds `nbytes` more of device memory inside the block (an allocation that lives as long as it)."""
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.index)
-        try:
-            yield
-        finally:
-            del buffer
 
     @cached_property
     def _machine(self) -> tuple[machine.Reader | None, str | None]:

@@ -329,7 +329,7 @@ def allocated_peak(extra_info: dict) -> int | None:
 def gated_peaks(now: dict, baseline: dict) -> tuple[int, int, str] | None:
     """The peaks above start that the gate compares, from this run's and the baseline's extra_info: (now, baseline,
     'requested') where both have the requested bytes, else (now, baseline, 'allocated') from the allocated ones (a
-    baseline saved before the requested bytes were read); None when either has no memory reading."""
+    baseline without the requested bytes); None when either has no memory reading."""
     for key, measure in PEAK_KEYS:
         values = now.get(key), baseline.get(key)
         if all(is_number(value) for value in values):
@@ -371,27 +371,16 @@ def save_problem(folder: Path, name: str) -> str | None:
         check_name(name)
     except ValueError as exc:
         return str(exc)
-    folder = Path(folder)
-    ancestor = _existing_ancestor(folder)
-    if not ancestor.is_dir():
-        return f"{ancestor} is not a folder, so baselines cannot be saved into {folder}"
+    problem = _writable_folder_problem(folder)
+    if problem:
+        return f"baselines cannot be saved into {folder}: {problem}"
     longest = file_name(MAX_NUMBER, name)
     try:
-        limit = os.pathconf(ancestor, "PC_NAME_MAX")
+        limit = os.pathconf(_existing_ancestor(folder), "PC_NAME_MAX")
     except (OSError, ValueError, AttributeError):
         limit = 255
     if len(longest.encode()) > limit:
         return f"the file name {longest!r} is longer than the {limit} bytes the file system allows: use a shorter name"
-    if folder.is_dir():
-        try:
-            handle, probe = tempfile.mkstemp(dir=folder, prefix=TEMPORARY_PREFIX, suffix=".json")
-        except OSError as exc:
-            return f"cannot write into {folder}: {exc.strerror or exc}"
-        os.close(handle)
-        with contextlib.suppress(OSError):  # a save running at the same time may have removed it already
-            os.unlink(probe)
-    elif not os.access(ancestor, os.W_OK | os.X_OK):
-        return f"cannot create {folder}: {ancestor} is not writable"
     return None
 
 
@@ -408,7 +397,7 @@ def _writable_folder_problem(folder: Path) -> str | None:
     except OSError as exc:
         return f"{ancestor} is not writable ({exc.strerror or exc})"
     os.close(handle)
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError):  # a save running at the same time may have removed it already
         os.unlink(probe)
     return None
 
@@ -493,32 +482,24 @@ def _holding(folder: Path):
         yield
 
 
-def _temporary_file(folder: Path, prefix: str, suffix: str) -> tuple[int, str]:
-    """tempfile.mkstemp in folder, with the permissions a file created by open() would get (mkstemp's are 0600): the
-    file is linked or moved into place, and a baseline or report readable only by its writer is not what a shared
-    checkout or a CI cache expects."""
-    handle, temporary = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=suffix)
-    mask = os.umask(0o022)
-    os.umask(mask)
-    os.fchmod(handle, 0o666 & ~mask)
-    return handle, temporary
-
-
 @contextlib.contextmanager
-def _staged(folder: Path, text: str, held: bool = False):
-    """Under the folder's lock (taken here unless `held`): a hidden temporary file in folder holding text, flushed to
-    disk, for the caller to link or move into place; removed at the end unless moved."""
-    with contextlib.nullcontext() if held else _holding(folder):
-        handle, temporary = _temporary_file(folder, TEMPORARY_PREFIX, ".json")
-        try:
-            with os.fdopen(handle, "w", encoding="utf-8") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            yield Path(temporary)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temporary)
+def _staged(folder: Path, text: str, prefix: str = TEMPORARY_PREFIX, suffix: str = ".json"):
+    """A hidden temporary file in folder holding text, flushed to disk, for the caller to link or move into place;
+    removed at the end unless moved. It gets the permissions a file created by open() would get (mkstemp's are
+    0600): a baseline or report readable only by its writer is not what a shared checkout or a CI cache expects."""
+    handle, temporary = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=suffix)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as fh:
+            mask = os.umask(0o022)
+            os.umask(mask)
+            os.fchmod(fh.fileno(), 0o666 & ~mask)
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        yield Path(temporary)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
 
 
 def replace_file(path: Path, text: str) -> Path:
@@ -537,7 +518,7 @@ def update_file(path: Path, change) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with _holding(path.parent):
         text = change(path.read_text(encoding="utf-8") if path.exists() else None)
-        with _staged(path.parent, text, held=True) as temporary:
+        with _staged(path.parent, text) as temporary:
             os.replace(temporary, path)
     return path
 
@@ -546,9 +527,8 @@ def rewrite(path: Path, text: str) -> Path:
     """Replaces a baseline file atomically, under its folder's lock: for the migration alone (migrate.py), which a
     user asks for by name; everything else writes a baseline once, with save_new."""
     path = Path(path)
-    with _holding(path.parent):
-        with _staged(path.parent, text, held=True) as temporary:
-            os.replace(temporary, path)
+    with _holding(path.parent), _staged(path.parent, text) as temporary:
+        os.replace(temporary, path)
     return path
 
 
@@ -563,7 +543,7 @@ def save_new(folder: Path, name: str, text: str) -> Path:
     check_name(name)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    with _staged(folder, text) as temporary:
+    with _holding(folder), _staged(folder, text) as temporary:
         while True:
             number = next_number(folder)
             if number > MAX_NUMBER:
@@ -580,12 +560,5 @@ def write_new_file(path: Path, text: str) -> None:
     """Writes text to path atomically (a temporary file in the same folder, then a hard link, which fails with
     FileExistsError rather than replace a file that is already there)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = _temporary_file(path.parent, f".{path.name}.", ".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
+    with _staged(path.parent, text, f".{path.name}.", ".tmp") as temporary:
         os.link(temporary, path)
-    finally:
-        os.unlink(temporary)

@@ -11,7 +11,7 @@ compilation caches (--no-warm-up: none). The cases take turns (a round is one ru
 machine over the measurement (warming up, another start) falls on every case alike, and a measurement stopped
 partway has as many runs of each case. Their runs load the injection plugin (-p lmsys.perf.injection), where
 LMSYS_INJECT_DELAY=f makes every benchmarked call queue device-side work of f times its own time (tensor-core
-multiplies, CudaBackend.make_work), LMSYS_INJECT_MEMORY=B hold B more bytes on the device while it runs.
+multiplies, injection.make_work), LMSYS_INJECT_MEMORY=B hold B more bytes on the device while it runs.
 --in-process measures every case in each run instead: a fresh process judges each benchmark unchanged (the A/A
 case), then once more per injected case (LMSYS_INJECT_CASES, judged against the same reference, failing nothing):
 the cases share each run's process, and its start-up and compilations are paid once (on the H100 such a run of the
@@ -44,6 +44,7 @@ from typing import NamedTuple
 import pandas as pd
 
 from lmsys.perf import baselines, calibration, reruns
+from lmsys.perf.report import markdown_table
 from lmsys.perf.verdict import MORE_MEMORY, Verdict, format_bytes
 from lmsys.perf.injection import INJECT_CASES, INJECT_DELAY, INJECT_MEMORY, INJECTED_CASES_KEY
 
@@ -68,6 +69,15 @@ def more_memory(label: str | None) -> bool:
     return label is not None and MORE_MEMORY in label.split("+")
 
 
+def _judged(doc: dict):
+    """(benchmark, its extra_info, its verdict label) for each benchmark a run compared with the reference."""
+    for bench in doc.get("benchmarks", []):
+        info = bench.get("extra_info") or {}
+        label = info.get("verdict")
+        if label is not None and label != "NEW":
+            yield bench, info, label
+
+
 def tally(cases: list[tuple[str, list[dict], Callable[[str | None], bool]]]) -> pd.DataFrame:
     """Rows per benchmark, per timing when the benchmarks were timed in more than one way ('all graph': the graph
     replays, 'all host': the launch costs, ...) and 'all'; a column per case: 'k/n', k the runs whose verdict the
@@ -77,11 +87,7 @@ def tally(cases: list[tuple[str, list[dict], Callable[[str | None], bool]]]) -> 
     timings = set()
     for column, docs, counted in cases:
         for doc in docs:
-            for bench in doc.get("benchmarks", []):
-                info = bench.get("extra_info") or {}
-                label = info.get("verdict")
-                if label is None or label == "NEW":
-                    continue
+            for bench, info, label in _judged(doc):
                 timed = f"all {info['timing']}" if info.get("timing") else None
                 timings.add(timed)
                 for name in (bench["name"], timed, "all"):
@@ -122,11 +128,7 @@ def per_run(cases: list[tuple[str, list[dict], Callable[[str | None], bool]]], h
         changes = counted is not more_memory
         for run, doc in enumerate(docs, 1):
             timings: dict[str, list] = {}
-            for bench in doc.get("benchmarks", []):
-                info = bench.get("extra_info") or {}
-                label = info.get("verdict")
-                if label is None or label == "NEW":
-                    continue
+            for bench, info, label in _judged(doc):
                 change = info.get("time_change")
                 timings.setdefault(info.get("timing") or "", []).append((change, bench["name"], counted(label)))
                 if column != AA_COLUMN and not counted(label):
@@ -147,9 +149,9 @@ def per_run(cases: list[tuple[str, list[dict], Callable[[str | None], bool]]], h
     return pd.DataFrame(rows, columns=columns).sort_values(["run"], kind="stable"), lines
 
 
-def _markdown(table: pd.DataFrame) -> str:
-    lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
-    return "\n".join(lines + ["| " + " | ".join(map(str, row)) + " |" for row in table.itertuples(index=False)])
+def _shown(table: pd.DataFrame, markdown: bool) -> str:
+    """The table as markdown (--markdown) or as text."""
+    return markdown_table(table).rstrip("\n") if markdown else table.to_string(index=False)
 
 
 # Every run (the references too) reports its slowest tests, set-up and compilation included: where a run's time goes
@@ -697,11 +699,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         table, selections, alarms, cases = _table_of_kept(args.table)
         for folder, selection in selections.items():
             print(f"runs kept in {folder} of: {' '.join(selection)}", file=sys.stderr)
-        print(_markdown(table) if args.markdown else table.to_string(index=False))
+        print(_shown(table, args.markdown))
         print("\n".join([f"{len(alarms)} A/A false alarm(s):"] + [f"  {line}" for line in alarms]), file=sys.stderr)
         if args.per_run:
             runs, lines = per_run(*cases)
-            print("\n" + (_markdown(runs) if args.markdown else runs.to_string(index=False)))
+            print("\n" + _shown(runs, args.markdown))
             print("\n".join(lines), file=sys.stderr)
         return 0
     if not args.pytest_args:
@@ -723,7 +725,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         results = _measure(args, cases, held)
     table = tally(_with_memory(results, held))
-    print(_markdown(table) if args.markdown else table.to_string(index=False))
+    print(_shown(table, args.markdown))
     return 0
 
 

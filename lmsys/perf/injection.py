@@ -2,31 +2,37 @@
 `python -m lmsys.perf.detection` loads into the runs it spawns (`-p lmsys.perf.injection`). A run without it never
 imports this module or reads these variables.
 
-    LMSYS_INJECT_DELAY=f     every benchmarked call is followed by device-side work (backend.make_work) of f times its
+    LMSYS_INJECT_DELAY=f     every benchmarked call is followed by device-side work (make_work) of f times its
                              own time, measured as the benchmark is judged: the call, the replays of a trial capture
                              (graph=True), queued rounds when it cannot be captured; with host=True a CPU spin of f
                              times its host time. On several ranks every rank gets the same work: f times the slowest
                              rank's round.
-    LMSYS_INJECT_MEMORY=B    B more bytes held on the device during every benchmarked call (backend.holding).
+    LMSYS_INJECT_MEMORY=B    B more bytes held on the device during every benchmarked call (holding).
     LMSYS_INJECT_CASES=...   "DELAY[:BYTES],...", e.g. "0.03:1048576,0.05": after its own measurement and verdict,
                              each benchmark with a baseline is measured once more per case and judged against the same
                              baseline; the verdicts go into its extra_info (INJECTED_CASES_KEY) and the summary,
                              and fail nothing. One process then measures the A/A case and every injected one.
 
 The gate reaches this module through two seams: PerfSession.injection (an Injection, handed to timing.run and to
-every rank in multirank.Settings) and the pytest_perf_measured hook, called after each benchmark is recorded.
+every rank in multirank.Settings) and the pytest_perf_measured hook, called after each benchmark is recorded. The work,
+the CPU spin and the memory held are made here, for the CUDA and CPU backends; a backend that another plugin or a test
+supplies (the pytest_perf_backend hook) and that is measured so brings its own make_work, make_host_delay and holding.
 """
 
 import math
 import os
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cache, partial
 from statistics import median
 from typing import Any
 
 import pytest
+import torch
 
 from lmsys.perf import timing
+from lmsys.perf.backend import CudaBackend
 from lmsys.perf.session import RECORD_KEY, SESSION_KEY
 from lmsys.perf.verdict import format_bytes
 
@@ -38,6 +44,62 @@ _CASES_KEY = pytest.StashKey[list]()
 # Rounds per block when a delay's work is sized where it runs (Injection._sized_in_place).
 SIZING_ROUNDS = 7
 SIZING_LIMIT = 2.0
+# make_work: below this a wait, since a launch of the tensor-core kernel alone takes a few microseconds;
+# WORK_PROBE_ITERATIONS (about 0.3 ms on the H100) give the first estimate of a count.
+MIN_WORK_SECONDS = 20e-6
+WORK_PROBE_ITERATIONS = 256
+
+
+def make_work(backend, seconds: float) -> Callable[[], None]:
+    """A function that queues about `seconds` of work on the backend's device: on a CUDA GPU tensor-core multiplies
+    on the current stream (spin.MmaSpin), on the CPU its spin (make_delay). Unlike CudaBackend.make_delay's wait the
+    multiplies draw power as a slower kernel would: after a wait, a GPU at its power cap runs the next kernels faster
+    and gives back part of the delay (docs/gate-measurements.md, "Why the injection changed", has the H100's numbers).
+    The iterations are timed alone, from an idle device; a delay shorter than MIN_WORK_SECONDS, below the kernel's own
+    start-up, is a wait."""
+    if hasattr(backend, "make_work"):
+        return backend.make_work(seconds)
+    if not isinstance(backend, CudaBackend) or seconds < MIN_WORK_SECONDS:
+        return backend.make_delay(seconds)
+    work = _mma_spin(backend.index)
+    iterations = max(1, round(seconds / (_time_work(backend, work, WORK_PROBE_ITERATIONS) / WORK_PROBE_ITERATIONS)))
+    for _ in range(2):  # the probe's time holds the launch: rescale by the time of the count itself
+        iterations = max(1, round(iterations * seconds / _time_work(backend, work, iterations)))
+    return partial(work, iterations)
+
+
+@cache
+def _mma_spin(index: int):
+    from lmsys.perf.spin import MmaSpin  # Triton is imported where work is injected on a GPU
+
+    return MmaSpin(index)
+
+
+def _time_work(backend, work: Callable[[int], None], iterations: int) -> float:
+    """The median of three timings of work(iterations), each behind a wait (time_call)."""
+    return sorted(backend.time_call(partial(work, iterations)) for _ in range(3))[1]
+
+
+def make_host_delay(backend, seconds: float) -> Callable[[], None]:
+    """A function that keeps the CPU busy for `seconds` (host timing's injected delay)."""
+    if hasattr(backend, "make_host_delay"):
+        return backend.make_host_delay(seconds)
+    return partial(timing.spin, seconds)
+
+
+@contextmanager
+def holding(backend, nbytes: int):
+    """Holds `nbytes` more of device memory inside the block, an allocation that lives as long as it (nothing on the
+    CPU, which has no memory reading)."""
+    if hasattr(backend, "holding"):
+        with backend.holding(nbytes):
+            yield
+        return
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=backend.index) if isinstance(backend, CudaBackend) else None
+    try:
+        yield
+    finally:
+        del buffer
 
 
 @dataclass(frozen=True)
@@ -59,11 +121,11 @@ class Injection:
         if not self.memory:
             return call
 
-        def holding():
-            with backend.holding(self.memory):
+        def with_bytes_held():
+            with holding(backend, self.memory):
                 return call()
 
-        return holding
+        return with_bytes_held
 
     def delayed(self, backend, call: Callable[[], Any], flush, graph: bool, host: bool) -> Callable[[], Any]:
         """call followed by the delay: device-side work of the fraction of the median of three rounds of what the
@@ -75,7 +137,7 @@ class Injection:
         if host:
             lead = timing.queue_lead(backend, call, flush)
             typical = median(timing.time_rounds(backend, call, 3, flush, lead, host=True))
-            return _followed_by(call, backend.make_host_delay(self.delay * typical))
+            return _followed_by(call, make_host_delay(backend, self.delay * typical))
         lead = None
         typical = median(timing.time_rounds(backend, call, 3, flush))
         if graph:
@@ -98,7 +160,7 @@ class Injection:
         share of the round (docs/gate-measurements.md), and the sizes the detection reports are of what the gate
         reads. The resizing is at most SIZING_LIMIT times either way: a ratio past it is noise of a short call."""
         seconds = self.delay * typical
-        work = backend.make_work(seconds)
+        work = make_work(backend, seconds)
         pair, releases = [call, _followed_by(call, work)], []
         if graph:
             try:
@@ -117,7 +179,7 @@ class Injection:
         added = median(samples[1]) / median(samples[0]) - 1
         if not added > 0:  # nothing measurable added: the work as timed alone
             return work
-        return backend.make_work(seconds * min(max(self.delay / added, 1 / SIZING_LIMIT), SIZING_LIMIT))
+        return make_work(backend, seconds * min(max(self.delay / added, 1 / SIZING_LIMIT), SIZING_LIMIT))
 
     def delayed_ranks(self, ctx, timed: Callable[[], Any], step: Callable[[], Any], timer):
         """(timed, step) of a multi-rank benchmark followed by the same device-side work on every rank: the fraction
@@ -128,7 +190,7 @@ class Injection:
         from lmsys.perf import multirank
 
         samples, _, _ = multirank._time_rounds(ctx, timed, 3, timer)
-        work = ctx.backend.make_work(self.delay * median(multirank._slowest(multirank._gather(samples))))
+        work = make_work(ctx.backend, self.delay * median(multirank._slowest(multirank._gather(samples))))
         return _followed_by(timed, work), _followed_by(step, work)
 
 

@@ -78,8 +78,8 @@ def pytest_addhooks(pluginmanager):
 
 class JsonReport(os.PathLike):
     """The file of pytest-benchmark's --benchmark-json. pytest-benchmark 5.2 declares the option as
-    argparse.FileType('wb'), which empties the file while the command line is parsed: a run that then stopped on a
-    usage error, or was interrupted, left an empty file where the previous report (or a baseline) was. This type only
+    argparse.FileType('wb'), which empties the file while the command line is parsed: a run that then stops on a
+    usage error, or is interrupted, leaves an empty file where the previous report (or a baseline) was. This type only
     names the path (5.3 opens it itself: `os.fspath`); the report is written atomically by _write_json_atomically,
     which replaces pytest-benchmark's save_json. A path named like a baseline file (NNNN_name.json) is refused here
     already; the rest of the guard (baselines.output_problem) runs once the storage folder is known."""
@@ -410,7 +410,7 @@ def _check_outputs(config, perf: PerfSession) -> None:
 
 
 def _write_json_atomically(config, bench_session, perf: PerfSession | None) -> None:
-    """Replaces pytest-benchmark's save_json (which opens --benchmark-json and writes into it, so a full disk left a
+    """Replaces pytest-benchmark's save_json (which opens --benchmark-json and writes into it, so a full disk leaves a
     cut-off file in place of the previous report) with an atomic write: a temporary file in the same folder, renamed
     over the report (baselines.replace_file). In a run of the gate a write that fails is said in the summary and
     fails the run."""
