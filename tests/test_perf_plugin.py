@@ -538,3 +538,17 @@ def test_a_plain_perf_run_loads_at_most_3500_lines_of_the_gate_and_none_of_its_m
         f"a plain `pytest perf_tests` loads {sum(lines.values())} lines of lmsys.perf, more than {MAX_GATE_LINES}: "
         + ", ".join(f"{name} {n}" for name, n in sorted(lines.items(), key=lambda item: -item[1]))
     )
+
+
+def test_verbose_lines_give_each_passing_benchmark_s_median_change_and_verdict_as_it_finishes(pytester):
+    save_baseline(pytester, {"test_a": {"ms": 1.0}, "test_b": {"ms": 1.0}})
+    write_suite(pytester, {"test_a": {"ms": 1.0}, "test_b": {"ms": 1.3}}, seed=2)
+    result = run(pytester, "--benchmark-compare", "-v")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "test_suite.py::test_a PASSED (1.0* ms, [+-]*%, PASS)*",
+        "test_suite.py::test_b FAILED*",
+        "FAILED test_suite.py::test_b - *SLOWER: test_b median*",
+    ])
+    quiet = run(pytester, "--benchmark-compare")
+    assert "PASSED (" not in quiet.stdout.str()

@@ -44,6 +44,8 @@ _OUTCOMES_KEY = pytest.StashKey[dict[str, str]]()
 _HIDDEN_KEY = pytest.StashKey[list[str]]()
 # Baseline entries of tests that ran and passed without measuring them: the run fails.
 _UNMEASURED_KEY = pytest.StashKey[list[str]]()
+# nodeid -> what its benchmark measured and the verdict, for the verbose progress line (pytest_report_teststatus)
+_STATUS_KEY = pytest.StashKey[dict[str, str]]()
 
 
 def _number(convert, what: str, minimum: float = 0):
@@ -553,9 +555,34 @@ def pytest_runtest_makereport(item, call):
         perf.failed.add(item.nodeid)
     if perf is not None and perf.active:
         _note_outcome(item, report, perf)
+        record = item.stash.get(RECORD_KEY, None)
+        if record is not None and report.when == "call":
+            item.config.stash.setdefault(_STATUS_KEY, {})[item.nodeid] = _status(record)
     if perf is not None and perf.signalled:
         item.session.shouldstop = "interrupted by SIGINT (a KeyboardInterrupt that the test's code swallowed)"
     return report
+
+
+def _status(record) -> str:
+    """'1.234 ms, -0.4%, PASS': a benchmark's median, its change against the baseline and the verdict, as known."""
+    parts = [verdict.format_seconds(record.median)]
+    judged = record.verdict
+    if judged is not None and judged.time is not None:
+        parts.append(f"{judged.time.change:+.1%}")
+    if judged is not None:
+        parts.append(judged.label)
+    return ", ".join(parts)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_report_teststatus(report, config):
+    """With -v, a passing benchmark's line says what it measured and the verdict as soon as it finishes (`_status`):
+    the progress of a long run, one benchmark at a time. (A failing one keeps pytest's word: its message, in the
+    summary, says the rest, and the summary's lines stay "FAILED <test id> - ...".)"""
+    line = config.stash.get(_STATUS_KEY, {}).get(report.nodeid)
+    if report.when != "call" or not report.passed or line is None or config.get_verbosity() < 1:
+        return None
+    return "passed", ".", (f"PASSED ({line})", {"green": True})
 
 
 def _skip_reason(report) -> str:
