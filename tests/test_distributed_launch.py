@@ -1,5 +1,6 @@
 """The rank launcher: results in rank order, torchrun's environment, and failures that never hang the caller."""
 
+import concurrent.futures
 import multiprocessing.util
 import os
 import signal
@@ -146,18 +147,60 @@ def test_unpicklable_result_is_an_error_naming_the_function():
         launch_ranks(_unpicklable, 1, timeout=60)
 
 
-def test_taken_port_is_retried(monkeypatch):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        ports = [taken.getsockname()[1]]
-        free_port = launch_module._free_port
-        monkeypatch.setattr(launch_module, "_free_port", lambda: ports.pop() if ports else free_port())
-        assert [r["rank"] for r in launch_ranks(_report, 2, 0, scale=1, timeout=60)] == [0, 1]
-        assert not ports
-        monkeypatch.setattr(launch_module, "_free_port", lambda: taken.getsockname()[1])
-        with pytest.raises(RuntimeError, match="port in use 3 times"):
-            launch_ranks(_report, 2, 0, scale=1, timeout=60)
+def _listener_pid_of_master_port(candidates: list[int]) -> int | None:
+    """Which of `candidates` (process ids) holds the socket listening on MASTER_PORT, read from /proc."""
+    port, inodes = int(os.environ["MASTER_PORT"]), set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as file:
+            for line in file.readlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                    inodes.add(fields[9])
+    for pid in candidates:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}").removeprefix("socket:[").removesuffix("]") in inodes:
+                    return pid
+            except FileNotFoundError:
+                pass
+    return None
+
+
+def _rendezvous(launcher_pid: int) -> dict:
+    return {"port": int(os.environ["MASTER_PORT"]), "agent_store": os.environ.get("TORCHELASTIC_USE_AGENT_STORE"),
+            "listener": _listener_pid_of_master_port([launcher_pid, os.getpid()])}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads the listening sockets from Linux's /proc")
+def test_the_ranks_rendezvous_on_a_store_the_launcher_holds():
+    # A port that rank 0 binds after the launcher chose it can be taken in between, by another launch's rank 0 even,
+    # whose ranks then join this launch's rendezvous; a port the launcher's own store holds from the start cannot.
+    results = launch_ranks(_rendezvous, 2, os.getpid(), timeout=60)
+    assert results == [{"port": results[0]["port"], "agent_store": "True", "listener": os.getpid()}] * 2
+    # The store is gone once the launch is: nothing listens on its port any more.
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(("127.0.0.1", results[0]["port"]))
+        probe.listen()
+
+
+def _all_reduce_token(token: int) -> tuple[int, str]:
+    total = torch.tensor([token])
+    dist.all_reduce(total)
+    return total.item(), os.environ["MASTER_PORT"]
+
+
+def test_concurrent_launches_rendezvous_with_their_own_ranks_only():
+    # Two launchers at once, as two pytest-xdist workers are: a rank that joined the other launch's rendezvous would
+    # fail or hang its gloo mesh, or add the other launch's token to the sum.
+    def launches(first_token: int) -> list:
+        return [launch_ranks(_all_reduce_token, 2, token, timeout=60) for token in range(first_token, first_token + 5)]
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = [run for runs in pool.map(launches, [100, 200]) for run in runs]
+    for run, token in zip(runs, [*range(100, 105), *range(200, 205)]):
+        assert [total for total, _ in run] == [2 * token] * 2
+        assert run[0][1] == run[1][1]
 
 
 @pytest.mark.parametrize(

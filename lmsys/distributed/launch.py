@@ -6,6 +6,14 @@ see the environment torchrun sets (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, L
 code that starts with `init_process_group()` runs unchanged under `torchrun --nproc-per-node=N` on more GPUs or nodes.
 We add no transport: torch.distributed is the engine.
 
+Rendezvous. The launcher hosts the ranks' TCPStore itself, as torchrun's agent does: it binds the store to port 0 (the
+kernel picks a free port and the store holds it from that moment), hands that port to the ranks as MASTER_PORT and
+sets TORCHELASTIC_USE_AGENT_STORE=True, with which every rank's `init_process_group` (env://) connects to the store as
+a client instead of rank 0 starting one. There is no moment between choosing the port and binding it, so no other
+process can take the port (a rank 0 would then fail to bind it), and no concurrent launch can hand out the same port
+(its ranks would then join this launch's rendezvous: the gloo mesh fails, "connectFullMesh failed ... Connection closed
+by peer", or hangs). The store lives until every rank has been joined.
+
 Failure handling. Each rank sends its result (or its traceback) to the parent through its own pipe; the parent
 waits on those pipes and on the processes' exit sentinels together. The first rank to raise, or to die without
 reporting (a signal, `os._exit`), stops every rank at once and raises `RankError` with that rank's number and
@@ -40,7 +48,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import tempfile
 import time
 import traceback
@@ -56,7 +63,6 @@ if "forkserver" in multiprocessing.get_all_start_methods():
 
 # NVLink multicast (NVLS) stays off: on the lent GPU machines it can take a shared server down.
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-_PORT_ATTEMPTS = 3
 _KILL_GRACE_S = 5.0
 _FAILURE_GRACE_S = 1.0
 # How long a hung rank is given to write its stacks after SIGUSR1, at most.
@@ -132,9 +138,10 @@ def launch_ranks(
 
     `fn` must be importable by name (a module-level function) and its return value picklable. `backend=None` uses
     `default_backend(world_size)`. Raises `RankError` (the first rank that failed, with its traceback) or
-    `RankTimeout` (after `timeout` seconds for the whole run, every rank killed). The ranks run with
-    NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 unless already set, and,
-    unless OMP_NUM_THREADS is set, with the CPU cores shared out between them (torchrun sets one thread each).
+    `RankTimeout` (after `timeout` seconds for the whole run, every rank killed). The ranks rendezvous through a
+    TCPStore that the launcher hosts (MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE=True: see the module's docstring).
+    They run with NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 unless already set,
+    and, unless OMP_NUM_THREADS is set, with the CPU cores shared out between them (torchrun sets one thread each).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
@@ -145,11 +152,7 @@ def launch_ranks(
         raise ValueError(f"backend 'nccl' needs a GPU per rank: {world_size} ranks, {torch.cuda.device_count()} GPUs")
     context = _context(fn)
     deadline = time.monotonic() + timeout
-    for _ in range(_PORT_ATTEMPTS):
-        results = _run(context, fn, args, kwargs, world_size, backend, deadline, timeout)
-        if results is not None:
-            return results
-    raise RuntimeError(f"rank 0 found its master port in use {_PORT_ATTEMPTS} times in a row")
+    return _run(context, fn, args, kwargs, world_size, backend, deadline, timeout)
 
 
 def _context(fn: Callable) -> multiprocessing.context.BaseContext:
@@ -166,9 +169,9 @@ def _context(fn: Callable) -> multiprocessing.context.BaseContext:
     return context
 
 
-def _run(context, fn, args, kwargs, world_size, backend, deadline, timeout) -> list | None:
-    """One attempt on a fresh port; None when rank 0 found the port taken (the caller retries)."""
-    port = _free_port()
+def _run(context, fn, args, kwargs, world_size, backend, deadline, timeout) -> list:
+    # The ranks' store, on a port the kernel picks and the store holds until the ranks are gone: see the docstring.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     environment = dict(os.environ)  # forkserver children would otherwise see the server's environment
     processes, connections = [], []
     stack_dir = tempfile.mkdtemp(prefix="lmsys-ranks-")
@@ -178,7 +181,7 @@ def _run(context, fn, args, kwargs, world_size, backend, deadline, timeout) -> l
             receiver, sender = context.Pipe(duplex=False)
             process = context.Process(
                 target=_rank_main,
-                args=(fn, args, kwargs, rank, world_size, port, backend, environment, sender, stack_files[rank]),
+                args=(fn, args, kwargs, rank, world_size, store.port, backend, environment, sender, stack_files[rank]),
                 name=f"rank{rank}",
                 daemon=False,  # rank code may start processes of its own (DataLoader workers); _stop joins ranks
             )
@@ -192,9 +195,10 @@ def _run(context, fn, args, kwargs, world_size, backend, deadline, timeout) -> l
         for connection in connections:
             connection.close()
         shutil.rmtree(stack_dir, ignore_errors=True)
+        del store  # the launcher holds the only reference: this stops the store's server
 
 
-def _collect(processes, connections, world_size, deadline, timeout, stack_files) -> list | None:
+def _collect(processes, connections, world_size, deadline, timeout, stack_files) -> list:
     results: dict[int, object] = {}
     failures: list[tuple[int, int, str]] = []  # (kind: 0 died, 1 raised, 2 raised in a collective; rank; details)
     waiting = dict(enumerate(connections))  # ranks that have not reported yet
@@ -232,8 +236,6 @@ def _collect(processes, connections, world_size, deadline, timeout, stack_files)
             if status == "ok":
                 results[rank] = pickle.loads(payload)
                 exiting.add(rank)
-            elif status == "port_in_use":
-                return None
             elif status == "error":
                 details, in_collective = payload
                 failures.append((2 if in_collective else 1, rank, details))
@@ -318,13 +320,6 @@ def _exit_status(exitcode: int | None, reported: bool = False) -> str:
     return f"reported its result, then {how} while exiting" if reported else f"{how} without reporting a result"
 
 
-def _free_port() -> int:
-    # The port is free now; another process can take it before rank 0 binds it, hence the retry in launch_ranks().
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _rank_main(fn, args, kwargs, rank, world_size, port, backend, environment, sender, stack_file) -> None:
     """Body of a rank process: its own session (the launcher kills its process group), its stacks on SIGUSR1 into
     `stack_file` until it exits, environment, torch.distributed's process group, `fn`, then (status, payload) down the
@@ -341,19 +336,14 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, backend, environment, s
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
+        TORCHELASTIC_USE_AGENT_STORE="True",  # the launcher hosts the store on MASTER_PORT: ranks are its clients
     )
     for name, value in NO_MULTICAST_ENV.items():
         os.environ.setdefault(name, value)
     if "OMP_NUM_THREADS" not in environment:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
-        try:
-            init_process_group(backend)
-        except dist.DistNetworkError as error:
-            if "EADDRINUSE" not in str(error):
-                raise
-            _send(sender, "port_in_use", None)
-            return
+        init_process_group(backend)
         result = fn(*args, **kwargs)
         try:
             payload = pickle.dumps(result)
