@@ -6,8 +6,8 @@
 For each call (the leaderboard's forward + backward, (16, 16384, 64) bf16 causal, by SDPA's cuDNN backend and by
 flash_triton; a 2 GiB copy that stays below the power cap), blocks of rounds are timed in turn, `--reps` times over:
 the call alone, then followed by a delay of `--fraction` of its time (the median of the first block alone): `sleep`
-(CudaBackend.make_delay, a kernel spinning on the clock: the injection up to gate b2d238b) and `work`
-(lmsys.perf.injection.make_work, tensor-core multiplies: the injection since). Each round is timed as the gate times
+(CudaBackend.make_delay, a kernel spinning on the clock) and `work` (lmsys.perf.injection.make_work, tensor-core
+multiplies: what the injection adds). Each round is timed as the gate times
 one, behind a short sleep, with events before the call, after it and after the delay, so the table shows where the
 time went: the call's own median, the delay's, and the whole round's change against the call alone in the same
 repetition. NVML's power, SM clock and throttle reasons are sampled every 10 ms during each block.

@@ -59,9 +59,9 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITCallable
 
 ENV = "LMSYS_ATTENTION_PINS"
-# How flash_triton can run a backward that the Gluon backward can take: the Triton kernel, or the Gluon kernels one after
-# the other, side by side (not while a CUDA graph is captured: then one after the other), or fused (dQ accumulated by
-# the dK/dV kernel).
+# How flash_triton can run a backward that the Gluon backward can take: the Triton kernel, or the Gluon kernels one
+# after the other, side by side (not while a CUDA graph is captured: then one after the other), or fused (dQ
+# accumulated by the dK/dV kernel).
 BACKWARD_CHOICES = ("triton", "gluon", "gluon-concurrent", "gluon-fused")
 SCHEMA = 1
 FOLDER = Path(__file__).with_name("tuned_configs")
