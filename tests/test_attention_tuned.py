@@ -349,7 +349,8 @@ def test_backward_choices_of_other_sources_warn_and_are_ignored(tmp_path, gpu_ta
     table = _table("_flash_fwd_kernel", _fwd(32))
     table["backward"] = _choices(((64, True, 1024, 31.0), "triton"), fingerprint="0" * 16)
     _save(tmp_path, table)
-    with pytest.warns(UserWarning, match="another version of its source"):
+    tuned._stale_choices.cache_clear()
+    with pytest.warns(UserWarning, match="backward choices timed on another version of the backward kernels"):
         assert tuned.backward_choice(_cuda_query(), True, 1024, 20.0) is None
 
 
@@ -406,3 +407,10 @@ def test_the_backward_fingerprint_follows_the_kernels_and_settings_not_the_docst
     tuned._sources.cache_clear()
     tuned.backward_fingerprint.cache_clear()
     assert tuned.backward_fingerprint() == before
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "soon"])
+def test_the_export_budget_must_be_a_positive_number_of_seconds(value, capsys):
+    with pytest.raises(SystemExit):
+        tuned.main(["--export", "--budget-s", value])
+    assert "--budget-s" in capsys.readouterr().err

@@ -280,6 +280,14 @@ def _stale(path: Path, kernel: str) -> None:
 
 
 @functools.cache
+def _stale_choices(path: Path) -> None:
+    """Warns once per table that its backward choices were timed on other kernels or settings."""
+    warnings.warn(f"the attention config table {path} holds backward choices timed on another version of the backward "
+                  f"kernels or their settings: flash_hopper_bwd's thresholds decide; measure them again with "
+                  f"`python -m lmsys.attention.tuned --export --backward-only`", stacklevel=3)
+
+
+@functools.cache
 def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
@@ -348,7 +356,7 @@ def backward_choice(q: torch.Tensor, causal: bool, keys: int, per_sm: float) -> 
         return None
     fingerprint_, choices = found
     if fingerprint_ != backward_fingerprint():
-        _stale(path, "the backward's choices")
+        _stale_choices(path)
         return None
     return choices.get(_canonical(backward_bucket(q.shape[-1], causal, keys, per_sm)))
 
@@ -477,7 +485,8 @@ def measure_backward(shapes, budget_s: float = math.inf, log=print) -> list[dict
             for choice in turn:
                 with _settings(_choice_settings(choice)):
                     o = flash_triton.FlashAttentionTriton.apply(q, k, v, causal)
-                    grads.setdefault(choice, torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
+                    if choice not in grads:
+                        grads[choice] = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
                     times[choice].append(triton.testing.do_bench(
                         lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), warmup=25, rep=60,
                         return_mode="median"))
@@ -550,6 +559,14 @@ def describe(table: dict) -> str:
     return "\n".join(lines)
 
 
+def _seconds(text: str) -> float:
+    """A positive number of seconds (argparse type)."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lmsys.attention.tuned", description=__doc__.split("\n\n")[0])
     parser.add_argument("path", nargs="?", type=Path, help="the table (default: this GPU's, under lmsys/attention/"
@@ -560,7 +577,7 @@ def main(argv=None) -> int:
                         help="default: the perf suite's default shapes; training: the training grid's too")
     parser.add_argument("--backward-only", action="store_true",
                         help="with --export: time the backward's choices alone (pins on), not the autotuners' configs")
-    parser.add_argument("--budget-s", type=float, default=math.inf, metavar="SECONDS",
+    parser.add_argument("--budget-s", type=_seconds, default=math.inf, metavar="SECONDS",
                         help="with --export: stop timing the backward's choices after SECONDS (default: no limit)")
     args = parser.parse_args(argv)
     if (args.export or args.path is None) and not torch.cuda.is_available():
