@@ -153,7 +153,7 @@ def apply(settings: dict) -> None:
     for name, (module, default) in DEFAULTS.items():
         setattr(module, name, settings.get(name, default))
     # The GPU's measured choice of backward (lmsys.attention.tuned) is the default's; every other variant is its own.
-    flash_hopper_bwd.MEASURED = settings.get("MEASURED", not settings)
+    flash_hopper.MEASURED = flash_hopper_bwd.MEASURED = settings.get("MEASURED", not settings)
 
 
 def agreement(shape: tuple, variants: list[str], is_causal: bool) -> dict[str, dict[str, float]]:

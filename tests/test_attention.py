@@ -929,6 +929,7 @@ def test_the_gluon_forward_at_head_dim_64_is_the_default_from_its_measured_sizes
     """By default (`flash_hopper.plan`) a d=64 forward runs on the Gluon kernel for one head of about 32768 tokens
     (two query blocks per multiprocessor) with two consumer warpgroups a program, and for the leaderboard's shape with
     three, on the Triton kernel for one head of about 16384; its output against float32 SDPA."""
+    monkeypatch.setattr(flash_hopper, "MEASURED", False)  # the thresholds decide, not the table
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon forward is for Hopper (compute capability 9.0)")
     assert flash_triton.HOPPER_FORWARD
@@ -984,32 +985,39 @@ def test_the_gluon_backward_is_the_default_from_its_measured_sizes_gpu(gpu, monk
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("choice", tuned.BACKWARD_CHOICES)
-def test_the_backward_runs_as_the_gpus_table_measured_gpu(gpu, choice, head_dim, is_causal, tmp_path, monkeypatch,
-                                                          seed):
-    """A problem in a bucket of this GPU's table (lmsys.attention.tuned) runs as the table says: the Triton kernel, the
-    Gluon kernels one after the other, side by side, or dQ accumulated by the dK/dV kernel; the output and gradients
-    against float64."""
+@pytest.mark.parametrize("part, choice", [(part, choice) for part, choices in tuned.CHOICES.items() for choice in choices])
+def test_each_pass_runs_as_the_gpus_table_measured_gpu(gpu, part, choice, head_dim, is_causal, tmp_path, monkeypatch,
+                                                       seed):
+    """A problem in a bucket of this GPU's table (lmsys.attention.tuned) runs as the table says: the forward on the
+    Triton kernel or the Gluon one with two or three consumer warpgroups, the backward on the Triton kernel or the
+    Gluon kernels one after the other, side by side, or with dQ accumulated by the dK/dV kernel; the output and
+    gradients against float64."""
     if torch.cuda.get_device_capability(gpu) != (9, 0):
-        pytest.skip("the Gluon backward is for Hopper (compute capability 9.0)")
+        pytest.skip("the Gluon kernels are for Hopper (compute capability 9.0)")
+    if choice == "gluon-3wg" and head_dim != 64:
+        pytest.skip("three consumer warpgroups at d=64 only")
     q, k, v, do = (torch.randn(2, 4, 1024, head_dim, device=gpu, dtype=torch.bfloat16) for _ in range(4))
-    per_sm = flash_hopper.blocks_per_sm(q, flash_hopper_bwd.BLOCK_ROWS)
-    table = {"schema": tuned.SCHEMA, "device": torch.cuda.get_device_name(gpu), "kernels": {}, "backward": {
-        "fingerprint": tuned.backward_fingerprint(),
-        "choices": [{"key": tuned.backward_bucket(head_dim, is_causal, 1024, per_sm), "choice": choice}]}}
+    per_sm = flash_hopper.blocks_per_sm(q, 128)
+    table = {"schema": tuned.SCHEMA, "device": torch.cuda.get_device_name(gpu), "kernels": {}, part: {
+        "fingerprint": tuned.choice_fingerprint(part),
+        "choices": [{"key": tuned.bucket(head_dim, is_causal, 1024, per_sm), "choice": choice}]}}
     monkeypatch.setattr(tuned, "FOLDER", tmp_path)
     tuned.write(tuned.table_path(torch.cuda.get_device_name(gpu)), table)
     plans.forget()
     try:
-        found = flash_hopper_bwd.views(q, k, v, do, is_causal)
-        if choice == "triton":
-            assert found is None
+        if part == "forward":
+            found = flash_hopper.forward_views(q, k, v, is_causal)
+            assert (found and found.consumers) == {"triton": None, "gluon": 2, "gluon-3wg": 3}[choice]
         else:
-            assert (found.concurrent, found.fused_dq) == (choice == "gluon-concurrent", choice == "gluon-fused")
+            found = flash_hopper_bwd.views(q, k, v, do, is_causal)
+            if choice == "triton":
+                assert found is None
+            else:
+                assert (found.concurrent, found.fused_dq) == (choice == "gluon-concurrent", choice == "gluon-fused")
         check_flash("triton", q, k, v, is_causal, do)
     finally:
         tuned.load.cache_clear()
-        tuned.load_backward.cache_clear()
+        tuned.load_choices.cache_clear()
         plans.forget()
 
 
@@ -1104,6 +1112,7 @@ def test_hopper_forward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, mon
     """The Gluon forward (and the Triton backward after it) against float64, on inputs it takes: contiguous, the
     (B, H, T, D) views of (B, T, H, D) tensors, and the model's q, k, v split off one packed projection. (Small
     problems, which it would leave to the Triton forward for speed.)"""
+    monkeypatch.setattr(flash_hopper, "MEASURED", False)  # the thresholds decide, not the table
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon forward is for Hopper (compute capability 9.0)")
     monkeypatch.setattr(flash_hopper, "MIN_PROGRAMS_PER_SM", 0)
@@ -1112,7 +1121,7 @@ def test_hopper_forward_gpu(gpu, q_shape, k_shape, is_causal, layout, dtype, mon
     else:
         q = _strided(q_shape, layout, dtype, gpu)
         k, v = (_strided(k_shape, layout, dtype, gpu) for _ in range(2))
-    assert flash_hopper.applies(q, k, v)
+    assert flash_hopper.applies(q, k, v, is_causal)
     check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
 
 
@@ -1132,6 +1141,7 @@ def test_hopper_forward_at_head_dim_64_gpu(gpu, q_shape, k_shape, is_causal, lay
     """The Gluon forward at d=64 against float64 (on problems smaller than those it runs at d=64: `plan`), with two
     consumer warpgroups per program and with three (`flash_hopper.plan`), whose programs of 192 rows may end past
     the queries of a head: the rows there must not be stored over the next head's."""
+    monkeypatch.setattr(flash_hopper, "MEASURED", False)  # the thresholds decide, not the table
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon forward is for Hopper (compute capability 9.0)")
     monkeypatch.setattr(flash_hopper, "MIN_PROGRAMS_PER_SM", 0)
@@ -1147,7 +1157,7 @@ def test_hopper_forward_at_head_dim_64_gpu(gpu, q_shape, k_shape, is_causal, lay
     else:
         q = _strided(q_shape, layout, torch.bfloat16, gpu)
         k, v = (_strided(k_shape, layout, torch.bfloat16, gpu) for _ in range(2))
-    assert flash_hopper.applies(q, k, v)
+    assert flash_hopper.applies(q, k, v, is_causal)
     check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
     assert calls and set(calls) == {consumers}
 
@@ -1171,10 +1181,11 @@ def test_hopper_forward_at_head_dim_64_gpu(gpu, q_shape, k_shape, is_causal, lay
 def test_hopper_forward_declines_what_it_does_not_take(gpu, why, make, monkeypatch):
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon forward is for Hopper (compute capability 9.0)")
-    # Each case small, declined for its own reason alone.
+    # Each case small, declined for its own reason alone, by the thresholds (not the table).
+    monkeypatch.setattr(flash_hopper, "MEASURED", False)
     monkeypatch.setattr(flash_hopper, "MIN_PROGRAMS_PER_SM", 1 if why.startswith("fewer blocks") else 0)
     q, k, v = make(gpu)
-    assert not flash_hopper.applies(q, k, v), why
+    assert not flash_hopper.applies(q, k, v, True), why
 
 
 @pytest.mark.parametrize(
@@ -1223,6 +1234,7 @@ def test_hopper_descriptors_skip_only_triton_checks(shape, transposed):
 def test_model_attention_runs_the_hopper_forward(gpu, train, monkeypatch, seed):
     """The model's heads (q and k out of RoPE, v a view of the packed projection) take the Gluon forward, and the
     model's logits and gradients match those of the same model with SDPA."""
+    monkeypatch.setattr(flash_hopper, "MEASURED", False)  # the thresholds decide, not the table
     if torch.cuda.get_device_capability(gpu) != (9, 0):
         pytest.skip("the Gluon forward is for Hopper (compute capability 9.0)")
     calls = []

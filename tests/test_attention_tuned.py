@@ -302,111 +302,140 @@ def test_the_export_needs_a_gpu(capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
-# ------------------------------------------------------------------------------------------------ backward choices
+# ------------------------------------------------------------------------------------------------ choices per pass
 
 
 def _cuda_query(shape=(4, 8, 1024, 64)):
-    """A stand-in for a query tensor on GPU 0 (what backward_choice reads: its device and shape), made without CUDA."""
+    """A stand-in for a query tensor on GPU 0 (what measured_choice reads: its device and shape), made without CUDA."""
     return type("Query", (), {"device": torch.device("cuda", 0), "shape": shape})()
 
 
-def _choices(*entries, fingerprint=None):
-    return {"fingerprint": fingerprint or tuned.backward_fingerprint(),
-            "choices": [{"key": tuned.backward_bucket(*key), "choice": choice} for key, choice in entries]}
+def _choices(part, *entries, fingerprint=None):
+    return {"fingerprint": fingerprint or tuned.choice_fingerprint(part),
+            "choices": [{"key": tuned.bucket(*key), "choice": choice} for key, choice in entries]}
 
 
 @pytest.fixture
 def gpu_table(kernels, monkeypatch):
     """Tables read from tmp_path for the fake GPU that GPU 0 is."""
     monkeypatch.setattr(tuned, "_device_name", lambda index: GPU)
-    tuned.load_backward.cache_clear()
+    tuned.load_choices.cache_clear()
+    tuned._stale_choices.cache_clear()
     yield
-    tuned.load_backward.cache_clear()
+    tuned.load_choices.cache_clear()
+    tuned._stale_choices.cache_clear()
 
 
 @pytest.mark.parametrize("keys, per_sm, bucket_keys, bucket_per_sm", [
     (1024, 31.0, 1024, 16.0), (1000, 16.0, 1024, 16.0), (1025, 15.9, 2048, 8.0), (128, 0.01, 128, 0.125)])
-def test_a_backward_bucket_rounds_keys_up_and_programs_down(keys, per_sm, bucket_keys, bucket_per_sm):
-    assert tuned.backward_bucket(64, 1, keys, per_sm) == {"head_dim": 64, "causal": True, "keys": bucket_keys,
-                                                          "per_sm": bucket_per_sm}
+def test_a_bucket_rounds_keys_up_and_programs_down(keys, per_sm, bucket_keys, bucket_per_sm):
+    assert tuned.bucket(64, 1, keys, per_sm) == {"head_dim": 64, "causal": True, "keys": bucket_keys,
+                                                 "per_sm": bucket_per_sm}
 
 
-def test_the_measured_backward_choice_is_looked_up_by_bucket(tmp_path, gpu_table, monkeypatch):
+def test_the_measured_choice_is_looked_up_by_pass_and_bucket(tmp_path, gpu_table, monkeypatch):
     table = _table("_flash_fwd_kernel", _fwd(32))
-    table["backward"] = _choices(((64, True, 1024, 31.0), "triton"), ((128, True, 4096, 15.5), "gluon-fused"))
+    table["backward"] = _choices("backward", ((64, True, 1024, 31.0), "triton"),
+                                 ((128, True, 4096, 15.5), "gluon-fused"))
+    table["forward"] = _choices("forward", ((64, True, 1024, 31.0), "gluon-3wg"))
     _save(tmp_path, table)
-    assert tuned.backward_choice(_cuda_query(), True, 1024, 20.0) == "triton"  # the same bucket: 16 to 32
-    assert tuned.backward_choice(_cuda_query(), True, 4096, 12.0) is None  # a head dim of 64 at 4096: not measured
-    assert tuned.backward_choice(_cuda_query((1, 1, 4096, 128)), True, 3000, 9.0) == "gluon-fused"
-    assert tuned.backward_choice(_cuda_query(), False, 1024, 20.0) is None  # the other mask
-    assert tuned.backward_choice(type("Q", (), {"device": torch.device("cpu"), "shape": (1, 1, 1024, 64)})(),
-                                 True, 1024, 20.0) is None
+    assert tuned.measured_choice("backward", _cuda_query(), True, 1024, 20.0) == "triton"  # the same bucket: 16-32
+    assert tuned.measured_choice("forward", _cuda_query(), True, 1024, 20.0) == "gluon-3wg"
+    assert tuned.measured_choice("backward", _cuda_query(), True, 4096, 12.0) is None  # d=64 at 4096: not measured
+    assert tuned.measured_choice("backward", _cuda_query((1, 1, 4096, 128)), True, 3000, 9.0) == "gluon-fused"
+    assert tuned.measured_choice("forward", _cuda_query((1, 1, 4096, 128)), True, 3000, 9.0) is None
+    assert tuned.measured_choice("backward", _cuda_query(), False, 1024, 20.0) is None  # the other mask
+    assert tuned.measured_choice("backward", type("Q", (), {"device": torch.device("cpu"),
+                                                            "shape": (1, 1, 1024, 64)})(), True, 1024, 20.0) is None
     monkeypatch.setenv(tuned.ENV, "0")
-    assert tuned.backward_choice(_cuda_query(), True, 1024, 20.0) is None
+    assert tuned.measured_choice("backward", _cuda_query(), True, 1024, 20.0) is None
 
 
-def test_backward_choices_of_other_sources_warn_and_are_ignored(tmp_path, gpu_table):
+@pytest.mark.parametrize("part", tuned.CHOICES)
+def test_choices_of_other_sources_warn_and_are_ignored(tmp_path, gpu_table, part):
     table = _table("_flash_fwd_kernel", _fwd(32))
-    table["backward"] = _choices(((64, True, 1024, 31.0), "triton"), fingerprint="0" * 16)
+    table[part] = _choices(part, ((64, True, 1024, 31.0), "triton"), fingerprint="0" * 16)
     _save(tmp_path, table)
-    tuned._stale_choices.cache_clear()
-    with pytest.warns(UserWarning, match="backward choices timed on another version of the backward kernels"):
-        assert tuned.backward_choice(_cuda_query(), True, 1024, 20.0) is None
+    with pytest.warns(UserWarning, match=f"{part} choices timed on another version of the {part} kernels"):
+        assert tuned.measured_choice(part, _cuda_query(), True, 1024, 20.0) is None
 
 
+@pytest.mark.parametrize("part", tuned.CHOICES)
 @pytest.mark.parametrize("edit, problem", [
-    (lambda b: b.pop("fingerprint"), "'backward' needs a 'fingerprint'"),
+    (lambda b: b.pop("fingerprint"), "needs a 'fingerprint'"),
     (lambda b: b["choices"][0].update(choice="cudnn"), "a 'choice' among triton"),
     (lambda b: b["choices"][0]["key"].pop("per_sm"), "a 'key' of head_dim, causal, keys, per_sm"),
 ])
-def test_a_malformed_backward_part_is_named(edit, problem):
+def test_a_malformed_choices_part_is_named(part, edit, problem):
     table = _table("_flash_fwd_kernel", _fwd(32))
-    table["backward"] = _choices(((64, True, 1024, 31.0), "triton"))
-    edit(table["backward"])
+    table[part] = _choices(part, ((64, True, 1024, 31.0), "triton"))
+    edit(table[part])
     with pytest.raises(ValueError, match=problem):
         tuned._parse(table)
 
 
-def test_backward_choices_merge_by_bucket_and_are_printed(tmp_path, capsys):
-    def entry(key, choice):
-        return {"key": tuned.backward_bucket(*key), "choice": choice, "ms": {choice: 1.0}}
+def test_a_choice_of_another_pass_is_refused():
+    table = _table("_flash_fwd_kernel", _fwd(32))
+    table["forward"] = _choices("forward", ((64, True, 1024, 31.0), "gluon-fused"))
+    with pytest.raises(ValueError, match="a forward choice needs .* a 'choice' among triton, gluon, gluon-3wg"):
+        tuned._parse(table)
 
-    table = tuned.merged(None, GPU, {}, [entry((64, True, 1024, 31), "triton"), entry((128, False, 512, 2), "gluon")])
-    table = tuned.merged(table, GPU, {}, [entry((64, True, 1024, 20), "gluon-fused")])  # the same bucket: replaced
+
+def test_choices_merge_by_pass_and_bucket_and_are_printed(tmp_path, capsys):
+    def entry(key, choice):
+        return {"key": tuned.bucket(*key), "choice": choice, "ms": {choice: 1.0}}
+
+    table = tuned.merged(None, GPU, {}, {"backward": [entry((64, True, 1024, 31), "triton"),
+                                                      entry((128, False, 512, 2), "gluon")]})
+    table = tuned.merged(table, GPU, {}, {"backward": [entry((64, True, 1024, 20), "gluon-fused")],  # same bucket
+                                          "forward": [entry((128, True, 512, 2), "gluon")]})
     assert [(e["key"]["head_dim"], e["choice"]) for e in table["backward"]["choices"]] == [
         (128, "gluon"), (64, "gluon-fused")]
+    assert [e["choice"] for e in table["forward"]["choices"]] == ["gluon"]
     kept = tuned.merged(table, GPU, {})  # nothing new: the choices stay
-    assert kept["backward"] == table["backward"]
+    assert (kept["backward"], kept["forward"]) == (table["backward"], table["forward"])
     stale = dict(table, backward=dict(table["backward"], fingerprint="0" * 16))
-    assert tuned.merged(stale, GPU, {}, [entry((64, False, 512, 1), "triton")])["backward"]["choices"] == [
-        entry((64, False, 512, 1), "triton")]  # choices of other sources are replaced, not merged into
+    assert tuned.merged(stale, GPU, {}, {"backward": [entry((64, False, 512, 1), "triton")]})["backward"][
+        "choices"] == [entry((64, False, 512, 1), "triton")]  # choices of other sources are replaced, not merged into
     path = tmp_path / "t.json"
     tuned.write(path, table)
     assert tuned.main([str(path)]) == 0
-    assert "HEAD_DIM=64 CAUSAL=True KEYS<=1024 PROGRAMS_PER_SM>=16" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "backward" in out and "HEAD_DIM=64 CAUSAL=True KEYS<=1024 PROGRAMS_PER_SM>=16" in out
+    assert "forward            HEAD_DIM=128 CAUSAL=True KEYS<=512 PROGRAMS_PER_SM>=2" in out
 
 
-def test_the_backward_fingerprint_follows_the_kernels_and_settings_not_the_docstrings(monkeypatch):
+@pytest.mark.parametrize("part, module_name", [("forward", "flash_hopper"), ("backward", "flash_hopper_bwd")])
+def test_a_pass_fingerprint_follows_its_kernels_and_settings_not_the_docstrings(part, module_name, monkeypatch):
+    from lmsys import attention
+
+    module = getattr(attention, module_name)
+    tuned.choice_fingerprint.cache_clear()
+    before = tuned.choice_fingerprint(part)
+    monkeypatch.setattr(module, "__doc__", "another docstring")
+    monkeypatch.setattr(module, "MEASURED", False)
+    tuned.choice_fingerprint.cache_clear()
+    assert tuned.choice_fingerprint(part) == before
+    monkeypatch.setattr(module, "NUM_STAGES", 3)
+    tuned.choice_fingerprint.cache_clear()
+    assert tuned.choice_fingerprint(part) != before
+    monkeypatch.undo()
+    tuned.choice_fingerprint.cache_clear()
+    assert tuned.choice_fingerprint(part) == before
+
+
+def test_the_backward_fingerprint_covers_a_constexpr_a_kernel_s_callee_reads(monkeypatch):
     from lmsys.attention import flash_hopper_bwd
 
-    tuned.backward_fingerprint.cache_clear()
-    before = tuned.backward_fingerprint()
-    monkeypatch.setattr(flash_hopper_bwd, "__doc__", "another docstring")
-    monkeypatch.setattr(flash_hopper_bwd, "MEASURED", False)
-    tuned.backward_fingerprint.cache_clear()
-    assert tuned.backward_fingerprint() == before
-    monkeypatch.setattr(flash_hopper_bwd, "NUM_STAGES", 3)
-    tuned.backward_fingerprint.cache_clear()
-    assert tuned.backward_fingerprint() != before
-    monkeypatch.undo()
+    tuned.choice_fingerprint.cache_clear()
+    before = tuned.choice_fingerprint("backward")
     tuned._sources.cache_clear()
     monkeypatch.setitem(flash_hopper_bwd._dq_loop.fn.__globals__, "LOG2E", flash_hopper_bwd.gl.constexpr(2.0))
-    tuned.backward_fingerprint.cache_clear()
-    assert tuned.backward_fingerprint() != before  # a constexpr a kernel's callee reads
+    tuned.choice_fingerprint.cache_clear()
+    assert tuned.choice_fingerprint("backward") != before
     monkeypatch.undo()
     tuned._sources.cache_clear()
-    tuned.backward_fingerprint.cache_clear()
-    assert tuned.backward_fingerprint() == before
+    tuned.choice_fingerprint.cache_clear()
 
 
 @pytest.mark.parametrize("value", ["0", "-5", "nan", "soon"])

@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from lmsys.attention import launch_order, launcher, plans
+from lmsys.attention import launch_order, launcher, plans, tuned
 from lmsys.attention.checks import check_causal
 
 BLOCK_M = 128  # query rows per program of two consumer warpgroups (three at d=64 on large problems: `plan`)
@@ -59,6 +59,10 @@ CONSUMER_REGS_3 = 160
 BLOCK_N = 128  # keys per tile
 NUM_STAGES = 2  # K and V buffers per ring; 3 are no faster
 HEAD_DIMS = (64, 128)  # what it compiles for; where it runs: `plan`
+# Whether a problem in a bucket that this GPU's table measured (lmsys.attention.tuned.measured_choice: the fastest of
+# the Triton forward and this one with two or three consumer warpgroups) runs as measured; `plan`'s thresholds decide
+# the others. Scripts that time each way in turn set it off.
+MEASURED = True
 # setmaxnreg budgets: 2 x 128 consumer threads at 240 and 32 producer threads at 24 fit the 64K registers.
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
@@ -169,18 +173,26 @@ class ForwardPlan:
         self.views, self.consumers, self.is_causal, self.launch, self.scalars = views, consumers, None, None, None
 
 
-def forward_views(q, k, v) -> ForwardPlan | None:
-    """A `ForwardPlan` when the forward runs these inputs here (`plan`, `views`), else None."""
-    consumers = plan(q.shape[-1], blocks_per_sm(q), k.shape[-2]) if q.is_cuda else None
+def forward_views(q, k, v, is_causal: bool) -> ForwardPlan | None:
+    """A `ForwardPlan` when the forward runs these inputs here, else None: as the GPU's table measured the problem's
+    bucket (`lmsys.attention.tuned.measured_choice`, MEASURED), else as `plan` says; and when `views` holds them."""
+    if not q.is_cuda:
+        return None
+    per_sm = blocks_per_sm(q)
+    choice = tuned.measured_choice("forward", q, is_causal, k.shape[-2], per_sm) if MEASURED else None
+    if choice is None:
+        consumers = plan(q.shape[-1], per_sm, k.shape[-2])
+    else:
+        consumers = {"triton": None, "gluon": 2, "gluon-3wg": 3 if q.shape[-1] == 64 else 2}[choice]
     if consumers is None:
         return None
     found = views(q, k, v)
     return None if found is None else ForwardPlan(found, consumers)
 
 
-def applies(q, k, v) -> bool:
+def applies(q, k, v, is_causal: bool) -> bool:
     """Whether the forward runs these (batch, heads, seq, d) or (batch, seq, d) inputs here."""
-    return forward_views(q, k, v) is not None
+    return forward_views(q, k, v, is_causal) is not None
 
 
 @gluon.jit

@@ -25,7 +25,7 @@ Scope: what the Gluon forward takes (`flash_hopper.views`: sm_90, bf16 or fp16, 
 and dO contiguous or the (B, H, T, D) views of (B, T, H, D) tensors), head dims 64 and 128, problems of at least
 MIN_PROGRAMS_PER_SM programs per multiprocessor (MIN_PROGRAMS_PER_SM_CONCURRENT with the kernels side by side).
 `flash_triton` runs it for such inputs unless `flash_triton.HOPPER_BACKWARD` is off (LMSYS_HOPPER_BACKWARD=0 at
-import). Where the GPU's table measured a problem's bucket (`lmsys.attention.tuned.backward_choice`, MEASURED), the
+import). Where the GPU's table measured a problem's bucket (`lmsys.attention.tuned.measured_choice`, MEASURED), the
 table says whether it runs here and how (one after the other, side by side, fused); the thresholds below decide the
 rest. tests/test_attention.py compiles both kernels for sm_90 on any machine (no spilled register) and checks them
 against float64 on a Hopper GPU.
@@ -69,7 +69,7 @@ HEAD_DIMS = (64, 128)
 # (docs/attention.md).
 MIN_PROGRAMS_PER_SM = 1.5
 MIN_PROGRAMS_PER_SM_CONCURRENT = 0.75
-# Whether a problem in a bucket that this GPU's table measured (lmsys.attention.tuned.backward_choice: the fastest of
+# Whether a problem in a bucket that this GPU's table measured (lmsys.attention.tuned.measured_choice: the fastest of
 # the Triton backward and this one's three ways of running) runs as measured; the thresholds here decide the others.
 # Scripts that time each way in turn set it off.
 MEASURED = True
@@ -215,7 +215,7 @@ def views(q, k, v, do, is_causal) -> BackwardPlan | None:
     # The plan before the views: a problem that runs on the Triton backward (the launch-bound ones) leaves without them.
     per_sm = flash_hopper.blocks_per_sm(q, BLOCK_ROWS)
     capturing = torch.cuda.is_current_stream_capturing()
-    choice = tuned.backward_choice(q, is_causal, k.shape[-2], per_sm) if MEASURED else None
+    choice = tuned.measured_choice("backward", q, is_causal, k.shape[-2], per_sm) if MEASURED else None
     if choice == "triton":
         return None
     if choice is None:

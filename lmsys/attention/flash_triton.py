@@ -726,7 +726,7 @@ class _ForwardPlan:
     __slots__ = ("hopper", "tma", "scalars", "launch")
 
     def __init__(self, q, k, v, is_causal):
-        self.hopper = flash_hopper.forward_views(q, k, v) if HOPPER_FORWARD else None
+        self.hopper = flash_hopper.forward_views(q, k, v, is_causal) if HOPPER_FORWARD else None
         (batch, heads, n_q, head_dim), q_strides = _dims(q)
         n_k = k.shape[-2]
         k_strides, v_strides = _dims(k)[1], _dims(v)[1]

@@ -24,15 +24,15 @@ kernels autotune.
 (DEFAULT_SHAPES; `--grid training`: lmsys.bench.attention's training grid too), then merges each autotuner's choices
 into the table, written atomically.
 
-The table also holds which backward runs where on that GPU ("backward"): at each shape of those lists that the Gluon
-backward can take (flash_hopper_bwd: head dims 64 and 128, lengths multiples of 128), `--export` times the Triton
-backward and the Gluon one's three ways of running (two kernels one after the other, side by side, or dQ accumulated by
-the dK/dV kernel: BACKWARD_CHOICES) and keeps the fastest, under the shape's bucket (`backward_bucket`: head dim, mask,
-keys rounded up to a power of two, programs per multiprocessor down to one). flash_hopper_bwd runs a problem in a
-measured bucket as measured (`backward_choice`), and every other problem by its thresholds. The choices carry a
-fingerprint of the backward kernels' sources and flash_hopper_bwd's settings; when it differs they are ignored, with a
-warning.
-`--export --backward-only` measures the choices alone, pins on (the configs already pinned are not tuned again).
+The table also holds which kernel runs where on that GPU, per pass ("forward", "backward"): at each shape of those
+lists that the Gluon kernels can take (flash_hopper, flash_hopper_bwd: head dims 64 and 128, lengths multiples of
+128), `--export` times the Triton kernel and each way the Gluon one runs (CHOICES: the forward with two or three
+consumer warpgroups; the backward's two kernels one after the other, side by side, or dQ accumulated by the dK/dV
+kernel) and keeps the fastest, under the shape's bucket (`bucket`: head dim, mask, keys rounded up to a power of two,
+programs per multiprocessor down to one). A problem in a measured bucket runs as measured (`measured_choice`), every
+other problem by the Gluon modules' thresholds. Each pass's choices carry a fingerprint of its kernels' sources and its
+Gluon module's settings (`choice_fingerprint`); when it differs they are ignored, with a warning.
+`--export --choices-only` measures the choices alone, pins on (the configs already pinned are not tuned again).
 """
 
 import argparse
@@ -59,10 +59,12 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITCallable
 
 ENV = "LMSYS_ATTENTION_PINS"
-# How flash_triton can run a backward that the Gluon backward can take: the Triton kernel, or the Gluon kernels one
-# after the other, side by side (not while a CUDA graph is captured: then one after the other), or fused (dQ
-# accumulated by the dK/dV kernel).
-BACKWARD_CHOICES = ("triton", "gluon", "gluon-concurrent", "gluon-fused")
+# How flash_triton can run a pass that a Gluon kernel can take. The forward: the Triton kernel, or the Gluon one with
+# two or (at d=64) three consumer warpgroups. The backward: the Triton kernel, or the Gluon kernels one after the
+# other, side by side (not while a CUDA graph is captured: then one after the other), or fused (dQ accumulated by the
+# dK/dV kernel).
+CHOICES = {"forward": ("triton", "gluon", "gluon-3wg"),
+           "backward": ("triton", "gluon", "gluon-concurrent", "gluon-fused")}
 SCHEMA = 1
 FOLDER = Path(__file__).with_name("tuned_configs")
 CONFIG_FIELDS = ("kwargs", "num_warps", "num_stages", "num_ctas", "maxnreg")
@@ -215,30 +217,31 @@ def _parse(table) -> dict:
                 raise ValueError(f"a pin of {name!r} needs a 'key' object with a 'dtypes' list, got {pin!r}")
             configs[_canonical(pin["key"])] = config_from(pin.get("config"))
         parsed[name] = Pins(entry["fingerprint"], configs)
-    _parse_backward(table)
+    for part in CHOICES:
+        _parse_choices(table, part)
     return parsed
 
 
 BUCKET_FIELDS = ("head_dim", "causal", "keys", "per_sm")
 
 
-def _parse_backward(table: dict) -> tuple[str, dict] | None:
-    """The fingerprint and the choices (`_canonical` of a bucket -> choice) of a table's "backward" part, None when it
-    has none; ValueError naming what is wrong."""
-    part = table.get("backward")
-    if part is None:
+def _parse_choices(table: dict, part: str) -> tuple[str, dict] | None:
+    """The fingerprint and the choices (`_canonical` of a bucket -> choice) of a table's part "forward" or "backward",
+    None when it has none; ValueError naming what is wrong."""
+    found = table.get(part)
+    if found is None:
         return None
-    if not isinstance(part, dict) or not isinstance(part.get("fingerprint"), str) \
-            or not isinstance(part.get("choices"), list):
-        raise ValueError("'backward' needs a 'fingerprint' string and a 'choices' list")
+    if not isinstance(found, dict) or not isinstance(found.get("fingerprint"), str) \
+            or not isinstance(found.get("choices"), list):
+        raise ValueError(f"'{part}' needs a 'fingerprint' string and a 'choices' list")
     choices = {}
-    for entry in part["choices"]:
+    for entry in found["choices"]:
         if not isinstance(entry, dict) or not isinstance(entry.get("key"), dict) \
-                or sorted(entry["key"]) != sorted(BUCKET_FIELDS) or entry.get("choice") not in BACKWARD_CHOICES:
-            raise ValueError(f"a backward choice needs a 'key' of {', '.join(BUCKET_FIELDS)} and a 'choice' among "
-                             f"{', '.join(BACKWARD_CHOICES)}, got {entry!r}")
+                or sorted(entry["key"]) != sorted(BUCKET_FIELDS) or entry.get("choice") not in CHOICES[part]:
+            raise ValueError(f"a {part} choice needs a 'key' of {', '.join(BUCKET_FIELDS)} and a 'choice' among "
+                             f"{', '.join(CHOICES[part])}, got {entry!r}")
         choices[_canonical(entry["key"])] = entry["choice"]
-    return part["fingerprint"], choices
+    return found["fingerprint"], choices
 
 
 @functools.cache
@@ -262,14 +265,15 @@ def load(path: Path) -> dict:
 
 
 @functools.cache
-def load_backward(path: Path) -> tuple[str, dict] | None:
-    """`_parse_backward` of the table at `path`, read once: None when there is no such file, no "backward" part, or the
-    table cannot be read (`load` warns about that)."""
+def load_choices(path: Path) -> dict:
+    """part -> `_parse_choices` of the table at `path`, read once, for the parts it has: {} when there is no such file
+    or it cannot be read (`load` warns about that)."""
     load(path)
     try:
-        return _parse_backward(json.loads(Path(path).read_text()))
+        table = json.loads(Path(path).read_text())
+        return {part: found for part in CHOICES if (found := _parse_choices(table, part)) is not None}
     except (OSError, ValueError, TypeError, AttributeError):
-        return None
+        return {}
 
 
 @functools.cache
@@ -280,11 +284,11 @@ def _stale(path: Path, kernel: str) -> None:
 
 
 @functools.cache
-def _stale_choices(path: Path) -> None:
-    """Warns once per table that its backward choices were timed on other kernels or settings."""
-    warnings.warn(f"the attention config table {path} holds backward choices timed on another version of the backward "
-                  f"kernels or their settings: flash_hopper_bwd's thresholds decide; measure them again with "
-                  f"`python -m lmsys.attention.tuned --export --backward-only`", stacklevel=3)
+def _stale_choices(path: Path, part: str) -> None:
+    """Warns once per table and pass that its choices were timed on other kernels or settings."""
+    warnings.warn(f"the attention config table {path} holds {part} choices timed on another version of the {part} "
+                  f"kernels or their settings: the thresholds decide; measure them again with "
+                  f"`python -m lmsys.attention.tuned --export --choices-only`", stacklevel=3)
 
 
 @functools.cache
@@ -321,44 +325,51 @@ def choose(autotuner, candidates: list, named_args: dict, kwargs: dict) -> list:
     return chosen[:1] or candidates
 
 
-def backward_bucket(head_dim: int, causal: bool, keys: int, per_sm: float) -> dict:
-    """The bucket of a backward problem: its head dim and mask, its keys rounded up to a power of two and its programs
+def bucket(head_dim: int, causal: bool, keys: int, per_sm: float) -> dict:
+    """The bucket of a problem: its head dim and mask, its keys rounded up to a power of two and its programs
     (of 128 query rows) per multiprocessor rounded down to one (1/8 at least)."""
     return {"head_dim": int(head_dim), "causal": bool(causal), "keys": 1 << max(int(keys) - 1, 0).bit_length(),
             "per_sm": 2.0 ** math.floor(math.log2(max(per_sm, 0.125)))}
 
 
-@functools.cache
-def backward_fingerprint() -> str:
-    """A hash of what the backward's choices were timed on: the sources of the backward kernels (the Triton one and
-    its preprocessing, the Gluon ones) with the functions they call (`_triton_functions`) and flash_hopper_bwd's
-    settings (its UPPER_CASE names but MEASURED). The Triton kernel's configs have their own pins and fingerprint."""
-    from lmsys.attention import flash_hopper_bwd, flash_triton
+def _pass_modules(part: str):
+    """(the pass's kernels, its Gluon module) whose sources and settings its choices were timed on."""
+    from lmsys.attention import flash_hopper, flash_hopper_bwd, flash_triton
 
+    if part == "forward":
+        return (flash_triton._flash_fwd_kernel, flash_hopper._flash_fwd_hopper_kernel), flash_hopper
+    return (flash_triton._flash_bwd_kernel, flash_triton._flash_bwd_preprocess_kernel, flash_hopper_bwd._dkdv_kernel,
+            flash_hopper_bwd._dq_kernel), flash_hopper_bwd
+
+
+@functools.cache
+def choice_fingerprint(part: str) -> str:
+    """A hash of what a pass's choices were timed on: the sources of its kernels (the Triton one, with the backward's
+    preprocessing, and the Gluon ones) with the functions they call (`_triton_functions`) and its Gluon module's
+    settings (its UPPER_CASE names but MEASURED). The Triton kernels' configs have their own pins and fingerprints."""
+    kernels, module = _pass_modules(part)
     found = {}
-    for kernel in (flash_triton._flash_bwd_kernel, flash_triton._flash_bwd_preprocess_kernel,
-                   flash_hopper_bwd._dkdv_kernel, flash_hopper_bwd._dq_kernel):
+    for kernel in kernels:
         _triton_functions(inspect.unwrap(getattr(kernel, "base_fn", None) or kernel.fn), found)
-    settings = {name: repr(value) for name, value in vars(flash_hopper_bwd).items()
-                if name.isupper() and name != "MEASURED"}
+    settings = {name: repr(value) for name, value in vars(module).items() if name.isupper() and name != "MEASURED"}
     text = json.dumps([sorted(found.items()), sorted(settings.items())], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def backward_choice(q: torch.Tensor, causal: bool, keys: int, per_sm: float) -> str | None:
-    """The measured choice (BACKWARD_CHOICES) for a backward of q on its GPU's table, or None: pins off, q not on a
+def measured_choice(part: str, q: torch.Tensor, causal: bool, keys: int, per_sm: float) -> str | None:
+    """The measured choice (CHOICES[part]) for the pass `part` of q on its GPU's table, or None: pins off, q not on a
     GPU, no table or no choice for this problem's bucket, or choices timed on other sources (a warning, once)."""
     if not enabled() or q.device.type != "cuda":
         return None
     path = table_path(_device_name(q.device.index if q.device.index is not None else torch.cuda.current_device()))
-    found = load_backward(path)
+    found = load_choices(path).get(part)
     if found is None:
         return None
     fingerprint_, choices = found
-    if fingerprint_ != backward_fingerprint():
-        _stale_choices(path)
+    if fingerprint_ != choice_fingerprint(part):
+        _stale_choices(path, part)
         return None
-    return choices.get(_canonical(backward_bucket(q.shape[-1], causal, keys, per_sm)))
+    return choices.get(_canonical(bucket(q.shape[-1], causal, keys, per_sm)))
 
 
 # ------------------------------------------------------------------------------------------------ writing a table
@@ -371,17 +382,12 @@ def kernel_entry(autotuner) -> dict:
     return {"fingerprint": fingerprint(autotuner), "pins": sorted(pins, key=lambda pin: _canonical(pin["key"]))}
 
 
-def merged(table: dict | None, device: str, entries: dict, backward: list | None = None) -> dict:
+def merged(table: dict | None, device: str, entries: dict, choices: dict | None = None) -> dict:
     """`table` (None: a new one) with each kernel's `entries` merged in: a kernel of the same fingerprint keeps its
     other pins and takes the new ones, a kernel of another fingerprint is replaced, kernels not in `entries` stay. The
-    `backward` choices merge alike: into those of the same fingerprint (the new one at a bucket measured twice), else
-    in their place."""
+    `choices` ({part: [choice entries]}) merge alike: into those of the same fingerprint (the new one at a bucket
+    measured twice), else in their place; a part with none new stays as it is."""
     table = table or {}
-    choices = {}
-    old_backward = table.get("backward")
-    if old_backward is not None and old_backward["fingerprint"] == backward_fingerprint():
-        choices = {_canonical(entry["key"]): entry for entry in old_backward["choices"]}
-    choices.update({_canonical(entry["key"]): entry for entry in backward or []})
     kernels = dict(table.get("kernels", {}))
     for name, entry in entries.items():
         old = kernels.get(name)
@@ -392,11 +398,17 @@ def merged(table: dict | None, device: str, entries: dict, backward: list | None
         kernels[name] = entry
     merged_table = {"schema": SCHEMA, "device": device, "triton": triton.__version__, "torch": torch.__version__,
                     "kernels": dict(sorted(kernels.items()))}
-    if choices:
-        merged_table["backward"] = {"fingerprint": backward_fingerprint(),
-                                    "choices": [choices[key] for key in sorted(choices)]}
-    elif old_backward is not None:
-        merged_table["backward"] = old_backward
+    for part in CHOICES:
+        old, new = table.get(part), (choices or {}).get(part)
+        if not new:
+            if old is not None:
+                merged_table[part] = old
+            continue
+        kept = {}
+        if old is not None and old["fingerprint"] == choice_fingerprint(part):
+            kept = {_canonical(entry["key"]): entry for entry in old["choices"]}
+        kept.update({_canonical(entry["key"]): entry for entry in new})
+        merged_table[part] = {"fingerprint": choice_fingerprint(part), "choices": [kept[key] for key in sorted(kept)]}
     return merged_table
 
 
@@ -417,7 +429,7 @@ def write(path: Path, table: dict) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     load.cache_clear()
-    load_backward.cache_clear()
+    load_choices.cache_clear()
 
 
 def _read_existing(path: Path) -> dict | None:
@@ -447,10 +459,19 @@ def _settings(settings: dict):
             setattr(module, name, value)
 
 
-def _choice_settings(choice: str) -> dict:
-    """The module settings under which flash_triton runs every backward the Gluon one can take as `choice` says."""
-    from lmsys.attention import flash_hopper_bwd, flash_triton
+def _choice_settings(part: str, choice: str) -> dict:
+    """The module settings under which flash_triton runs the pass `part` of every input a Gluon kernel can take as
+    `choice` says."""
+    from lmsys.attention import flash_hopper, flash_hopper_bwd, flash_triton
 
+    if part == "forward":
+        if choice == "triton":
+            return {flash_triton: {"HOPPER_FORWARD": False}}
+        wide = choice == "gluon-3wg"
+        return {flash_triton: {"HOPPER_FORWARD": True}, flash_hopper: {
+            "MEASURED": False, "MIN_PROGRAMS_PER_SM": 0, "FORWARD_64_MIN_KEYS": 0,
+            "FORWARD_64_BELOW_PROGRAMS_PER_SM": math.inf, "FORWARD_64_WIDE_MIN_KEYS": 0 if wide else math.inf,
+            "FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM": 0 if wide else math.inf}}
     if choice == "triton":
         return {flash_triton: {"HOPPER_BACKWARD": False}}
     gluon = {"MEASURED": False, "MIN_PROGRAMS_PER_SM": 0, "MIN_PROGRAMS_PER_SM_CONCURRENT": 0,
@@ -458,58 +479,71 @@ def _choice_settings(choice: str) -> dict:
     return {flash_triton: {"HOPPER_BACKWARD": True}, flash_hopper_bwd: gluon}
 
 
-def measure_backward(shapes, budget_s: float = math.inf, log=print) -> list[dict]:
-    """Times each of BACKWARD_CHOICES at every shape of `shapes` ((shape, causal), bf16) that the Gluon backward can
-    take, and returns a choice entry for each (its bucket, the fastest choice, each choice's median ms and the shape),
-    a shape's bucket once. Each choice's gradients are checked against the Triton backward's: a choice that disagrees
-    is not chosen (and said). Shapes left when `budget_s` seconds have passed are not measured (and said)."""
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a is within 2% of b's largest magnitude of b everywhere (a wrong kernel is far off)."""
+    return bool((a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max())
+
+
+def measure(part: str, shapes, budget_s: float = math.inf, log=print) -> list[dict]:
+    """Times each of CHOICES[part] (the pass "forward" or "backward") at every shape of `shapes` ((shape, causal),
+    bf16) that its Gluon kernel can take, in turns (each choice early and late once), and returns a choice entry for
+    each (its bucket, the fastest choice, each choice's median ms and the shape), a shape's bucket once. Each choice's
+    output or gradients are checked against the Triton kernel's: a choice that disagrees is not chosen (and said).
+    Shapes left when `budget_s` seconds have passed are not measured (and said)."""
     from lmsys.attention import flash_hopper, flash_hopper_bwd, flash_triton
 
-    backward_fingerprint()  # of the settings as they are, before the choices' settings change them
+    choice_fingerprint(part)  # of the settings as they are, before the choices' settings change them
     start, entries, seen = time.monotonic(), [], set()
     for shape, causal in shapes:
         if time.monotonic() - start > budget_s:
-            log(f"backward choices: budget of {budget_s:.0f} s spent, {shape} and later shapes not measured")
+            log(f"{part} choices: budget of {budget_s:.0f} s spent, {shape} and later shapes not measured")
             break
         q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        per_sm = flash_hopper.blocks_per_sm(q, flash_hopper_bwd.BLOCK_ROWS)
-        key = backward_bucket(shape[-1], causal, shape[-2], per_sm)
-        with _settings(_choice_settings("gluon")):
-            takes = flash_hopper_bwd.views(q, k, v, do, causal) is not None
+        per_sm = flash_hopper.blocks_per_sm(q, flash_hopper.BLOCK_M if part == "forward" else flash_hopper_bwd.BLOCK_ROWS)
+        key = bucket(shape[-1], causal, shape[-2], per_sm)
+        with _settings(_choice_settings(part, "gluon")):
+            takes = (flash_hopper.forward_views(q, k, v, causal) if part == "forward"
+                     else flash_hopper_bwd.views(q, k, v, do, causal)) is not None
         if not takes or _canonical(key) in seen:
             continue
         seen.add(_canonical(key))
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-        grads, times = {}, {choice: [] for choice in BACKWARD_CHOICES}
-        for turn in (BACKWARD_CHOICES, BACKWARD_CHOICES[::-1]):  # each choice timed early and late once
+        choices = [c for c in CHOICES[part] if c != "gluon-3wg" or shape[-1] == 64]
+        if part == "forward":
+            def call():
+                return flash_triton.forward(q, k, v, causal)[:1]
+        else:
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            o = None
+
+            def call():
+                return torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+        results, times = {}, {choice: [] for choice in choices}
+        for turn in (choices, choices[::-1]):
             for choice in turn:
-                with _settings(_choice_settings(choice)):
-                    o = flash_triton.FlashAttentionTriton.apply(q, k, v, causal)
-                    if choice not in grads:
-                        grads[choice] = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
-                    times[choice].append(triton.testing.do_bench(
-                        lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), warmup=25, rep=60,
-                        return_mode="median"))
-        agree = [c for c in BACKWARD_CHOICES if all(
-            (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()
-            for a, b in zip(grads[c], grads["triton"]))]
-        for choice in sorted(set(BACKWARD_CHOICES) - set(agree)):
-            log(f"backward choices: {choice} disagrees with the Triton backward at {shape} causal={causal}: not chosen")
+                with _settings(_choice_settings(part, choice)):
+                    if part == "backward":
+                        o = flash_triton.FlashAttentionTriton.apply(q, k, v, causal)
+                    if choice not in results:
+                        results[choice] = call()
+                    times[choice].append(triton.testing.do_bench(call, warmup=25, rep=60, return_mode="median"))
+        agree = [c for c in choices if all(map(_close, results[c], results["triton"]))]
+        for choice in sorted(set(choices) - set(agree)):
+            log(f"{part} choices: {choice} disagrees with the Triton kernel at {shape} causal={causal}: not chosen")
         ms = {choice: round(sum(t) / len(t), 4) for choice, t in times.items()}
         best = min(agree, key=ms.__getitem__)
         entries.append({"key": key, "choice": best, "ms": ms, "shape": list(shape)})
-        log(f"backward choices: {tuple(shape)} causal={causal}: {best} "
+        log(f"{part} choices: {tuple(shape)} causal={causal}: {best} "
             + " ".join(f"{c}={t:.4f}" for c, t in ms.items()))
     return entries
 
 
-def export(path: Path | None = None, shapes=DEFAULT_SHAPES, backward_only: bool = False,
+def export(path: Path | None = None, shapes=DEFAULT_SHAPES, choices_only: bool = False,
            budget_s: float = math.inf) -> tuple[Path, dict]:
     """Runs flash_triton forward (and backward, per `shapes`: ((shape, causal, mode), ...), bf16) on this GPU with
-    pins off, then times the backward's choices at those of `shapes` with a backward (`measure_backward`, pins on,
-    within `budget_s`), and merges the choices of its autotuners and the backward's into the table at `path`
-    (default: this GPU's). `backward_only`: the choices alone. Returns the path and the table written. Run it in a
-    fresh process: the autotuners' choices recorded are all those of this process."""
+    pins off, then times each pass's choices at `shapes` (`measure`, pins on; the backward's at the shapes with a
+    backward; both within `budget_s`), and merges the choices of its autotuners and of the passes into the table at
+    `path` (default: this GPU's). `choices_only`: the passes' choices alone. Returns the path and the table written.
+    Run it in a fresh process: the autotuners' choices recorded are all those of this process."""
     from lmsys.attention import flash_triton
 
     device = torch.cuda.get_device_name()
@@ -518,7 +552,7 @@ def export(path: Path | None = None, shapes=DEFAULT_SHAPES, backward_only: bool 
     previous = os.environ.get(ENV)
     os.environ[ENV] = "0"
     try:
-        for shape, causal, mode in () if backward_only else shapes:
+        for shape, causal, mode in () if choices_only else shapes:
             q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=mode != "fwd")
                        for _ in range(3))
             o = flash_triton.FlashAttentionTriton.apply(q, k, v, causal)
@@ -530,10 +564,13 @@ def export(path: Path | None = None, shapes=DEFAULT_SHAPES, backward_only: bool 
             os.environ.pop(ENV, None)
         else:
             os.environ[ENV] = previous
-    backward = measure_backward([(shape, causal) for shape, causal, mode in shapes if mode != "fwd"], budget_s)
+    start = time.monotonic()
+    choices = {"forward": measure("forward", [(shape, causal) for shape, causal, _ in shapes], budget_s)}
+    choices["backward"] = measure("backward", [(shape, causal) for shape, causal, mode in shapes if mode != "fwd"],
+                                  max(budget_s - (time.monotonic() - start), 0.0))
     entries = {kernel.base_fn.__name__: kernel_entry(kernel)
                for kernel in (flash_triton._flash_fwd_kernel, flash_triton._flash_bwd_kernel) if kernel.cache}
-    table = merged(existing, device, entries, backward)
+    table = merged(existing, device, entries, choices)
     write(path, table)
     return path, table
 
@@ -551,11 +588,12 @@ def describe(table: dict) -> str:
             extra = " ".join(f"{k}={config[k]}" for k in CONFIG_FIELDS[1:] if config[k] is not None)
             kwargs = " ".join(f"{k}={v}" for k, v in config["kwargs"].items())
             lines.append(f"{name:<18} {key_text:<46} {kwargs} {extra}")
-    for entry in table.get("backward", {}).get("choices", []):
-        key = entry["key"]
-        key_text = (f"HEAD_DIM={key['head_dim']} CAUSAL={key['causal']} KEYS<={key['keys']} "
-                    f"PROGRAMS_PER_SM>={key['per_sm']:g}")
-        lines.append(f"{'backward':<18} {key_text:<46} {entry['choice']}")
+    for part in CHOICES:
+        for entry in table.get(part, {}).get("choices", []):
+            key = entry["key"]
+            key_text = (f"HEAD_DIM={key['head_dim']} CAUSAL={key['causal']} KEYS<={key['keys']} "
+                        f"PROGRAMS_PER_SM>={key['per_sm']:g}")
+            lines.append(f"{part:<18} {key_text:<46} {entry['choice']}")
     return "\n".join(lines)
 
 
@@ -575,10 +613,10 @@ def main(argv=None) -> int:
                         help="run the kernels with pins off and merge the autotuner's choices into the table")
     parser.add_argument("--grid", choices=["default", "training"], default="default",
                         help="default: the perf suite's default shapes; training: the training grid's too")
-    parser.add_argument("--backward-only", action="store_true",
-                        help="with --export: time the backward's choices alone (pins on), not the autotuners' configs")
+    parser.add_argument("--choices-only", action="store_true",
+                        help="with --export: time the passes' choices alone (pins on), not the autotuners' configs")
     parser.add_argument("--budget-s", type=_seconds, default=math.inf, metavar="SECONDS",
-                        help="with --export: stop timing the backward's choices after SECONDS (default: no limit)")
+                        help="with --export: stop timing the passes' choices after SECONDS (default: no limit)")
     args = parser.parse_args(argv)
     if (args.export or args.path is None) and not torch.cuda.is_available():
         print("no CUDA device: give the table's path to print one, or export on a GPU", file=sys.stderr)
@@ -589,7 +627,7 @@ def main(argv=None) -> int:
             from lmsys.bench.attention import training_grid
 
             shapes += tuple((shape, causal, "fwd_bwd") for shape, causal in training_grid())
-        path, table = export(args.path, shapes, args.backward_only, args.budget_s)
+        path, table = export(args.path, shapes, args.choices_only, args.budget_s)
         print(f"wrote {path} ({torch.cuda.get_device_name()}, triton {triton.__version__})")
     else:
         path = args.path or table_path(torch.cuda.get_device_name())
