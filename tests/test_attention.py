@@ -985,7 +985,7 @@ def test_the_gluon_backward_is_the_default_from_its_measured_sizes_gpu(gpu, monk
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("part, choice", [(part, choice) for part, choices in tuned.CHOICES.items() for choice in choices])
+@pytest.mark.parametrize("part, choice", [(part, c) for part, choices in tuned.CHOICES.items() for c in choices])
 def test_each_pass_runs_as_the_gpus_table_measured_gpu(gpu, part, choice, head_dim, is_causal, tmp_path, monkeypatch,
                                                        seed):
     """A problem in a bucket of this GPU's table (lmsys.attention.tuned) runs as the table says: the forward on the

@@ -499,7 +499,8 @@ def measure(part: str, shapes, budget_s: float = math.inf, log=print) -> list[di
             log(f"{part} choices: budget of {budget_s:.0f} s spent, {shape} and later shapes not measured")
             break
         q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        per_sm = flash_hopper.blocks_per_sm(q, flash_hopper.BLOCK_M if part == "forward" else flash_hopper_bwd.BLOCK_ROWS)
+        rows = flash_hopper.BLOCK_M if part == "forward" else flash_hopper_bwd.BLOCK_ROWS
+        per_sm = flash_hopper.blocks_per_sm(q, rows)
         key = bucket(shape[-1], causal, shape[-2], per_sm)
         with _settings(_choice_settings(part, "gluon")):
             takes = (flash_hopper.forward_views(q, k, v, causal) if part == "forward"
