@@ -24,8 +24,10 @@ with an mbarrier per warpgroup it was slower on the H100 (docs/attention.md, wit
 Scope: CUDA tensors of compute capability 9.0, bf16 or fp16, head dim 128 (or 64 on long sequences:
 `plan`), both lengths multiples of 128, enough query blocks to give every multiprocessor one (MIN_PROGRAMS_PER_SM), each
 of q, k and v either with its heads one after another (contiguous) or side by side in its rows (the (batch, heads, seq,
-d) view of a (batch, seq, heads, d) projection, which the model passes; `_view`). The output is contiguous. `applies()`
-says whether inputs qualify; `flash_triton.forward` uses this kernel for them and its own forward for everything else.
+d) view of a (batch, seq, heads, d) projection, which the model passes; `_view`). The output is contiguous. Where the
+GPU's table measured a problem's bucket (`lmsys.attention.tuned.measured_choice`, MEASURED), the table says whether it
+runs here and with how many warpgroups; `plan`'s thresholds decide the rest. `applies()` says whether inputs qualify;
+`flash_triton.forward` uses this kernel for them and its own forward for everything else.
 There is no interpreter for Gluon (and under TRITON_INTERPRET=1 Gluon cannot compile at all): tests/test_attention.py
 compiles the kernel for sm_90 in a process without the interpreter on any machine, and checks it against float64 on the
 GPU.
