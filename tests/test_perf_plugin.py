@@ -387,8 +387,8 @@ def test_out_of_memory_skips_with_the_amount_and_the_session_goes_on(pytester):
 def test_full_grid_tests_run_only_with_the_option(pytester):
     write_suite(pytester, {"test_point": {"ms": 1.0, "marker": "full_grid"}, "test_a": {"ms": 1.0}}, seed=1)
     result = run(pytester)
-    result.assert_outcomes(passed=1, skipped=1)
-    result.stdout.fnmatch_lines(["SKIPPED*a point of the full grid: run with --perf-full-grid to include it"])
+    result.assert_outcomes(passed=1, deselected=1)
+    result.stdout.fnmatch_lines(["lmsys perf: 1 full-grid points deselected (--perf-full-grid runs them)"])
     run(pytester, "--perf-full-grid").assert_outcomes(passed=2)
 
 

@@ -26,7 +26,6 @@ import functools
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from lmsys import flops
@@ -92,6 +91,10 @@ def capture_refusal(wrapper: str, optimizer: str = "torch-adamw", sharded: bool 
 def torch_fully_shard(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
     """torch's FSDP2 as torchtitan applies it: `fully_shard` on each block, then on the root; parameters gathered in
     `dtype` (when given) and gradients reduced in fp32."""
+    # Imported here: torch.distributed.fsdp brings DTensor and sympy (about 0.5 s), which collecting the perf tests
+    # does not need.
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
     for block in model.layers:
         fully_shard(block, mp_policy=policy)
