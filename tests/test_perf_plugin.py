@@ -2,6 +2,7 @@
 deterministic clock and fake memory readings. A first run saves a baseline, a second run (other noise seed, maybe
 slower or fatter) compares against it; the tests assert outcomes, output lines and the files on disk."""
 
+import gc
 import json
 import os
 import re
@@ -552,3 +553,12 @@ def test_verbose_lines_give_each_passing_benchmark_s_median_change_and_verdict_a
     ])
     quiet = run(pytester, "--benchmark-compare")
     assert "PASSED (" not in quiet.stdout.str()
+
+
+def test_the_objects_alive_after_collection_are_frozen_while_the_gate_runs_and_thawed_after(pytester):
+    # Frozen, they are left out of the full collection before each memory measurement (its cost on a GPU host).
+    write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=1)
+    pytester.makepyfile(test_frozen="import gc\n\n\ndef test_frozen():\n    assert gc.get_freeze_count() > 0\n")
+    assert gc.get_freeze_count() == 0
+    run(pytester).assert_outcomes(passed=2)
+    assert gc.get_freeze_count() == 0
