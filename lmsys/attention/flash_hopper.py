@@ -1,9 +1,9 @@
 """FlashAttention forward for Hopper (sm_90) in Gluon, Triton's lower-level language: the FA3 pipeline.
 
-Written for the case where the Triton-language forward falls short: head dim 128, where it reaches about 83% of
-cuDNN's speed on the H100. Triton waits for the Q K^T product right after issuing it, so the softmax never runs
-while the tensor cores work. Gluon issues and waits for the warpgroup MMAs explicitly, which is what FA3 does
-(Shah et al., "FlashAttention-3", 2024):
+It serves the case where the Triton-language forward falls short of cuDNN on the H100: head dim 128
+(docs/attention.md, "Head dim 128, and the floor of one block per multiprocessor"). Triton waits for the Q K^T
+product right after issuing it, so the softmax never runs while the tensor cores work. Gluon issues and waits for
+the warpgroup MMAs explicitly, which is what FA3 does (Shah et al., "FlashAttention-3", 2024):
 
 * A program owns 128 query rows, split over two consumer warpgroups of 64 rows each (at d=64 on large problems
   192 rows over three, FA3's tile there: `plan`), plus a one-warp producer that issues every TMA load (warp
@@ -18,19 +18,20 @@ mask, key tiles above the diagonal are never loaded and only the diagonal tiles 
 mask. The launch order is the Triton forward's (lmsys.attention.launch_order): heads in groups that keep their keys
 and values in L2, heaviest query block first.
 
-FA3 also has its two consumer warpgroups take turns to issue their products ("pingpong"); here they do not: built
-with an mbarrier per warpgroup it was slower on the H100 (docs/attention.md, with the other variants measured).
+FA3 also has its two consumer warpgroups take turns to issue their products ("pingpong"); here each issues as soon
+as its operands are ready, since turns kept by an mbarrier per warpgroup measure slower on the H100
+(docs/attention.md, "PINGPONG, removed", with the other variants measured).
 
 Scope: CUDA tensors of compute capability 9.0, bf16 or fp16, head dim 128 (or 64 on long sequences:
-`plan`), both lengths multiples of 128, enough query blocks to give every multiprocessor one (MIN_PROGRAMS_PER_SM), each
-of q, k and v either with its heads one after another (contiguous) or side by side in its rows (the (batch, heads, seq,
-d) view of a (batch, seq, heads, d) projection, which the model passes; `_view`). The output is contiguous. Where the
-GPU's table measured a problem's bucket (`lmsys.attention.tuned.measured_choice`, MEASURED), the table says whether it
-runs here and with how many warpgroups; `plan`'s thresholds decide the rest. `applies()` says whether inputs qualify;
-`flash_triton.forward` uses this kernel for them and its own forward for everything else.
-There is no interpreter for Gluon (and under TRITON_INTERPRET=1 Gluon cannot compile at all): tests/test_attention.py
-compiles the kernel for sm_90 in a process without the interpreter on any machine, and checks it against float64 on the
-GPU.
+`plan`), both lengths multiples of 128, enough query blocks to give every multiprocessor one (MIN_PROGRAMS_PER_SM),
+each of q, k and v either with its heads one after another (contiguous) or side by side in its rows (the (batch,
+heads, seq, d) view of a (batch, seq, heads, d) projection, which the model passes; `_view`). The output is
+contiguous. Where the GPU's table holds a measured choice for a problem's bucket
+(`lmsys.attention.tuned.measured_choice`, MEASURED), the table says whether it runs here and with how many
+warpgroups; `plan`'s thresholds decide the rest. `applies()` says whether inputs qualify; `flash_triton.forward` uses
+this kernel for them and its own forward for everything else. There is no interpreter for Gluon (and under
+TRITON_INTERPRET=1 Gluon cannot compile at all): tests/test_attention.py compiles the kernel for sm_90 in a process
+without the interpreter on any machine, and checks it against float64 on the GPU.
 """
 
 import functools
@@ -59,11 +60,11 @@ WARPGROUP_ROWS = 64
 # may then fall past the queries (lengths are multiples of 128, not of 192): they run, and store nothing.
 CONSUMER_REGS_3 = 160
 BLOCK_N = 128  # keys per tile
-NUM_STAGES = 2  # K and V buffers per ring; 3 are no faster
+NUM_STAGES = 2  # K and V buffers per ring; 3 measure no faster (docs/attention.md)
 HEAD_DIMS = (64, 128)  # what it compiles for; where it runs: `plan`
-# Whether a problem in a bucket that this GPU's table measured (lmsys.attention.tuned.measured_choice: the fastest of
-# the Triton forward and this one with two or three consumer warpgroups) runs as measured; `plan`'s thresholds decide
-# the others. Scripts that time each way in turn set it off.
+# Whether a problem in a bucket for which this GPU's table holds a choice (lmsys.attention.tuned.measured_choice: the
+# fastest of the Triton forward and this one with two or three consumer warpgroups) runs as the table says; `plan`'s
+# thresholds decide the others. Scripts that time each way in turn set it off.
 MEASURED = True
 # setmaxnreg budgets: 2 x 128 consumer threads at 240 and 32 producer threads at 24 fit the 64K registers.
 CONSUMER_REGS = 240
@@ -73,16 +74,16 @@ LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
 
 # Programs per multiprocessor below which the Triton forward runs instead: with few programs its smaller tiles (more
-# programs) win. Each threshold here is where this kernel was measured faster than the Triton forward on the H100
-# (docs/attention.md); sizes not timed keep the Triton forward.
+# programs) win. Each threshold here is where this kernel measures faster than the Triton forward on the H100
+# (docs/attention.md, "The Gluon forward (flash_hopper), measured"); sizes not timed keep the Triton forward.
 MIN_PROGRAMS_PER_SM = 1
 # At d=64 it runs a narrower window: from FORWARD_64_MIN_KEYS keys and below FORWARD_64_BELOW_PROGRAMS_PER_SM programs
 # per multiprocessor (few heads of long sequences; the model's 512-token heads stay with the Triton forward).
 FORWARD_64_MIN_KEYS = 32768
 FORWARD_64_BELOW_PROGRAMS_PER_SM = 4
 # And with three consumer warpgroups a program (192 query rows: FA3's tile at d=64) from FORWARD_64_WIDE_MIN_KEYS keys
-# and FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM blocks of 128 rows per multiprocessor (before the window above). With fewer
-# blocks the last programs of 192 rows make a second wave and two warpgroups are faster.
+# and FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM blocks of 128 rows per multiprocessor (`plan` checks this first). With
+# fewer blocks the last programs of 192 rows make a second wave and two warpgroups are faster.
 FORWARD_64_WIDE_MIN_KEYS = 16384
 FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM = 7.5
 
@@ -410,10 +411,10 @@ def _smem_layout(rows, d, dtype):
 
 def tma_descriptor(base, shape, strides, block_shape, layout) -> TensorDescriptor:
     """`TensorDescriptor(base, shape, strides, block_shape, layout)` without its __post_init__'s checks (alignment,
-    rank, block shape: about 2 us of CPU per descriptor, and a backward builds eight), for arguments already known to
-    pass them: views that `_view` returned, tiles of this module's constants, new contiguous tensors. The fields are
-    TensorDescriptor's own (tests/test_attention.py compares both constructions, so a Triton upgrade that changes the
-    class fails there)."""
+    rank, block shape: microseconds of CPU per descriptor, and a backward builds eight; docs/attention.md, "The CPU
+    side of a call"), for arguments already known to pass them: views that `_view` returned, tiles of this module's
+    constants, new contiguous tensors. The fields are TensorDescriptor's own (tests/test_attention.py compares both
+    constructions, so a Triton upgrade that changes the class fails there)."""
     desc = object.__new__(TensorDescriptor)
     desc.base, desc.shape, desc.strides, desc.block_shape, desc.layout = base, shape, strides, block_shape, layout
     desc.padding = "zero"

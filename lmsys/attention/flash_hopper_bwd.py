@@ -25,13 +25,13 @@ Scope: what the Gluon forward takes (`flash_hopper.views`: sm_90, bf16 or fp16, 
 and dO contiguous or the (B, H, T, D) views of (B, T, H, D) tensors), head dims 64 and 128, problems of at least
 MIN_PROGRAMS_PER_SM programs per multiprocessor (MIN_PROGRAMS_PER_SM_CONCURRENT with the kernels side by side).
 `flash_triton` runs it for such inputs unless `flash_triton.HOPPER_BACKWARD` is off (LMSYS_HOPPER_BACKWARD=0 at
-import). Where the GPU's table measured a problem's bucket (`lmsys.attention.tuned.measured_choice`, MEASURED), the
-table says whether it runs here and how (one after the other, side by side, fused); the thresholds below decide the
-rest. tests/test_attention.py compiles both kernels for sm_90 on any machine (no spilled register) and checks them
-against float64 on a Hopper GPU.
+import). Where the GPU's table holds a measured choice for a problem's bucket
+(`lmsys.attention.tuned.measured_choice`, MEASURED), the table says whether it runs here and how (one after the other,
+side by side, fused); the thresholds below decide the rest. tests/test_attention.py compiles both kernels for sm_90
+on any machine (no spilled register) and checks them against float64 on a Hopper GPU.
 
-Why each constant below has its value (the variants measured on the H100, with their numbers, and those removed):
-docs/attention.md.
+Why each constant below has its value, with its measurements on the H100 and the variants it was timed against:
+docs/attention.md, "The Gluon backward (flash_hopper_bwd), measured".
 """
 
 import contextlib
@@ -69,9 +69,9 @@ HEAD_DIMS = (64, 128)
 # (docs/attention.md).
 MIN_PROGRAMS_PER_SM = 1.5
 MIN_PROGRAMS_PER_SM_CONCURRENT = 0.75
-# Whether a problem in a bucket that this GPU's table measured (lmsys.attention.tuned.measured_choice: the fastest of
-# the Triton backward and this one's three ways of running) runs as measured; the thresholds here decide the others.
-# Scripts that time each way in turn set it off.
+# Whether a problem in a bucket for which this GPU's table holds a choice (lmsys.attention.tuned.measured_choice: the
+# fastest of the Triton backward and this one's three ways of running) runs as the table says; the thresholds here
+# decide the others. Scripts that time each way in turn set it off.
 MEASURED = True
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
@@ -117,11 +117,10 @@ FUSED_SPLIT = True
 # tiles about 48 MB, L2's size). One head a group keeps the reduced dQ tiles in L2 and is faster (docs/attention.md).
 FUSED_GROUP_HEADS: int | None = 1
 # The head dims at which the dK/dV kernel accumulates dQ: 64, and 128 with FUSED_SPLIT and 2 stages only. At d=128 dK
-# and dV take 64 fp32 registers each, and a whole dQ tile would take 64 more (formed in two halves of 64 columns it
-# spilled 72-84 bytes); with FUSED_SPLIT (half its columns: 32 registers) dK's A operand dS^T is read from
-# the shared buffer dQ's takes anyway, and dQ has one buffer (two do not fit shared memory). Its causal sm_90 build
-# still spills 104 bytes (tests/test_attention.py bounds it), and is faster than the two kernels at every size the
-# rule takes (docs/attention.md).
+# and dV take 64 fp32 registers each, and a whole dQ tile would take 64 more, which spills; with FUSED_SPLIT (half its
+# columns: 32 registers) dK's A operand dS^T is read from the shared buffer dQ's takes anyway, and dQ has one buffer
+# (two do not fit shared memory). Its causal sm_90 build spills a little (tests/test_attention.py bounds it) and is
+# faster than the two kernels at every size the rule takes (docs/attention.md, "FUSED_DQ at d=128").
 FUSED_HEAD_DIMS = (64, 128)
 # With FUSED_SPLIT, whether dK's A operand dS^T is read from the shared buffer dQ's is stored in (at d=128 always),
 # instead of from registers: None, by the problem's size (`ds_from_shared`: from FUSED_DS_SMEM_MIN_PROGRAMS_PER_SM),
@@ -182,9 +181,9 @@ def _fusable(head_dim: int) -> bool:
 
 def ds_from_shared(head_dim: int, programs_per_sm: float) -> bool:
     """With FUSED_SPLIT, whether dK's A operand dS^T is read from shared memory (FUSED_DS_SMEM) for a problem of this
-    head dim and `programs_per_sm` programs per multiprocessor: at d=128 always (from registers it spilled more and was
-    slower there, FUSED_HEAD_DIMS); at d=64 never with K_IN_REGISTERS (faster at every size timed), else from
-    FUSED_DS_SMEM_MIN_PROGRAMS_PER_SM."""
+    head dim and `programs_per_sm` programs per multiprocessor: at d=128 always (from registers it spills more and is
+    slower there, FUSED_HEAD_DIMS); at d=64 never with K_IN_REGISTERS (dS^T from registers is faster at every size
+    timed: docs/attention.md, "K from registers (K_IN_REGISTERS)"), else from FUSED_DS_SMEM_MIN_PROGRAMS_PER_SM."""
     if head_dim > 64:
         return True
     if FUSED_DS_SMEM is not None:
