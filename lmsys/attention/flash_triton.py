@@ -67,12 +67,12 @@ _INTERPRET = triton.knobs.runtime.interpret
 # GUARD_MASKED: with a causal mask, a NaN or inf in a key or value that a query cannot see stays out of that query's
 # output and dQ row in the Triton-language kernels, as in lmsys.attention.masking (docs/attention.md, "Masked NaN and
 # inf"): in each diagonal tile the product with V (forward) or K (dQ) takes their finite entries, and NaN goes to the
-# columns of the rows that see a non-finite entry (`_seen_dot`). Off by default until its cost and its result are
-# measured on a GPU (the docs give the state). The Gluon kernels (flash_hopper, flash_hopper_bwd) have no such guard.
+# columns of the rows that see a non-finite entry (`_seen_dot`). Off by default for what it costs on the H200 (that
+# section has the numbers). The Gluon kernels (flash_hopper, flash_hopper_bwd) have no such guard.
 GUARD_MASKED = False
-# Inputs that lmsys.attention.flash_hopper takes (Hopper, 16-bit, d=128, or d=64 on long sequences (`flash_hopper.plan`),
-# lengths multiples of 128) go to its Gluon forward, measured faster there than the forward below; False sends
-# everything to the Triton-language kernels.
+# Inputs that lmsys.attention.flash_hopper takes (Hopper, 16-bit, d=128, or d=64 on long sequences:
+# `flash_hopper.plan`; lengths multiples of 128) go to its Gluon forward, measured faster there than the forward
+# below; False sends everything to the Triton-language kernels.
 HOPPER_FORWARD = True
 # The inputs of the Gluon forward with head dim 64 or 128, on problems large enough, take the Gluon backward of
 # lmsys.attention.flash_hopper_bwd (measured faster there than the Triton backward below), unless
@@ -88,8 +88,9 @@ def _block_d(head_dim):
 # Head dims 80 (the 2.7B model's) and 96 run split along the head dim: tiles of the first 64 columns and tiles of the
 # other 16 or 32, so that every product over the head dim does 80 or 96 columns' work rather than a padded 128's. On
 # the H200 the split kernels beat the padded ones at every measured point, forward and backward (docs/attention.md,
-# "Head dims 80 and 96"). A second chunk narrower than its tile (d=72: 8 columns in 16) computed wrong gradients on the
-# GPU, so only remainders that fill their tile (16, 32) split. SPLIT_HEAD_DIMS: the head dims that run so.
+# "The training grid, and head dims 80 and 96"). A second chunk narrower than its tile (d=72: 8 columns in 16) fails
+# the float64 gradient check on the GPU, so only remainders that fill their tile (16, 32) split. SPLIT_HEAD_DIMS: the
+# head dims that run so.
 SPLIT_HEAD_DIMS = frozenset({80, 96})
 _SPLIT_AT = 64
 

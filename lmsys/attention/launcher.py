@@ -52,8 +52,8 @@ MAX_LAUNCHES = 4096
 # Descriptor encodings kept per descriptor argument of a launch (one per address it saw); past this they start over.
 MAX_ENCODINGS = 64
 
-# (kernel, key, constexprs) -> its `Launch`; with CHECK, also -> (the arguments as triton specializes them, the grid, the
-# meta-parameters)
+# (kernel, key, constexprs) -> its `Launch`; with CHECK, also -> (the arguments as triton specializes them, the grid,
+# the meta-parameters)
 _launches: dict = {}
 _checked: dict = {}
 
@@ -112,8 +112,8 @@ def launch(kernel, grid, args: tuple, key, **constexprs) -> "Launch | None":
 
 
 class Pending:
-    """A launch not made yet: `pending(args)` launches through `launch` and returns what a later call takes in its place,
-    the `Launch` that `launch` kept, or itself where there is none (the interpreter, DIRECT off): a caller keeps
+    """A launch not made yet: `pending(args)` launches through `launch` and returns what a later call takes in its
+    place, the `Launch` that `launch` kept, or itself where there is none (the interpreter, DIRECT off): a caller keeps
     `launch_ = launch_(args)`."""
 
     __slots__ = ("kernel", "grid", "key", "constexprs")

@@ -3,9 +3,9 @@ changes.
 
 A call of `flash_triton.forward` or `backward` works out, from the inputs' shapes, strides, dtype, device and alignment,
 which kernels run, their grids, launch keys, views and every argument that is not a tensor; then it allocates its
-outputs and launches. The working out costs more CPU time than the rest (on the lent H100's host, hundreds of
-microseconds per backward, while the device waits for its launches), and a training step repeats the same signatures:
-each is worked out once into a plan (a `cache()` dict keyed by the signature), and later calls allocate and launch.
+outputs and launches. The working out costs more CPU time than the rest, while the device waits for its launches
+(docs/attention.md, "The CPU side of a call"), and a training step repeats the same signatures: each is worked out
+once into a plan (a `cache()` dict keyed by the signature), and later calls allocate and launch.
 
 A plan also follows from the modules' settings (`flash_hopper_bwd.FUSED_DQ`, the forward's `HOPPER_FORWARD`, the
 launcher's tables, ...), which tests and scripts set. `watch(module)` makes every attribute set or deleted on the module

@@ -480,7 +480,7 @@ def _choice_settings(part: str, choice: str) -> dict:
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether a is within 2% of b's largest magnitude of b everywhere (a wrong kernel is far off)."""
+    """Whether a is within 2% of b's largest magnitude everywhere (a wrong kernel is far off)."""
     return bool((a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max())
 
 
