@@ -121,7 +121,9 @@ def peak_gbps(device_name: str) -> float | None:
     return None if peak is None else peak.memory_gbps
 
 
-def rates(seconds: float, device_name: str, flops: int | None, nbytes: int | None, precision: str | None) -> dict[str, Any]:
+def rates(
+    seconds: float, device_name: str, flops: int | None, nbytes: int | None, precision: str | None
+) -> dict[str, Any]:
     """TFLOP/s and GB/s of one call that took `seconds`, with their fractions of the device's peak when it is known
     (`precision` picks the FLOP peak; None leaves the fraction out). Empty for a zero time."""
     out: dict[str, Any] = {}

@@ -45,7 +45,9 @@ import triton.language as tl
 
 CHUNK = 65536  # elements per program
 BLOCK = 4096  # elements per iteration of a program
-NUM_WARPS = 8  # with BLOCK, the fastest of the launch configurations measured on an H100 (up to 2% over 1024 x 4)
+# With BLOCK, the fastest of the launch configurations measured on an H100 (docs/training-step.md, "The fused AdamW
+# kernel's launch configuration").
+NUM_WARPS = 8
 _INTERPRET = triton.knobs.runtime.interpret
 _DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")

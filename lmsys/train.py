@@ -134,10 +134,10 @@ def bf16_linear_weights(model: nn.Module, optimizer: AdamW) -> list[nn.Parameter
     """Make the weight of every `nn.Linear` of `model` a bf16 parameter whose fp32 master lives in `optimizer`
     (`AdamW.keep_master_weights`), in place; returns those parameters.
 
-    Under bf16 autocast the model then computes as before, to the bit: autocast's cast of each fp32 weight to bf16
-    in every forward is gone (the weight already is that bf16 value), the matmuls' bf16 weight gradients are kept
-    as they are instead of being cast to fp32, and the optimizer reads them and writes the next bf16 weights in
-    its own pass. Other parameters (norm gains, the embedding, biases) stay fp32.
+    Under bf16 autocast the model then computes what it computes with fp32 weights, to the bit, without autocast's
+    cast of each weight to bf16 in every forward (the weight already is that bf16 value): the matmuls' bf16 weight
+    gradients are kept as they are rather than cast to fp32, and the optimizer reads them and writes the next bf16
+    weights in its own pass. Other parameters (norm gains, the embedding, biases) stay fp32.
     """
     if not isinstance(optimizer, AdamW):
         raise ValueError(
