@@ -103,7 +103,7 @@ class _Unit:
             slot.leaf = leaf.set_(storage, slot.offset, slot.shape, _contiguous_strides(slot.shape)).requires_grad_()
             for owner, attribute in slot.uses:
                 del owner._parameters[attribute]
-                setattr(owner, attribute, slot.leaf)  # a plain tensor attribute: F.linear reads it as before
+                setattr(owner, attribute, slot.leaf)  # a plain tensor attribute, which F.linear reads like a parameter
         storage.resize_(0)
         self.gathered = False
         self.gather_work: dist.Work | None = None
@@ -263,7 +263,8 @@ class FSDP(nn.Module):
 
     def num_parameters(self) -> int:
         """The wrapped model's parameter count, sharded weights at their full size: the module's own `parameters()`
-        (and so `TransformerLM.num_parameters()`) no longer list the sharded weights, which became plain tensors."""
+        (and so `TransformerLM.num_parameters()`) do not list the sharded weights, which the wrapper makes plain
+        tensors."""
         sharded = sum(slot.numel for unit in self._units for slot in unit.slots)
         return sharded + sum(p.numel() for p in self.module.parameters())
 

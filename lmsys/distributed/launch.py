@@ -29,10 +29,10 @@ workers) are in its process group; once the run is over (returned, failed or tim
 process group, so no child of a rank outlives `launch_ranks`.
 
 Start method. Ranks are forked from a `forkserver`: a clean process started once per parent, which imports torch
-once. A plain `spawn` re-imports torch in every rank (about 3 s for two ranks on a 2-core CPU machine, measured);
-a fork from the forkserver costs about 25 ms. Plain `fork` of the caller is as cheap but unsafe: a child forked
-after the parent used OpenMP hangs in its first multi-threaded op (seen with torch 2.13 on CPU), and a child
-forked after CUDA initialization cannot use CUDA. The forkserver is neither: it never ran OpenMP or touched CUDA,
+once. A plain `spawn` re-imports torch in every rank, seconds per launch, where a fork from the forkserver costs
+tens of milliseconds (docs/distributed.md, "Starting the ranks"). Plain `fork` of the caller is as cheap but unsafe:
+a child forked after the parent used OpenMP hangs in its first multi-threaded op (torch 2.13 on the CPU), and a
+child forked after CUDA initialization cannot use CUDA. The forkserver is neither: it never ran OpenMP or touched CUDA,
 whatever the caller did, so CUDA-initialized callers are fine too. On machines without CUDA the server also imports
 torch._dynamo and the module of `fn` (a test module, say, with everything it imports), which saves each rank those
 imports. Where the platform has no forkserver (Windows) ranks are spawned. The server lives as long as the caller:
@@ -162,7 +162,8 @@ def _context(fn: Callable) -> multiprocessing.context.BaseContext:
     preload = ["__main__", "torch", "torch.distributed"]
     # A module imported into the server could initialize CUDA (torch.cuda.is_available() at import does) and
     # poison every rank forked from it, so more is preloaded only where there is no CUDA at all: torch._dynamo
-    # (torch.optim imports it when the first optimizer is built: 1.6 s per rank on the CI machine) and fn's module.
+    # (torch.optim imports it when the first optimizer is built, over a second per rank: docs/distributed.md) and
+    # fn's module.
     if not torch.cuda.is_available():
         preload += ["torch._dynamo"] + ([fn.__module__] if fn.__module__ != "__main__" else [])
     context.set_forkserver_preload(preload)  # takes effect only when the server starts (the first launch)

@@ -91,8 +91,8 @@ def capture_refusal(wrapper: str, optimizer: str = "torch-adamw", sharded: bool 
 def torch_fully_shard(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
     """torch's FSDP2 as torchtitan applies it: `fully_shard` on each block, then on the root; parameters gathered in
     `dtype` (when given) and gradients reduced in fp32."""
-    # Imported here: torch.distributed.fsdp brings DTensor and sympy (about 0.5 s), which collecting the perf tests
-    # does not need.
+    # Imported here: torch.distributed.fsdp brings DTensor and sympy, a slow import (docs/distributed.md, "Starting
+    # the ranks") that collecting the perf tests does not need.
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
