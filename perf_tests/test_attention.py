@@ -121,8 +121,9 @@ def _causal_points():
     ]
 
 
-# (shape, causal, dtype) reference points, measured for SDPA's backends on an H100 before our kernels existed; the
-# first one's forward is in the default subset. Our numbers: docs/NVIDIA_H100_80GB_HBM3.md.
+# (shape, causal, dtype) reference points: the shapes of the reference timings of SDPA's backends on an H100
+# (docs/attention.md, "The anchors and the leaderboard's dO"); the first one's forward is in the default subset. Our
+# numbers: docs/NVIDIA_H100_80GB_HBM3.md.
 ANCHOR_SHAPES = [
     ((4, 16, 8192, 128), True, "bf16"),
     ((4, 16, 8192, 128), False, "bf16"),
@@ -218,15 +219,15 @@ def test_attention_leaderboard(gpu_benchmark, fresh_compiler, device, seed, prov
     """CS336 leaderboard: (16, 16384, 64) bf16 causal, forward + backward, compiled (CPU: (2, 256, 64)).
 
     The dO is random; the leaderboard's harness backpropagates o.sum() (dO of ones), which times SDPA's cuDNN
-    backend lower (4.35 ms against 4.71 ms, measured on an H100).
+    backend lower on an H100 (docs/attention.md, "The anchors and the leaderboard's dO").
     """
     shape = (16, 16384, 64) if HAS_CUDA else (2, 256, 64)
     run_case(gpu_benchmark, device, provider, shape, True, torch.bfloat16, "fwd_bwd", compile_all=True)
 
 
-# The CPU's cost of one call (host timing: docs/gate.md, "Launch cost (host timing)"), at a size where the GPU's work (about
-# 0.1 ms of forward + backward on an H100) is less than it: what a model with many small attention layers pays per
-# layer.
+# The CPU's cost of one call (host timing: docs/gate.md, "Launch cost (host timing)"), at a size where the GPU's work
+# is less than it (the causal grid's 1x4096x64 forward + backward in docs/NVIDIA_H100_80GB_HBM3.md): what a model
+# with many small attention layers pays per layer.
 # `sdpa` is the plain call, SDPA picking its backend; the restricted backends pay for sdpa_kernel's context too.
 LAUNCH_SHAPE = (1, 1, 4096, 64)
 LAUNCH_PROVIDERS = ("flash_triton", "sdpa", "sdpa_flash", "sdpa_cudnn")

@@ -4,15 +4,15 @@ provider), and the same step on one device for the scaling ratio, each on ranks 
 
 Per benchmark: the step time (each round the slowest rank's; on GPUs device time, each rank's step replayed as a
 CUDA graph, or queued when a rank cannot capture it, with the eager rounds, launch cost included, beside as the CPU's
-part: docs/gate.md, "Several ranks"), the share of it spent waiting for gradient communication after backward (extra_info
-spans.comm_wait, from the eager rounds; torch DDP waits inside backward, so it has none), each rank's memory
-(extra_info per_rank_memory: after initialization, before and after the optimizer step); the gate judges the time
-and the largest rank's peak. Weak-scaling efficiency = single-device step / N-rank step.
+part: docs/gate.md, "Several ranks"), the share of it spent waiting for gradient communication after backward
+(extra_info spans.comm_wait, from the eager rounds; torch DDP waits inside backward, so it has none), each rank's
+memory (extra_info per_rank_memory: after initialization, before and after the optimizer step); the gate judges the
+time and the largest rank's peak. Weak-scaling efficiency = single-device step / N-rank step.
 
 On GPUs: the `xl` model, context 512, batch 4 per rank, fp32 and bf16 autocast, NCCL on every GPU of the machine,
 at least 2 (skipped, saying so, on a machine with fewer); on the CPU: the tiny model with gloo on 2 ranks. Graph mode
-because the bf16 step is the CPU's time otherwise: on the H100 its ~7000 kernels take 160-235 ms of CPU against
-128 ms of device work, and queued rounds of it spread 9% between processes.
+because the bf16 step is the CPU's time otherwise: the CPU takes longer to issue its kernels than the GPU takes to run
+them, and queued rounds of it spread between processes (docs/distributed.md, "Why the DDP steps are graph-timed").
 """
 
 import pytest

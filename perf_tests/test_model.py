@@ -12,16 +12,17 @@ Providers (a model and an optimizer):
 - `ours-naive`: lmsys.model with the naive attention reference and lmsys.optim.AdamW.
 
 On a GPU: batch 4, context 512 (as in the plain-PyTorch reference runs). The default subset: `large` in bf16
-autocast + torch.compile with reference, ours and ours-flash_triton side by side (MFU in the report's "% of peak"; a
-compilation of `large` takes about a minute on the H200, so ours-torch-adamw is in the full grid), `large` in
+autocast + torch.compile with reference, ours and ours-flash_triton side by side (MFU in the report's "% of peak";
+each compilation of `large` is long, so ours-torch-adamw is in the full grid), `large` in
 fp32 and bf16 eager (reference and ours), `large` with the compiled step replayed as CUDA graphs (`bf16-graphs`:
 reference and ours), and `small` in every precision with SDPA and naive attention. The rest (2.7B with every
 provider, medium and xl, naive on large, flash_triton eager and with graphs) runs with --perf-full-grid.
 On the CPU: the tiny preset, reference and ours.
 
 A compiled step of `large` spends longer launching its kernels than the GPU spends running them, and that launch
-time moves with the host from one machine to the next (its median by 10 ms of 55 between two runs): on a GPU the
-step is judged on its device time (graph=True), and its eager time, launch cost included, with the eager tolerance.
+time moves with the host from one machine to the next (docs/training-step.md, "The perf suite's steps"): on a GPU
+the step is judged on its device time (graph=True), and its eager time, launch cost included, with the eager
+tolerance.
 """
 
 import dataclasses
