@@ -1,7 +1,7 @@
 """A matrix product: the smallest real check of the regression gate, and its demonstration.
 
-On a GPU a bf16 4096^3 matmul (about 180 us on an H100, 3% apart over 10 processes: a 5% gate holds); on the CPU an
-fp32 256^3 one.
+On a GPU a bf16 4096^3 matmul, steady enough from process to process for a 5% gate (docs/profiling.md, "The perf
+suite's smallest benchmarks"); on the CPU an fp32 256^3 one.
 
 LMSYS_INJECT_SLOWDOWN=0.2 adds 20% more work to every call: a second product over the first fifth of the rows.
 Compared against a baseline saved without it, the test must fail as SLOWER; that is how to see the gate fire:

@@ -2,8 +2,8 @@
 
 On a GPU this is the span between two CUDA events recorded back to back (plus the Python call between them);
 on the CPU it is two reads of the clock. Every other benchmark's samples include it once per round.
-A sub-microsecond number moves a lot between processes (on a 2-core CPU machine one run's median read 165 ns and the
-next 287 ns), so its comparison only catches a change past four times.
+A sub-microsecond number moves a lot between processes (docs/profiling.md, "The perf suite's smallest
+benchmarks"), so its comparison only catches a change past four times.
 """
 
 import pytest
