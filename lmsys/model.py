@@ -166,6 +166,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
+        """Width of one attention head: d_model / num_heads."""
         return self.d_model // self.num_heads
 
 

@@ -177,7 +177,7 @@ class ForwardPlan:
 
 
 def forward_views(q, k, v, is_causal: bool) -> ForwardPlan | None:
-    """A `ForwardPlan` when the forward runs these inputs here, else None: as the GPU's table measured the problem's
+    """A `ForwardPlan` when the forward runs these inputs here, else None: as the GPU's table says for the problem's
     bucket (`lmsys.attention.tuned.measured_choice`, MEASURED), else as `plan` says; and when `views` holds them."""
     if not q.is_cuda:
         return None

@@ -30,7 +30,7 @@ import). Where the GPU's table holds a measured choice for a problem's bucket
 side by side, fused); the thresholds below decide the rest. tests/test_attention.py compiles both kernels for sm_90
 on any machine (no spilled register) and checks them against float64 on a Hopper GPU.
 
-Why each constant below has its value, with its measurements on the H100 and the variants it was timed against:
+Why each constant below has its value, with its measurements on the H100 and the variants timed against it:
 docs/attention.md, "The Gluon backward (flash_hopper_bwd), measured".
 """
 

@@ -607,6 +607,8 @@ def _seconds(text: str) -> float:
 
 
 def main(argv=None) -> int:
+    """`python -m lmsys.attention.tuned`: exports this GPU's table (`--export`) or prints a table; returns the exit
+    status (2 without a GPU where one is needed)."""
     parser = argparse.ArgumentParser(prog="python -m lmsys.attention.tuned", description=__doc__.split("\n\n")[0])
     parser.add_argument("path", nargs="?", type=Path, help="the table (default: this GPU's, under lmsys/attention/"
                         "tuned_configs/)")

@@ -49,6 +49,7 @@ def format_size(nbytes: int) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `lmsys-bench allreduce`: the sizes, and the ranks' options (lmsys.bench.ranks)."""
     sizes = ALL_REDUCE_SIZES if torch.cuda.is_available() else ALL_REDUCE_SIZES[:2]
     shown = " ".join(format_size(n) for n in sizes)
     parser.add_argument("--sizes", nargs="+", type=parse_size, default=list(sizes),
@@ -85,6 +86,8 @@ def shown(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Times one all-reduce per size on the ranks (spawned, or torchrun's), prints the table on the leader and writes
+    the outputs; returns the exit status."""
     ranks.check(args)
     world = ranks.start(args)
     try:

@@ -51,6 +51,8 @@ def training_grid() -> list[tuple[tuple[int, int, int, int], bool]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `lmsys-bench attention`: providers, grid (sequence lengths, head dims, batch, heads), dtypes,
+    modes, timing, outputs and plots."""
     gpu = HAS_CUDA
     providers = ["naive", "flash_triton", "sdpa_flash", "sdpa_cudnn"] if gpu else ["naive", "flash_torch", "sdpa"]
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=providers,
@@ -177,6 +179,8 @@ def grid_points(args: argparse.Namespace) -> list[tuple[tuple[int, int, int, int
 
 
 def run(args: argparse.Namespace) -> int:
+    """Times every point of the grid for every provider, prints the table and writes the outputs and plots; returns the
+    exit status."""
     sweep.check_outputs(args.output)
     for name, values, least in (("--seq", args.seq, 1), ("--dims", args.dims, 1), ("--batch", [args.batch], 1),
                                 ("--heads", [args.heads], 1), ("--steps", [args.steps], 1),

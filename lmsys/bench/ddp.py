@@ -75,6 +75,8 @@ class Case:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `lmsys-bench ddp`: the model, batch and dtypes, the wrappers and optimizer, and the ranks' options
+    (lmsys.bench.ranks)."""
     gpu = torch.cuda.is_available()
     size, batch, dtypes = ("xl", 4, ["fp32", "bf16"]) if gpu else ("tiny", 2, ["fp32"])
     parser.add_argument("--size", choices=SIZES, default=size, help=f"model preset (default: {size})")
@@ -195,6 +197,8 @@ def _timing(graph: bool, transport: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Times one training step per case on the ranks (spawned, or torchrun's), prints the table on the leader and writes
+    the outputs; returns the exit status."""
     ranks.check(args)
     for name, value in (("--batch", args.batch), ("--context", 1 if args.context is None else args.context)):
         if value < 1:

@@ -73,6 +73,8 @@ class Case:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `lmsys-bench model`: the cases (sizes, dtypes, compile modes, modes), the timing and the profiling
+    outputs."""
     default_size = "small" if torch.cuda.is_available() else "tiny"
     parser.add_argument("--sizes", nargs="+", choices=SIZES, default=[default_size],
                         help=f"model presets (default: {default_size})")
@@ -262,6 +264,8 @@ def shown(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Times every case of `args` (a row each, an out-of-memory case a row with its status), prints the table and writes
+    the outputs; returns the exit status."""
     sweep.check_outputs(args.output)
     device = sweep.backend()
     if args.memory_snapshot and not device.is_gpu:

@@ -88,6 +88,7 @@ class Peaks:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `lmsys-bench ncu`: the case to profile, the output folder, the peaks, or CSVs to parse instead."""
     gpu = torch.cuda.is_available()
     parser.add_argument("--out", type=Path, required=True, metavar="DIR",
                         help="where the report, ncu's CSVs, the parsed tables and the summary go")
@@ -435,6 +436,8 @@ def _profile(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Profiles one training step under Nsight Compute (or parses `--parse`'s CSVs), writes the tables and prints the
+    summary; returns the exit status."""
     args.out.mkdir(parents=True, exist_ok=True)
     if args.size is None and not args.parse:
         args.size = "small" if torch.cuda.is_available() else "tiny"
