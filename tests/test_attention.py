@@ -562,7 +562,8 @@ def _assert_compiled_well(folder, spill_bytes=0):
     the kernel) spills no register (at most `spill_bytes`, for a kernel measured fast all the same), and ptxas kept its
     warpgroup MMAs asynchronous: when a kernel keeps too many registers live (message C7511), or reads an MMA's
     accumulator registers while it may be in flight (C7514), ptxas serializes them (each MMA waited for as soon as
-    issued) with no error, and the kernel runs much slower (PIPELINED, flash_hopper_bwd's docstring)."""
+    issued) with no error, and the kernel runs much slower (docs/attention.md, "The first measurements; FA3's dQ and
+    PIPELINED, removed")."""
     tools = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
     usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", str(folder / "kernel.cubin")],
                            capture_output=True, text=True, check=True).stdout
