@@ -581,6 +581,171 @@ def test_in_process_measures_the_gate_end_to_end_on_the_fake_gpu(pytester, monke
                                                                           (0.0, 2**20, "MORE-MEMORY")]
 
 
+class ShareGpu:
+    """A fake device for Injection alone: a clock that moves by the call's `call_ms` (not in host timing) and by
+    `share` of each injected work's length (a kernel at the power cap gives part of it back), graphs that replay
+    the call, and counts of the call's calls outside a capture and of the works made."""
+
+    is_gpu = True
+
+    def __init__(self, share: float, call_ms: float = 2.0):
+        self.share, self.call_ms = share, call_ms
+        self.now, self.calls, self.works, self.capturing = 0.0, 0, 0, False
+
+    def time_call(self, call, lead=None):
+        if lead is not None:
+            lead()
+        start = self.now
+        call()
+        return self.now - start
+
+    time_host = time_call
+
+    def capture_graph(self, call):
+        self.capturing = True
+        try:
+            call()
+        finally:
+            self.capturing = False
+        return call, lambda: None
+
+    def make_delay(self, seconds):
+        def delay():
+            if not self.capturing:
+                self.now += seconds
+
+        return delay
+
+    def make_work(self, seconds):
+        self.works += 1
+        return self.make_delay(self.share * seconds)
+
+    def make_host_delay(self, seconds):
+        return self.make_delay(seconds)
+
+    def call(self):
+        if not self.capturing:
+            self.calls += 1
+            self.now += self.call_ms / 1e3
+
+
+def added(gpu: ShareGpu, delayed) -> float:
+    start = gpu.now
+    delayed()
+    return (gpu.now - start) / (gpu.call_ms / 1e3) - 1
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_a_benchmarks_delays_are_sized_once_and_each_adds_its_share_where_it_runs(graph):
+    """One Sizing per benchmark: the correction is measured once (four blocks of SIZING_ROUNDS rounds, with the work of
+    the largest delay), every delay is scaled by it (work that adds only 60% of its length is made 1/0.6 as long, for
+    +3% as for +10%), and a re-measurement gets the same work, sized again nowhere."""
+    from lmsys.perf.injection import SIZING_ROUNDS, Injection, Sizing
+
+    gpu = ShareGpu(share=0.6)
+    sizing = Sizing(0.1, typical=2e-3)  # typical: the benchmark's own median (no rounds of it)
+    first = Injection(0.03, sizing=sizing).delayed(gpu, gpu.call, None, graph, False)
+    assert gpu.calls == 4 * SIZING_ROUNDS and sizing.correction == pytest.approx(1 / 0.6)
+    for delay in (0.03, 0.05, 0.1):
+        assert added(gpu, Injection(delay, sizing=sizing).delayed(gpu, gpu.call, None, graph, False)) == (
+            pytest.approx(delay, rel=1e-9))
+    again = Injection(0.03, 2**20, sizing=sizing).delayed(gpu, gpu.call, None, graph, False)
+    assert gpu.calls == 4 * SIZING_ROUNDS + 3  # the three calls timed above, no sizing rounds
+    assert gpu.works == 1 + 3  # the work sized with, and one per delay: +3% again is the same work
+    assert added(gpu, again) == added(gpu, first) == pytest.approx(0.03, rel=1e-9)
+    # Without a Sizing of its own the delay measures its typical time (three rounds) and its correction.
+    gpu = ShareGpu(share=0.6)
+    assert added(gpu, Injection(0.05).delayed(gpu, gpu.call, None, graph, False)) == pytest.approx(0.05, rel=1e-9)
+    assert gpu.calls == 3 + 4 * SIZING_ROUNDS + 1
+
+
+def test_a_host_delay_is_a_share_of_the_typical_host_time_measured_once():
+    from lmsys.perf.injection import Injection, Sizing
+
+    gpu = ShareGpu(share=1.0)
+    sizing = Sizing(0.05)
+    first = Injection(0.05, sizing=sizing).delayed(gpu, gpu.call, None, False, True)
+    assert gpu.calls == 1 + 3 and sizing.typical == pytest.approx(2e-3)  # the lead's round, three host rounds
+    Injection(0.05, sizing=sizing).delayed(gpu, gpu.call, None, False, True)
+    assert gpu.calls == 1 + 3 and added(gpu, first) == pytest.approx(0.05)
+
+
+def test_a_sizing_travels_to_the_ranks_without_its_works():
+    import pickle
+
+    from lmsys.perf.injection import Injection, Sizing
+
+    sizing = Sizing(0.05, typical=1e-3, correction=1.2, works={0.05: lambda: None})
+    copy = pickle.loads(pickle.dumps(Injection(0.05, sizing=sizing)))
+    assert (copy.delay, copy.sizing.typical, copy.sizing.correction, copy.sizing.works) == (0.05, 1e-3, 1.2, {})
+    assert copy == Injection(0.05) and sizing.works  # the sizing is no part of what the case is
+
+
+def inner_run(pytester, monkeypatch, tests: dict, cases: str):
+    """A baseline of `tests` on the fake GPU, then a compare run with LMSYS_INJECT_CASES; returns the run's result and
+    its benchmarks by name."""
+    from perf_fakes import INJECTION, run, save_baseline, write_suite
+
+    save_baseline(pytester, tests)
+    write_suite(pytester, tests, seed=2)
+    monkeypatch.setenv(detection.INJECT_CASES, cases)
+    result = run(pytester, *INJECTION, "--benchmark-compare", "--benchmark-json=out.json")
+    benches = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    return result, {bench["name"]: bench for bench in benches}
+
+
+def test_in_process_cases_share_one_sizing_per_benchmark_from_its_own_median(pytester, monkeypatch):
+    """Two delays, each caught and so measured twice (the gate's re-measurement): each benchmark's work is sized
+    once, with the largest delay, from the median its own measurement judged."""
+    from lmsys.perf.injection import Injection
+
+    sized = []
+    correction = Injection._correction
+
+    def counted(backend, call, flush, graph, sizing):
+        sized.append((sizing.at, sizing.typical))
+        return correction(backend, call, flush, graph, sizing)
+
+    monkeypatch.setattr(Injection, "_correction", staticmethod(counted))
+    tests = {"test_a": {"ms": 1.0, "noise": 0.002},
+             "test_b": {"ms": 2.0, "noise": 0.002, "launch_ms": 3.0, "call": ", graph=True"}}
+    result, benches = inner_run(pytester, monkeypatch, tests, "0.05:1048576,0.1:1048576")
+    result.assert_outcomes(passed=2)
+    assert sized == [(0.1, benches[name]["stats"]["median"]) for name in ("test_a", "test_b")]
+    for bench in benches.values():
+        cases = bench["extra_info"]["injected_cases"]
+        assert [c["verdict"] for c in cases] == ["SLOWER+MORE-MEMORY"] * 2
+        assert [c["time_change"] for c in cases] == [pytest.approx(0.05, abs=0.005), pytest.approx(0.1, abs=0.005)]
+
+
+def test_with_one_injected_delay_each_benchmark_is_sized_once_for_its_measurement_and_re_measurement(pytester,
+                                                                                                     monkeypatch):
+    """LMSYS_INJECT_DELAY (a run per case): a caught delay is measured twice, and each test's Sizing makes the second
+    measurement add the same work instead of sizing it again."""
+    from perf_fakes import INJECTION, run, save_baseline, write_suite
+
+    from lmsys.perf.injection import Injection
+
+    sized = []
+    correction = Injection._correction
+
+    def counted(backend, call, flush, graph, sizing):
+        sized.append(sizing.at)
+        return correction(backend, call, flush, graph, sizing)
+
+    monkeypatch.setattr(Injection, "_correction", staticmethod(counted))
+    tests = {"test_a": {"ms": 1.0, "noise": 0.002}, "test_b": {"ms": 2.0, "noise": 0.002, "call": ", graph=True"}}
+    save_baseline(pytester, tests)
+    write_suite(pytester, tests, seed=2)
+    monkeypatch.setenv(detection.INJECT_DELAY, "0.1")
+    result = run(pytester, *INJECTION, "--benchmark-compare", "--benchmark-json=out.json")
+    result.assert_outcomes(failed=2)
+    assert sized == [0.1, 0.1]
+    benches = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    assert [bench["extra_info"]["remeasured"] for bench in benches] == [True, True]
+
+
+
 def files(folder: str) -> dict[Path, tuple[bytes, int]]:
     """Every file under folder: its bytes and inode (a file replaced by another of the same bytes shows)."""
     return {path.relative_to(folder): (path.read_bytes(), path.stat().st_ino)

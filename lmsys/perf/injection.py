@@ -12,6 +12,9 @@ imports this module or reads these variables.
                              each benchmark with a baseline is measured once more per case and judged against the same
                              baseline; the verdicts go into its extra_info (INJECTED_CASES_KEY) and the summary,
                              and fail nothing. One process then measures the A/A case and every injected one.
+                             A benchmark's delays are sized once (Sizing: the median of its own measurement, and
+                             the work's correction where it runs, measured with the largest delay), and shared by
+                             its cases and their re-measurements.
 
 The gate reaches this module through two seams: PerfSession.injection (an Injection, handed to timing.run and to
 every rank in multirank.Settings) and the pytest_perf_measured hook, called after each benchmark is recorded. The work,
@@ -23,7 +26,7 @@ import math
 import os
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import cache, partial
 from statistics import median
 from typing import Any
@@ -102,13 +105,33 @@ def holding(backend, nbytes: int):
         del buffer
 
 
+@dataclass
+class Sizing:
+    """What one benchmark's injected delays are sized by, measured once in its process and shared by its cases and
+    their re-measurements (a benchmark's +3% and +5% are the same work per unit of delay): `typical`, the median of
+    the rounds the benchmark judges (its own measurement's with LMSYS_INJECT_CASES, else three rounds), and
+    `correction`, the factor by which the work's length is scaled so that it adds its share where it runs, measured
+    once with the work of the largest delay, `at` (Injection._correction). `works` keeps each delay's work, so that a
+    re-measurement adds the same work. Picklable without `works`: a multi-rank benchmark's Injection travels to its
+    ranks, which size nothing here (Injection.delayed_ranks)."""
+
+    at: float
+    typical: float | None = None
+    correction: float | None = None
+    works: dict = field(default_factory=dict)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "works": {}}
+
+
 @dataclass(frozen=True)
 class Injection:
-    """A delay (a fraction of each call's time) and a number of bytes held during each call. Picklable: multi-rank
-    benchmarks hand it to every rank."""
+    """A delay (a fraction of each call's time) and a number of bytes held during each call, with the benchmark's
+    Sizing when its cases share one. Picklable: multi-rank benchmarks hand it to every rank."""
 
     delay: float = 0.0
     memory: int = 0
+    sizing: Sizing | None = field(default=None, compare=False, repr=False)
 
     @property
     def label(self) -> str:
@@ -128,49 +151,58 @@ class Injection:
         return with_bytes_held
 
     def delayed(self, backend, call: Callable[[], Any], flush, graph: bool, host: bool) -> Callable[[], Any]:
-        """call followed by the delay: device-side work of the fraction of the median of three rounds of what the
-        benchmark judges (the call; with graph=True the replays of a trial capture, or queued rounds when it cannot be
-        captured: a launch-bound call's eager time is mostly CPU), sized where it runs (`_sized_in_place`), or with
-        host=True a CPU spin of the fraction of its host time."""
+        """call followed by the delay: device-side work of the fraction of the typical time of what the benchmark
+        judges (the call; with graph=True the replays of a trial capture, or queued rounds when it cannot be captured:
+        a launch-bound call's eager time is mostly CPU), scaled by the correction measured where it runs, or with
+        host=True a CPU spin of the fraction of its host time. The typical time, the correction and the work come
+        from the benchmark's Sizing where it has one already, and are measured into it where not."""
         if not self.delay:
             return call
-        if host:
-            lead = timing.queue_lead(backend, call, flush)
-            typical = median(timing.time_rounds(backend, call, 3, flush, lead, host=True))
-            return _followed_by(call, make_host_delay(backend, self.delay * typical))
-        lead = None
-        typical = median(timing.time_rounds(backend, call, 3, flush))
+        sizing = self.sizing if self.sizing is not None else Sizing(self.delay)
+        if self.delay not in sizing.works:
+            if host:
+                if sizing.typical is None:
+                    lead = timing.queue_lead(backend, call, flush)
+                    sizing.typical = median(timing.time_rounds(backend, call, 3, flush, lead, host=True))
+                sizing.works[self.delay] = make_host_delay(backend, self.delay * sizing.typical)
+            else:
+                if sizing.correction is None:
+                    sizing.correction = self._correction(backend, call, flush, graph, sizing)
+                sizing.works[self.delay] = make_work(backend, self.delay * sizing.typical * sizing.correction)
+        return _followed_by(call, sizing.works[self.delay])
+
+    @staticmethod
+    def _correction(backend, call, flush, graph: bool, sizing: Sizing) -> float:
+        """The factor by which the work's length is scaled (and sizing.typical, when it is not known: the median of
+        three rounds of the call as the benchmark judges it), measured with the work of sizing.at x typical where it
+        runs: blocks of SIZING_ROUNDS rounds of the call alone and of the call followed by the work, in turns, timed
+        as the benchmark is (graph replays; queued rounds when a graph=True call cannot be captured on a GPU). The
+        work's iterations are timed alone on an idle device, but after a kernel at the power cap it adds another
+        share of the round (docs/gate-measurements.md), and the sizes the detection reports are of what the gate reads.
+        The factor is at most SIZING_LIMIT either way (a ratio past it is noise of a short call), 1 when the work
+        added nothing measurable; it scales every delay of the benchmark alike."""
+        lead, releases = None, []
+        alone = call
         if graph:
             try:
-                replay, release = backend.capture_graph(call)
+                alone, release = backend.capture_graph(call)
+                releases.append(release)
             except Exception:  # timing.run notes the failed capture when it captures for real
                 if backend.is_gpu:
                     lead = timing.queue_lead(backend, call, flush)
-                    typical = median(timing.time_rounds(backend, call, 3, flush, lead))
                 graph = False
-            else:
-                typical = median(timing.time_rounds(backend, replay, 3, flush))
-                release()
-        return _followed_by(call, self._sized_in_place(backend, call, flush, graph, lead, typical))
-
-    def _sized_in_place(self, backend, call, flush, graph: bool, lead, typical: float) -> Callable[[], None]:
-        """The work of `delay` x typical, resized once by what it adds to the call's rounds where it runs: blocks of
-        SIZING_ROUNDS rounds of the call alone and of the call followed by the work, in turns, timed as the benchmark
-        is. The work's iterations are timed alone on an idle device, but after a kernel at the power cap it adds another
-        share of the round (docs/gate-measurements.md), and the sizes the detection reports are of what the gate
-        reads. The resizing is at most SIZING_LIMIT times either way: a ratio past it is noise of a short call."""
-        seconds = self.delay * typical
-        work = make_work(backend, seconds)
-        pair, releases = [call, _followed_by(call, work)], []
-        if graph:
-            try:
-                for index, which in enumerate(list(pair)):
-                    pair[index], release = backend.capture_graph(which)
-                    releases.append(release)
-            except Exception:
-                pair = [call, _followed_by(call, work)]
-        samples = ([], [])
         try:
+            if sizing.typical is None:
+                sizing.typical = median(timing.time_rounds(backend, alone, 3, flush, lead))
+            work = make_work(backend, sizing.at * sizing.typical)
+            pair = [alone, _followed_by(call, work)]
+            if graph:
+                try:
+                    pair[1], release = backend.capture_graph(pair[1])
+                    releases.append(release)
+                except Exception:  # the work cannot be captured: both timed as the call is when not captured
+                    pair = [call, _followed_by(call, work)]
+            samples = ([], [])
             for index in (0, 1, 0, 1):
                 samples[index].extend(timing.time_rounds(backend, pair[index], SIZING_ROUNDS, flush, lead))
         finally:
@@ -178,8 +210,8 @@ class Injection:
                 release()
         added = median(samples[1]) / median(samples[0]) - 1
         if not added > 0:  # nothing measurable added: the work as timed alone
-            return work
-        return make_work(backend, seconds * min(max(self.delay / added, 1 / SIZING_LIMIT), SIZING_LIMIT))
+            return 1.0
+        return min(max(sizing.at / added, 1 / SIZING_LIMIT), SIZING_LIMIT)
 
     def delayed_ranks(self, ctx, timed: Callable[[], Any], step: Callable[[], Any], timer):
         """(timed, step) of a multi-rank benchmark followed by the same device-side work on every rank: the fraction
@@ -259,6 +291,14 @@ def pytest_configure(config):
     config.stash[_CASES_KEY] = cases
 
 
+def pytest_runtest_setup(item):
+    """With LMSYS_INJECT_DELAY, each test's benchmark gets a Sizing of its own: its measurement sizes the delay, and
+    a re-measurement adds the same work."""
+    perf = item.config.stash.get(SESSION_KEY, None)
+    if perf is not None and perf.injection is not None and perf.injection.delay:
+        perf.injection = replace(perf.injection, sizing=Sizing(perf.injection.delay))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session):
     perf = session.config.stash.get(SESSION_KEY, None)
@@ -288,9 +328,12 @@ def pytest_perf_measured(item, benchmark, remeasure):
     cases = item.config.stash.get(_CASES_KEY, [])
     if not cases or not perf.comparing or perf.baseline(record.fullname) is None:
         return
+    # The benchmark's delays share one Sizing: its typical time is the median its own measurement judged.
+    delays = [case.delay for case in cases if case.delay]
+    sizing = Sizing(max(delays), typical=record.median) if delays else None
     results = []
     for case in cases:
-        decided = remeasure(case)
+        decided = remeasure(replace(case, sizing=sizing) if case.delay else case)
         results.append({"delay": case.delay, "memory": case.memory,
                         "verdict": None if decided is None else decided.label,
                         "time_change": None if decided is None or decided.time is None else decided.time.change})
