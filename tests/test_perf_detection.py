@@ -681,14 +681,16 @@ def test_a_sizing_travels_to_the_ranks_without_its_works():
     assert copy == Injection(0.05) and sizing.works  # the sizing is no part of what the case is
 
 
-def inner_run(pytester, monkeypatch, tests: dict, cases: str):
-    """A baseline of `tests` on the fake GPU, then a compare run with LMSYS_INJECT_CASES; returns the run's result and
-    its benchmarks by name."""
+def inner_run(pytester, monkeypatch, tests: dict, cases: str, delays_from: str | None = None):
+    """A baseline of `tests` on the fake GPU, then a compare run with LMSYS_INJECT_CASES (and
+    LMSYS_INJECT_DELAYS_FROM); returns the run's result and its benchmarks by name."""
     from perf_fakes import INJECTION, run, save_baseline, write_suite
 
     save_baseline(pytester, tests)
     write_suite(pytester, tests, seed=2)
     monkeypatch.setenv(detection.INJECT_CASES, cases)
+    if delays_from is not None:
+        monkeypatch.setenv(detection.INJECT_DELAYS_FROM, delays_from)
     result = run(pytester, *INJECTION, "--benchmark-compare", "--benchmark-json=out.json")
     benches = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
     return result, {bench["name"]: bench for bench in benches}
@@ -718,6 +720,71 @@ def test_in_process_cases_share_one_sizing_per_benchmark_from_its_own_median(pyt
         assert [c["time_change"] for c in cases] == [pytest.approx(0.05, abs=0.005), pytest.approx(0.1, abs=0.005)]
 
 
+@pytest.mark.parametrize(("cases", "short"), [("0.03:1048576,0.05:1048576", [(0.0, 2**20, "MORE-MEMORY")]),
+                                              ("0.05,0:1048576", [(0.0, 2**20, "MORE-MEMORY")]),
+                                              ("0.05", None)], ids=["memory-with-delays", "memory-apart", "no-memory"])
+def test_delays_go_only_into_benchmarks_whose_baseline_median_reaches_the_threshold(pytester, monkeypatch, cases,
+                                                                                    short):
+    """LMSYS_INJECT_DELAYS_FROM=0.001: the 0.5 ms benchmark is measured again with the memory alone (each size once),
+    or not at all when no case holds memory; the 2 ms one with every case."""
+    tests = {"test_short": {"ms": 0.5}, "test_long": {"ms": 2.0}}
+    result, benches = inner_run(pytester, monkeypatch, tests, cases, delays_from="0.001")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*LMSYS_INJECT_DELAYS_FROM=0.001: the delays only where the baseline's median is at "
+                                 "least 1 ms; the other benchmarks are measured again *"])
+    measured = {name: [(c["delay"], c["memory"], c["verdict"]) for c in bench["extra_info"].get("injected_cases", [])]
+                or None for name, bench in benches.items()}
+    assert measured["test_short"] == short
+    assert [delay for delay, _, _ in measured["test_long"]] == [float(c.split(":")[0]) for c in cases.split(",")]
+    assert all(verdict.startswith("SLOWER") for delay, _, verdict in measured["test_long"] if delay)
+
+
+@pytest.mark.parametrize(("value", "cases", "message"), [
+    ("soon", "0.05", "*LMSYS_INJECT_DELAYS_FROM=soon: must be a non-negative number of seconds*"),
+    ("-1", "0.05", "*LMSYS_INJECT_DELAYS_FROM=-1: must be a non-negative number of seconds*"),
+    ("0.001", "", "*LMSYS_INJECT_DELAYS_FROM chooses which benchmarks get the delays of LMSYS_INJECT_CASES*"),
+])
+def test_a_bad_delay_threshold_is_a_usage_error(pytester, monkeypatch, value, cases, message):
+    from perf_fakes import INJECTION, run, write_suite
+
+    write_suite(pytester, {"test_a": {"ms": 1.0}}, seed=1)
+    monkeypatch.setenv(detection.INJECT_CASES, cases)
+    monkeypatch.setenv(detection.INJECT_DELAYS_FROM, value)
+    result = run(pytester, *INJECTION)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+
+
+def test_in_process_delays_from_counts_the_allocation_on_every_benchmark(pytester, monkeypatch):
+    """--delays-from with --memory-with-delays, real pytest processes on the fake GPU: the short benchmark has no delay
+    verdicts, and its allocation, measured alone, counts in the allocation's column beside the delay runs'."""
+    from perf_fakes import RUN_ARGS, write_suite
+
+    tests = Path(__file__).parent
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")]))
+    quiet = {"noise": 0.002}
+    write_suite(pytester, {"test_short": {"ms": 0.5, **quiet}, "test_long": {"ms": 2.0, **quiet}}, seed=1)
+    (pytester.path / "baselines").mkdir()
+    monkeypatch.chdir(pytester.path)
+    argv = ["--in-process", "--runs", "2", "--no-warm-up", "--inject", "0.03", "0.05", "--inject-memory", "1048576",
+            "--memory-with-delays", "--delays-from", "0.001", "--keep", "k", "--", "test_suite.py", *RUN_ARGS,
+            "-p", "lmsys.perf.plugin"]
+    if any(e.value == "lmsys.perf.plugin" for e in entry_points(group="pytest11")):
+        argv = argv[:-2]
+    assert detection.main(argv) == 0
+    table, _, _, cases = detection._table_of_kept([Path("k")])
+    assert list(table.columns) == ["benchmark", "A/A false alarms", "+3% caught", "+5% caught", "+1 MiB caught"]
+    assert table.values.tolist() == [["test_long", "0/2", "2/2", "2/2", "4/4"], ["test_short", "0/2", "", "", "2/2"],
+                                     ["all", "0/4", "2/2", "2/2", "6/6"]]
+    runs, lines = detection.per_run(*cases)
+    assert lines == [] and ["+1 MiB caught", "1/1"] in runs[["case", "counted"]].values.tolist()
+    assert json.loads(Path("k/detection.json").read_text())["delays_from"] == 0.001
+    # Another threshold is another measurement.
+    with pytest.raises(SystemExit, match="--resume: k holds runs of"):
+        detection.main([*argv[:argv.index("0.001")], "0.002", *argv[argv.index("0.001") + 1:argv.index("--")],
+                        "--resume", *argv[argv.index("--"):]])
+
+
 def test_with_one_injected_delay_each_benchmark_is_sized_once_for_its_measurement_and_re_measurement(pytester,
                                                                                                      monkeypatch):
     """LMSYS_INJECT_DELAY (a run per case): a caught delay is measured twice, and each test's Sizing makes the second
@@ -744,6 +811,23 @@ def test_with_one_injected_delay_each_benchmark_is_sized_once_for_its_measuremen
     benches = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
     assert [bench["extra_info"]["remeasured"] for bench in benches] == [True, True]
 
+
+def test_per_run_names_a_missed_allocation_of_a_benchmark_measured_with_it_alone_once():
+    miss = {"benchmarks": [{"name": "short", "extra_info": {"verdict": "PASS", "time_change": 0.001}}]}
+    cases = [("+1 MiB caught", [miss], detection.more_memory)]
+    assert detection.per_run(cases, {detection.INJECT_MEMORY: str(2**20)})[1] == ["run 1, +1 MiB caught: missed short "
+                                                                                  "(PASS)"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--delays-from", "0.001"], "--delays-from goes with --in-process"),
+    (["--in-process", "--inject", "--inject-memory", "1", "--delays-from", "0.001"],
+     "--delays-from chooses the benchmarks that get the --inject delays"),
+])
+def test_delays_from_needs_in_process_runs_and_delays(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        detection.main([*argv, "--", "perf_tests"])
+    assert message in capsys.readouterr().err
 
 
 def files(folder: str) -> dict[Path, tuple[bytes, int]]:

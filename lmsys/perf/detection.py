@@ -15,7 +15,9 @@ multiplies, injection.make_work), LMSYS_INJECT_MEMORY=B hold B more bytes on the
 --in-process measures every case in each run instead: a fresh process judges each benchmark unchanged (the A/A
 case), then once more per injected case (LMSYS_INJECT_CASES, judged against the same reference, failing nothing):
 the cases share each run's process, and its start-up and compilations are paid once (on the H100 such a run of the
-default subset took 982 s, a plain warm run 330 s: the timing of the cases, not the start-up, is most of it).
+default subset took 982 s, a plain warm run 330 s: the timing of the cases, not the start-up, is most of it; a
+caught delay is measured twice, as the gate re-measures a SLOWER). --delays-from SECONDS injects the delays only into
+benchmarks whose reference median is at least SECONDS, and measures the others again with the allocation alone.
 --keep DIR keeps every run's JSON (and each fresh reference, DIR/references/), and --resume adds to them later
 (another session, another machine start) until each case has --runs runs, but never to runs of another gate
 (gate_files: the manifest records a hash of each file that decides a verdict); --table DIR...
@@ -46,7 +48,7 @@ import pandas as pd
 from lmsys.perf import baselines, calibration, reruns
 from lmsys.perf.report import markdown_table
 from lmsys.perf.verdict import MORE_MEMORY, Verdict, format_bytes
-from lmsys.perf.injection import INJECT_CASES, INJECT_DELAY, INJECT_MEMORY, INJECTED_CASES_KEY
+from lmsys.perf.injection import INJECT_CASES, INJECT_DELAY, INJECT_DELAYS_FROM, INJECT_MEMORY, INJECTED_CASES_KEY
 
 UNCHANGED = {INJECT_DELAY: "0", INJECT_MEMORY: "0"}
 # What the runs of the cases add to the tests' arguments: the plugin that reads the variables above.
@@ -107,13 +109,20 @@ def tally(cases: list[tuple[str, list[dict], Callable[[str | None], bool]]]) -> 
     return pd.DataFrame(rows, columns=["benchmark", *columns])
 
 
+def _memory_column(held: dict) -> str:
+    """The column of the allocation held in the delay runs (--memory-with-delays)."""
+    return f"+{format_bytes(int(held[INJECT_MEMORY]))} caught"
+
+
 def _with_memory(results: list, held: dict) -> list:
-    """The cases run, plus (with --memory-with-delays) the allocation's case over all delay runs."""
+    """The cases run, plus (with --memory-with-delays) the allocation's case over all delay runs and the runs of the
+    benchmarks that --delays-from measured with the allocation alone."""
     if not held:
         return results
     memory = [doc for column, docs, _ in results if column != AA_COLUMN for doc in docs]
-    column = f"+{format_bytes(int(held[INJECT_MEMORY]))} caught"
-    return results + ([(column, memory, more_memory)] if memory else [])
+    column = _memory_column(held)
+    shown = [result for result in results if result[0] != column]
+    return shown + ([(column, memory, more_memory)] if memory else [])
 
 
 def per_run(cases: list[tuple[str, list[dict], Callable[[str | None], bool]]], held: dict
@@ -134,7 +143,7 @@ def per_run(cases: list[tuple[str, list[dict], Callable[[str | None], bool]]], h
                 if column != AA_COLUMN and not counted(label):
                     measured = f" at {change:+.2%}" if changes and change is not None else ""
                     lines.append(f"run {run}, {column}: missed {bench['name']}{measured} ({label})")
-                if column != AA_COLUMN and held and not more_memory(label):
+                if column != AA_COLUMN and held and counted is not more_memory and not more_memory(label):
                     lines.append(f"run {run}, {column}: the allocation missed by {bench['name']} ({label})")
                 throttle = ((info.get("machine") or {}).get("after") or {}).get("throttle")
                 if column == AA_COLUMN and throttle:
@@ -241,11 +250,18 @@ def _settings(args: argparse.Namespace) -> dict:
     settings = {"pytest_args": _selection(args.pytest_args), "baseline": args.baseline, "no_aa": args.no_aa,
                 "inject": args.inject, "inject_memory": args.inject_memory,
                 "memory_with_delays": args.memory_with_delays}
-    return {**settings, "in_process": True} if args.in_process else settings
+    if args.in_process:
+        settings["in_process"] = True
+    if args.delays_from is not None:
+        settings["delays_from"] = args.delays_from
+    return settings
 
 
 # --in-process: the folder (under --keep) of the runs, each of which measures every case.
 IN_PROCESS = "runs"
+# --delays-from with --memory-with-delays: the case of the benchmarks measured with the allocation alone, which the
+# runs' plugin derives from the delay cases (it is not one of LMSYS_INJECT_CASES).
+MEMORY_ONLY = "memory-only"
 
 
 class Case(NamedTuple):
@@ -292,6 +308,8 @@ def _cases(settings: dict) -> tuple[list[Case], dict]:
     if not held:
         cases += [Case(f"+{format_bytes(n)} caught", f"memory-{n}", {**UNCHANGED, INJECT_MEMORY: str(n)}, more_memory,
                        (0.0, n)) for n in settings["inject_memory"]]
+    elif settings.get("delays_from"):
+        cases.append(Case(_memory_column(held), MEMORY_ONLY, {}, more_memory, (0.0, held_bytes)))
     return cases, held
 
 
@@ -481,8 +499,11 @@ def _measure_in_process(args: argparse.Namespace, cases: list[Case], held: dict
     if len(docs) >= args.runs:
         print(f"{args.runs} runs kept already: nothing to run", file=sys.stderr, flush=True)
         return _in_process_results(cases, docs)
-    injected = ",".join(f"{case.injected[0]:g}:{case.injected[1]}" for case in cases if case.injected)
+    injected = ",".join(f"{case.injected[0]:g}:{case.injected[1]}" for case in cases
+                        if case.injected and case.name != MEMORY_ONLY)
     env = {**UNCHANGED, INJECT_CASES: injected}
+    if args.delays_from is not None:
+        env[INJECT_DELAYS_FROM] = f"{args.delays_from:g}"
     with tempfile.TemporaryDirectory(prefix="lmsys-detection-") as folder:
         compare = _compare_args(args, Path(folder))
         print(f"{args.runs} runs, each measuring every case", file=sys.stderr, flush=True)
@@ -641,6 +662,17 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds, 0 or more")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lmsys.perf.detection", description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=20, help="fresh processes per case (default: 20)")
@@ -686,6 +718,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "injected case in the same process (LMSYS_INJECT_CASES), instead of a run per case; the "
                         "cases' verdicts then share each run's process, and a run of the whole suite costs one "
                         "start-up and compilation instead of one per case")
+    parser.add_argument("--delays-from", type=_seconds, metavar="SECONDS",
+                        help="with --in-process: the delays only into benchmarks whose reference median is at least "
+                        "SECONDS (e.g. 0.001); the others are measured again with each --inject-memory size alone, so "
+                        "that the allocation is still judged on every benchmark")
     parser.add_argument("pytest_args", nargs="*", help="what to run, after --: test paths, -k, options")
     args = parser.parse_args(argv)
     if args.per_run and not args.table:
@@ -716,6 +752,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--runs must be at least 1, --inject fractions in (0, 10] and --inject-memory positive")
     if args.resume and args.keep is None:
         parser.error("--resume needs --keep DIR, the folder of the runs to add to")
+    if not args.in_process and args.delays_from is not None:
+        parser.error("--delays-from goes with --in-process")
+    if args.delays_from is not None and not args.inject:
+        parser.error("--delays-from chooses the benchmarks that get the --inject delays: give some")
     if args.keep is not None:
         _resume(args.keep, _settings(args), args.resume, gate_files(args.storage))
     settings = _settings(args)

@@ -15,6 +15,9 @@ imports this module or reads these variables.
                              A benchmark's delays are sized once (Sizing: the median of its own measurement, and
                              the work's correction where it runs, measured with the largest delay), and shared by
                              its cases and their re-measurements.
+    LMSYS_INJECT_DELAYS_FROM=s  with LMSYS_INJECT_CASES: the delays only into benchmarks whose baseline's median is
+                             at least s seconds; the others are measured again with each size of memory the cases
+                             hold, without a delay (the memory is still judged on every benchmark).
 
 The gate reaches this module through two seams: PerfSession.injection (an Injection, handed to timing.run and to
 every rank in multirank.Settings) and the pytest_perf_measured hook, called after each benchmark is recorded. The work,
@@ -42,8 +45,10 @@ from lmsys.perf.verdict import format_bytes
 INJECT_DELAY = "LMSYS_INJECT_DELAY"
 INJECT_MEMORY = "LMSYS_INJECT_MEMORY"
 INJECT_CASES = "LMSYS_INJECT_CASES"
+INJECT_DELAYS_FROM = "LMSYS_INJECT_DELAYS_FROM"
 INJECTED_CASES_KEY = "injected_cases"
 _CASES_KEY = pytest.StashKey[list]()
+_FROM_KEY = pytest.StashKey[float]()
 # Rounds per block when a delay's work is sized where it runs (Injection._sized_in_place).
 SIZING_ROUNDS = 7
 SIZING_LIMIT = 2.0
@@ -268,6 +273,31 @@ def _cases(text: str) -> list[Injection]:
     return cases
 
 
+def _memory_only(cases: list[Injection]) -> list[Injection]:
+    """The cases of a benchmark whose delays are left out (LMSYS_INJECT_DELAYS_FROM): each size of memory the cases
+    hold, once, without a delay."""
+    return [Injection(0.0, memory) for memory in dict.fromkeys(case.memory for case in cases if case.memory)]
+
+
+def _delays_from(cases: list[Injection]) -> float:
+    """LMSYS_INJECT_DELAYS_FROM in seconds (0 when unset); a value that is not a finite number of seconds, or one
+    without LMSYS_INJECT_CASES, is a usage error."""
+    text = os.environ.get(INJECT_DELAYS_FROM, "").strip()
+    if not text:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise pytest.UsageError(f"{INJECT_DELAYS_FROM}={text}: must be a non-negative number of seconds (a baseline's "
+                                "median)")
+    if not cases:
+        raise pytest.UsageError(f"{INJECT_DELAYS_FROM} chooses which benchmarks get the delays of {INJECT_CASES}: "
+                                f"set {INJECT_CASES} too")
+    return value
+
+
 def pytest_configure(config):
     """Reads the variables (a bad value is a usage error) into the gate's session, once the plugin has made it."""
     perf = config.stash.get(SESSION_KEY, None)
@@ -289,6 +319,7 @@ def pytest_configure(config):
     if delay or memory:
         perf.injection = Injection(delay, memory)
     config.stash[_CASES_KEY] = cases
+    config.stash[_FROM_KEY] = _delays_from(cases)
 
 
 def pytest_runtest_setup(item):
@@ -316,6 +347,13 @@ def pytest_collection_finish(session):
         reporter.write_line(f"lmsys perf: {INJECT_CASES}: every benchmark is measured again with "
                             f"{', '.join(case.label for case in cases)}, judged beside its own verdict (measuring "
                             "the gate; these verdicts fail no test)")
+    threshold = session.config.stash.get(_FROM_KEY, 0.0)
+    if cases and threshold:
+        held = _memory_only(cases)
+        rest = f"with {', '.join(case.label for case in held)}" if held else "not at all"
+        reporter.write_line(f"lmsys perf: {INJECT_DELAYS_FROM}={threshold:g}: the delays only where the baseline's "
+                            f"median is at least {threshold * 1e3:g} ms; the other benchmarks are measured again "
+                            f"{rest}")
 
 
 def pytest_perf_measured(item, benchmark, remeasure):
@@ -328,6 +366,10 @@ def pytest_perf_measured(item, benchmark, remeasure):
     cases = item.config.stash.get(_CASES_KEY, [])
     if not cases or not perf.comparing or perf.baseline(record.fullname) is None:
         return
+    if record.baseline_median < item.config.stash.get(_FROM_KEY, 0.0):
+        cases = _memory_only(cases)
+        if not cases:
+            return
     # The benchmark's delays share one Sizing: its typical time is the median its own measurement judged.
     delays = [case.delay for case in cases if case.delay]
     sizing = Sizing(max(delays), typical=record.median) if delays else None
