@@ -820,14 +820,44 @@ def test_per_run_names_a_missed_allocation_of_a_benchmark_measured_with_it_alone
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--delays-from", "0.001"], "--delays-from goes with --in-process"),
+    (["--delays-from", "0.001"], "--delays-from and --budget-s go with --in-process"),
+    (["--budget-s", "600"], "--delays-from and --budget-s go with --in-process"),
     (["--in-process", "--inject", "--inject-memory", "1", "--delays-from", "0.001"],
      "--delays-from chooses the benchmarks that get the --inject delays"),
+    (["--in-process", "--run-s", "60"], "--run-s goes with --budget-s"),
 ])
-def test_delays_from_needs_in_process_runs_and_delays(capsys, argv, message):
+def test_delays_from_and_the_budget_need_in_process_runs(capsys, argv, message):
     with pytest.raises(SystemExit):
         detection.main([*argv, "--", "perf_tests"])
     assert message in capsys.readouterr().err
+
+
+def test_a_budget_starts_only_the_runs_that_fit(monkeypatch, tmp_path, capsys):
+    """--budget-s 1000 with runs of 200 s after a reference of 50 s: runs start at 50, 250, 450 and 650 s; one
+    starting at 850 s would end past 1000 s. --run-s stands for a run's length before the first; a resumed
+    measurement counts its budget from its own start."""
+    monkeypatch.chdir(tmp_path)
+    clock = [0.0]
+    monkeypatch.setattr(detection.time, "monotonic", lambda: clock[0])
+    calls = []
+    rerun = keeping_rerun(calls)
+
+    def timed_rerun(args, runs, cwd, env=None, timeout=None, progress=None, keep=None, first=0):
+        clock[0] += 50.0 if any(a.startswith("--benchmark-save=") for a in args) else 200.0
+        return rerun(args, runs, cwd, env, timeout, progress, keep, first)
+
+    monkeypatch.setattr(detection.reruns, "rerun", timed_rerun)
+    argv = ["--in-process", "--runs", "10", "--inject", "0.05", "--keep", "k", "--budget-s", "1000", "--", "perf_tests"]
+    assert detection.main(argv) == 0
+    assert [c for c in calls if c[0] == "runs"] == [("runs", n) for n in range(4)]
+    assert "the budget of 1000 s leaves no room for another run (850 s spent, a run expected to take 200 s): " \
+           "4 of 10 runs kept" in capsys.readouterr().err
+    calls.clear()
+    assert detection.main([*argv[:-2], "--run-s", "960", "--resume", "--", "perf_tests"]) == 0
+    assert [c[0] for c in calls] == ["reference"]  # 50 s + 960 s expected: past the budget
+    calls.clear()
+    assert detection.main([*argv[:-2], "--run-s", "150", "--resume", "--", "perf_tests"]) == 0
+    assert [c for c in calls if c[0] == "runs"] == [("runs", n) for n in range(4, 8)]
 
 
 def files(folder: str) -> dict[Path, tuple[bytes, int]]:

@@ -18,6 +18,8 @@ the cases share each run's process, and its start-up and compilations are paid o
 default subset took 982 s, a plain warm run 330 s: the timing of the cases, not the start-up, is most of it; a
 caught delay is measured twice, as the gate re-measures a SLOWER). --delays-from SECONDS injects the delays only into
 benchmarks whose reference median is at least SECONDS, and measures the others again with the allocation alone.
+--budget-s SECONDS starts no run that would end past SECONDS from the command's start (a run expected to take as long
+as the longest so far, --run-s before the first): a session's share of a measurement that --resume adds to later.
 --keep DIR keeps every run's JSON (and each fresh reference, DIR/references/), and --resume adds to them later
 (another session, another machine start) until each case has --runs runs, but never to runs of another gate
 (gate_files: the manifest records a hash of each file that decides a verdict); --table DIR...
@@ -493,6 +495,7 @@ def _measure_in_process(args: argparse.Namespace, cases: list[Case], held: dict
                         ) -> list[tuple[str, list[dict], Callable]]:
     """--in-process: each run, one fresh process, measures every benchmark unchanged (its own verdict: the A/A case)
     and then once per injected case (LMSYS_INJECT_CASES); returns the cases' results over every run."""
+    started = time.monotonic()
     docs = _resumed_runs(args.keep / IN_PROCESS) if args.resume else []
     if args.resume:
         print(f"resuming {args.keep}: {len(docs)} runs", file=sys.stderr, flush=True)
@@ -507,10 +510,19 @@ def _measure_in_process(args: argparse.Namespace, cases: list[Case], held: dict
     with tempfile.TemporaryDirectory(prefix="lmsys-detection-") as folder:
         compare = _compare_args(args, Path(folder))
         print(f"{args.runs} runs, each measuring every case", file=sys.stderr, flush=True)
+        longest = args.run_s or 0.0
         while len(docs) < args.runs:
+            spent = time.monotonic() - started
+            if args.budget_s is not None and spent + longest > args.budget_s:
+                print(f"the budget of {args.budget_s:.0f} s leaves no room for another run ({spent:.0f} s spent, a run "
+                      f"expected to take {longest:.0f} s): {len(docs)} of {args.runs} runs kept", file=sys.stderr,
+                      flush=True)
+                break
+            begun = time.monotonic()
             docs += reruns.rerun([*INJECTION, *args.pytest_args, *compare, DURATIONS], 1, Path.cwd(), env=env,
                                  timeout=args.timeout, progress=_progress("every case", args.runs),
                                  keep=None if args.keep is None else args.keep / IN_PROCESS, first=len(docs))
+            longest = max(longest, time.monotonic() - begun)
             if len(docs) < args.runs:  # what is measured so far, in case the rest never finishes
                 print(f"after {len(docs)} of {args.runs} runs:", file=sys.stderr)
                 print(tally(_with_memory(_in_process_results(cases, docs), held)).to_string(index=False),
@@ -722,6 +734,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="with --in-process: the delays only into benchmarks whose reference median is at least "
                         "SECONDS (e.g. 0.001); the others are measured again with each --inject-memory size alone, so "
                         "that the allocation is still judged on every benchmark")
+    parser.add_argument("--budget-s", type=_positive_seconds, metavar="SECONDS",
+                        help="with --in-process: start no run that would end more than SECONDS after this command "
+                        "began (the warm-up and the reference included); a run is expected to take as long as the "
+                        "longest so far, or --run-s before the first")
+    parser.add_argument("--run-s", type=_positive_seconds, metavar="SECONDS",
+                        help="with --budget-s: how long a run is expected to take until one has been timed")
     parser.add_argument("pytest_args", nargs="*", help="what to run, after --: test paths, -k, options")
     args = parser.parse_args(argv)
     if args.per_run and not args.table:
@@ -752,10 +770,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--runs must be at least 1, --inject fractions in (0, 10] and --inject-memory positive")
     if args.resume and args.keep is None:
         parser.error("--resume needs --keep DIR, the folder of the runs to add to")
-    if not args.in_process and args.delays_from is not None:
-        parser.error("--delays-from goes with --in-process")
+    if not args.in_process and (args.delays_from is not None or args.budget_s is not None):
+        parser.error("--delays-from and --budget-s go with --in-process")
     if args.delays_from is not None and not args.inject:
         parser.error("--delays-from chooses the benchmarks that get the --inject delays: give some")
+    if args.run_s is not None and args.budget_s is None:
+        parser.error("--run-s goes with --budget-s")
     if args.keep is not None:
         _resume(args.keep, _settings(args), args.resume, gate_files(args.storage))
     settings = _settings(args)
