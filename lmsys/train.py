@@ -160,6 +160,7 @@ def make_train_step(
     autocast_dtype: torch.dtype | None = None,
     compile: bool = False,
     compile_loss: bool = False,
+    compile_blocks: bool = False,
     compile_optimizer: bool = False,
     fused_loss: bool = False,
     bf16_weights: bool = False,
@@ -178,6 +179,10 @@ def make_train_step(
     - `compile_loss=True` (with `compile`): the cross-entropy is compiled together with the model, so the compiler
       fuses it into the kernels around the logits: the fp32 copy of the logits and the softmax of the backward are
       never materialized as separate passes.
+    - `compile_blocks=True` (with `compile`): each block of `model.layers` is compiled on its own, in place
+      (`nn.Module.compile`, with the step's mode), and the embedding, final norm, LM head and loss run eager. The
+      blocks share their code, so the compiler builds one graph for all of them: the first step compiles one block,
+      not the whole stack (torchtitan compiles its models so). Nothing fuses across a block's boundary.
     - `compile_optimizer=True`: `optimizer.step` is compiled too (torch's recipe for its foreach optimizers; it
       lets inductor fuse the update). Not for `lmsys.optim.AdamW`, which is one fused kernel already.
     - `fused_loss=True`: the LM head and the cross-entropy are one `linear_cross_entropy` on `model.features`
@@ -203,6 +208,13 @@ def make_train_step(
         )
     if compile_loss and not compile:
         raise ValueError("compile_loss=True compiles the loss with the model: it needs compile=True")
+    if compile_blocks and not (compile and not compile_loss and isinstance(getattr(model, "layers", None),
+                                                                           nn.ModuleList) and len(model.layers)):
+        raise ValueError(
+            f"compile_blocks=True compiles each block of model.layers and runs the loss eager: it needs compile=True, "
+            f"compile_loss=False and a model with an nn.ModuleList of blocks in `layers`, not compile={compile}, "
+            f"compile_loss={compile_loss} and a {type(model).__name__}"
+        )
     if compile_optimizer and isinstance(optimizer, AdamW):
         raise ValueError(
             "compile_optimizer=True is for torch's optimizers; lmsys.optim.AdamW is one fused kernel already (and its "
@@ -236,8 +248,11 @@ def make_train_step(
 
     mode = {(False, False): None, (True, False): "reduce-overhead", (False, True): "max-autotune-no-cudagraphs",
             (True, True): "max-autotune"}[cuda_graphs, max_autotune]
-    whole = compile and (compile_loss or fused_loss)  # the loss compiled with the model
-    forward = torch.compile(model, backend=compile_backend, mode=mode) if compile and not whole else model
+    for block in model.layers if compile_blocks else ():
+        block.compile(backend=compile_backend, mode=mode)
+    whole = compile and not compile_blocks and (compile_loss or fused_loss)  # the loss compiled with the model
+    forward = (torch.compile(model, backend=compile_backend, mode=mode) if compile and not (whole or compile_blocks)
+               else model)
     loss_of = torch.compile(model_loss, backend=compile_backend, mode=mode) if whole else model_loss
     optimizer_step = torch.compile(optimizer.step, backend=compile_backend) if compile_optimizer else optimizer.step
 

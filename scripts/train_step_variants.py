@@ -3,8 +3,9 @@
 For each size (large and 2.7B by default): bf16 autocast + torch.compile, batch 4, context 512, random tokens;
 CUDA events around each step, the median of 20 steps after 8 warmup steps (how the plain-PyTorch reference numbers
 were taken). Prints a markdown table (ms, tokens/s, TFLOP/s, MFU, peak memory, the first step's wall time, which
-holds the compilation), then each of our variants beside the plain-PyTorch step with the same CUDA-graph and
-max-autotune settings from the same run, and writes every row to the CSV file named on the command line.
+holds the compilation), then each of our variants beside the plain-PyTorch step with the same CUDA-graph,
+max-autotune and per-block compile settings from the same run, and writes every row to the CSV file named on the
+command line.
 
     PYTHONPATH=. python scripts/train_step_variants.py variants.csv          (from the repository root)
     PYTHONPATH=. python scripts/train_step_variants.py variants.csv --sizes large --variants ours ours-compile-loss
@@ -39,6 +40,11 @@ Variants (model, attention, optimizer, make_train_step options):
     ours-bf16-weights-fused-loss-max-autotune-cuda-graphs  ... the same for ours-bf16-weights-fused-loss-cuda-graphs
     reference-max-autotune-cuda-graphs  reference-cuda-graphs compiled with max-autotune: the plain step that the
                                   max-autotune variants are printed beside
+    reference-blocks              the plain-PyTorch step with each block compiled on its own (compile_blocks: one
+                                  block's compilation, the rest eager): the step the *-blocks variants are beside
+    reference-blocks-cuda-graphs  ... replayed as CUDA graphs
+    ours-bf16-weights-fused-loss-blocks  ours-bf16-weights-fused-loss with each block compiled on its own
+    ours-bf16-weights-fused-loss-blocks-cuda-graphs  ... replayed as CUDA graphs
 
 With `--top N`, each variant's timing is followed by the torch.profiler table of one more step (the N operators
 with the most device time), to see where two variants differ. With `--profile`, each variant also gets a row of
@@ -128,6 +134,14 @@ VARIANTS = {
         TransformerLM, "sdpa", "lmsys", dict(bf16_weights=True, fused_loss=True, cuda_graphs=True, max_autotune=True)),
     "reference-max-autotune-cuda-graphs": Variant(ReferenceLM, "sdpa", "torch-fused",
                                                   dict(cuda_graphs=True, max_autotune=True)),
+    "reference-blocks": Variant(ReferenceLM, "sdpa", "torch-fused", dict(compile_blocks=True)),
+    "reference-blocks-cuda-graphs": Variant(ReferenceLM, "sdpa", "torch-fused",
+                                            dict(compile_blocks=True, cuda_graphs=True)),
+    "ours-bf16-weights-fused-loss-blocks": Variant(TransformerLM, "sdpa", "lmsys",
+                                                   dict(bf16_weights=True, fused_loss=True, compile_blocks=True)),
+    "ours-bf16-weights-fused-loss-blocks-cuda-graphs": Variant(
+        TransformerLM, "sdpa", "lmsys",
+        dict(bf16_weights=True, fused_loss=True, compile_blocks=True, cuda_graphs=True)),
 }
 DEFAULT_VARIANTS = ["reference", "ours-torch-adamw", "ours", "ours-cuda-graphs", "ours-flash_triton-cuda-graphs",
                     "reference-cuda-graphs"]
@@ -399,14 +413,16 @@ def _graphs(name: str) -> bool:
     return VARIANTS[name].options.get("cuda_graphs", False)
 
 
-def _compiled_alike(name: str) -> tuple[bool, bool]:
-    """What a variant shares with the plain step it is printed beside: CUDA graphs, and inductor's max-autotune."""
-    return _graphs(name), VARIANTS[name].options.get("max_autotune", False)
+def _compiled_alike(name: str) -> tuple[bool, bool, bool]:
+    """What a variant shares with the plain step it is printed beside: CUDA graphs, inductor's max-autotune, and
+    whether the blocks are compiled one by one."""
+    options = VARIANTS[name].options
+    return _graphs(name), options.get("max_autotune", False), options.get("compile_blocks", False)
 
 
 def beside_reference(rows: list[dict]) -> str:
-    """Each of our variants beside the plain-PyTorch step of the same size, CUDA-graph setting and max-autotune
-    setting, from the same run: both medians, ours over plain, tokens/s and MFU of each. Empty when the run has no
+    """Each of our variants beside the plain-PyTorch step of the same size and compile settings (`_compiled_alike`),
+    from the same run: both medians, ours over plain, tokens/s and MFU of each. Empty when the run has no
     plain step to compare."""
     ok = [r for r in rows if not r.get("error")]
     plain = {(r["size"], *_compiled_alike(r["variant"])): r for r in ok if _is_reference(r["variant"])}
@@ -450,11 +466,11 @@ def main(argv=None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # Variants that share a model class and attention run on one model, in the order given; each variant recorded
     # as CUDA graphs gets a model of its own, so that the graphs' memory pool goes with it, and so does each one
-    # that converts the model's weights to bf16 (the others must find them fp32).
+    # that converts the model's weights to bf16 (the others must find them fp32) or compiles its blocks in place.
     groups = {}
     for name in args.variants:
         variant = VARIANTS[name]
-        own = variant.options.get("cuda_graphs", False) or variant.options.get("bf16_weights", False)
+        own = any(variant.options.get(option, False) for option in ("cuda_graphs", "bf16_weights", "compile_blocks"))
         key = variant.model, variant.attention, name if own else False
         groups.setdefault(key, []).append(name)
     order = {name: index for index, name in enumerate(args.variants)}

@@ -6,6 +6,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from lmsys import profiling
 from lmsys.model import SIZES, TransformerLM
@@ -291,8 +292,11 @@ def _twin_steps(config, optimizer_class, **options):
         (dict(compile_optimizer=True), functools.partial(torch.optim.AdamW, foreach=True)),
         (dict(fused_loss=True), AdamW),
         (dict(compile=True, fused_loss=True), AdamW),
+        (dict(compile=True, compile_blocks=True), AdamW),
+        (dict(compile=True, compile_blocks=True, fused_loss=True), AdamW),
     ],
-    ids=["compile_loss", "compile_optimizer", "fused_loss", "compiled_fused_loss"],
+    ids=["compile_loss", "compile_optimizer", "fused_loss", "compiled_fused_loss", "compile_blocks",
+         "compile_blocks_fused_loss"],
 )
 def test_step_options_match_the_plain_step(seed, options, optimizer_class):
     """The model and loss compiled together, or torch's optimizer step compiled, train as the eager step does
@@ -320,12 +324,34 @@ def test_step_options_match_the_plain_step(seed, options, optimizer_class):
          "compile_backend='inductor', not compile=False"),
         (dict(compile=True, compile_backend="aot_eager", max_autotune=True),
          "max_autotune=True .* not compile=True and compile_backend='aot_eager'"),
+        (dict(compile_blocks=True), "compile_blocks=True compiles each block .* not compile=False, compile_loss=False"),
+        (dict(compile=True, compile_loss=True, compile_blocks=True),
+         "compile_blocks=True .* not compile=True, compile_loss=True"),
     ],
 )
 def test_step_options_that_cannot_work_are_refused(options, message):
     model = TransformerLM(TINY)
     with pytest.raises(ValueError, match=message):
         make_train_step(model, AdamW(model.parameters()), **options)
+
+
+@pytest.mark.parametrize("model_class", [TransformerLM, ReferenceLM])
+def test_compile_blocks_compiles_one_graph_for_all_the_blocks(model_class):
+    torch.compiler.reset()
+    counters.clear()
+    config = dataclasses.replace(TINY, num_layers=3)
+    model = model_class(config)
+    step = make_train_step(model, AdamW(model.parameters()), compile=True, compile_blocks=True,
+                           compile_backend="aot_eager")
+    step(*random_batch(2, 16, config.vocab_size, "cpu"))
+    assert counters["stats"]["unique_graphs"] == 1
+    assert all(block._compiled_call_impl is not None for block in model.layers)
+
+
+def test_compile_blocks_refuses_a_model_without_blocks():
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+    with pytest.raises(ValueError, match="a model with an nn.ModuleList of blocks in `layers`, .* a Sequential"):
+        make_train_step(model, AdamW(model.parameters()), compile=True, compile_blocks=True)
 
 
 def _compile_modes(monkeypatch, device, **options):
