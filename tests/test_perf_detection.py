@@ -860,6 +860,116 @@ def test_a_budget_starts_only_the_runs_that_fit(monkeypatch, tmp_path, capsys):
     assert [c for c in calls if c[0] == "runs"] == [("runs", n) for n in range(4, 8)]
 
 
+SCRIPT = Path(__file__).parent.parent / "scripts" / "detection_campaign.sh"
+
+
+def campaign_tree(tmp_path: Path) -> tuple[Path, dict]:
+    """A tree as a device machine gets it (no .git, lmsys not installed) whose perf_tests run on the fake GPU, and
+    the environment of its calls: `python3` answers the GPU's name and is the real interpreter otherwise."""
+    import perf_fakes
+
+    main = Path(__file__).parent.parent
+    tree = tmp_path / "tree"
+    shutil.copytree(main / "lmsys", tree / "lmsys", ignore=shutil.ignore_patterns("__pycache__"))
+    (tree / "scripts").mkdir()
+    shutil.copy(SCRIPT, tree / "scripts")
+    shutil.copy(perf_fakes.__file__, tree)
+    (tree / "pytest.ini").write_text("[pytest]\naddopts = -p no:hypothesispytest --benchmark-max-time=0 "
+                                     "--benchmark-min-rounds=21\n")
+    (tree / "perf_tests").mkdir()
+    (tree / "perf_tests" / "conftest.py").write_text(perf_fakes.INNER_CONFTEST.format(name=perf_fakes.GPU))
+    (tree / "perf_tests" / "test_fake.py").write_text(
+        "def test_attention_short(gpu_benchmark, fake):\n    gpu_benchmark(fake.work(0.5, noise=0.002, seed=1))\n\n"
+        "def test_attention_long(gpu_benchmark, fake):\n    gpu_benchmark(fake.work(2.0, noise=0.002, seed=2))\n\n"
+        "def test_matmul(gpu_benchmark, fake):\n    gpu_benchmark(fake.work(1.0, noise=0.002, seed=3))\n")
+    (tree / "baselines" / perf_fakes.MACHINE).mkdir(parents=True)
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "python3").write_text(f'#!/bin/sh\ncase "$2" in *get_device_name*) echo {perf_fakes.MACHINE}; exit;; esac\n'
+                                  f'exec {sys.executable} "$@"\n')
+    (bin_ / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+           "LMSYS_CAMPAIGN_JOBS": str(tmp_path / "jobs")}
+    env.pop("PYTHONPATH", None)
+    return tree, env
+
+
+def campaign(tree: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "scripts/detection_campaign.sh", *args], cwd=tree, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_the_campaign_script_measures_a_sessions_share_and_a_later_session_adds_to_it(tmp_path):
+    """Two sessions of the same-start attention half on the fake GPU: the first builds up two runs, its kept folder is
+    compacted into the tree, and the second resumes it to three, against a fresh reference of its own; a budget
+    that leaves no room for a run runs none. The rest half's runs are A/A runs of the other tests."""
+    tree, env = campaign_tree(tmp_path)
+    gate, commit = "f00ba47", "0123abcd" * 5
+    committed = tree / "baselines" / "Fake_GPU_80GB" / "detection" / "attention-same" / gate
+    for session, runs in ((1, "2"), (2, "3")):
+        out = tmp_path / "out"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        done = campaign(tree, {**env, "LMSYS_CAMPAIGN_RUNS": runs}, "start", "attention-same", gate, commit, "900")
+        assert done.returncode == 0, done.stderr
+        assert "--delays-from 0.001" in done.stdout and ("--resume" in done.stdout) == (session == 2)
+        done = campaign(tree, env, "wait", "240")
+        assert done.returncode == 0 and "exit 0 after" in done.stdout, done.stdout + done.stderr
+        unpacked = tmp_path / f"session-{session}"
+        unpacked.mkdir()
+        subprocess.run(["tar", "-xzf", str(out / "attention-same.tar.gz"), "-C", str(unpacked)], check=True)
+        assert detection.main(["--compact", str(unpacked / gate), str(committed)]) == 0
+    table = detection._table_of_kept([committed])[0]
+    assert table.values.tolist() == [["test_attention_long", "0/3", "3/3", "3/3", "6/6"],
+                                     ["test_attention_short", "0/3", "", "", "3/3"], ["all", "0/6", "3/3", "3/3", "9/9"]]
+    assert len(list((unpacked / gate / "references").rglob("reference-*.json"))) == 1  # the second start's own
+    assert json.loads((committed / "detection.json").read_text())["pytest_args"] == [
+        "perf_tests", "-k", "attention", "-p", "no:cacheprovider"]
+
+    # A budget that a run does not fit in: the reference, and no run.
+    done = campaign(tree, {**env, "LMSYS_CAMPAIGN_RUNS": "1"}, "start", "rest-same", gate, commit, "200")
+    assert done.returncode == 0, done.stderr
+    done = campaign(tree, env, "wait", "240")
+    assert "the budget of 155 s leaves no room for another run" in done.stdout, done.stdout
+    done = campaign(tree, {**env, "LMSYS_CAMPAIGN_RUNS": "1"}, "start", "rest-same", gate, commit, "600")
+    done = campaign(tree, env, "wait", "240")
+    assert "exit 0 after" in done.stdout, done.stdout
+    doc = json.loads(next((tmp_path / "jobs" / "rest-same" / "keep" / gate / "runs").glob("*.json")).read_text())
+    assert [(b["name"], b["extra_info"]["verdict"], "injected_cases" in b["extra_info"]) for b in doc["benchmarks"]] \
+        == [("test_matmul", "PASS", False)]
+    assert doc["machine_info"]["lmsys"]["git_commit"] == commit
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["start", "everything", "f00ba47", "0123abcd", "900"], "HALF must be attention-same, attention-other"),
+    (["start", "attention-other", "f00ba47", "0123abcd", "900"], "attention-other compares with BASELINE"),
+    (["start", "attention-same", "f00ba47", "0123abcd", "900", "13"], "attention-same compares with a fresh"),
+    (["start", "rest-same", "f00ba47", "0123abcd", "45"], "BUDGET_S must be a number of seconds above 45"),
+    (["start", "rest-same", "../up", "0123abcd", "900"], "GATE must be a folder name"),
+    (["commands", "rest-same", "f00ba47", "HEAD", "900"], "COMMIT must be a commit id"),
+    (["wait", "soon"], "detection_campaign.sh wait SECONDS"),
+])
+def test_the_campaign_script_refuses_what_it_cannot_run(tmp_path, args, said):
+    assert os.access(SCRIPT, os.X_OK)
+    done = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "LMSYS_CAMPAIGN_JOBS": str(tmp_path / "jobs")})
+    assert done.returncode == 2 and said in done.stderr, done.stderr
+
+
+def test_the_campaign_script_compares_the_other_halves_with_the_baseline_it_names(tmp_path):
+    tree, env = campaign_tree(tmp_path)
+    command = campaign(tree, env, "commands", "attention-other", "f00ba47", "0123abcd", "900", "13").stdout
+    assert "--inject 0.1 --inject-memory 1048576 --memory-with-delays --delays-from 0.001 --baseline 13" in command
+    assert "-p lmsys.perf.plugin" not in command  # the plugin's entry point is installed here
+    done = campaign(tree, env, "start", "attention-other", "f00ba47", "0123abcd", "900", "13")
+    assert done.returncode == 2 and "no baseline numbered 13 in baselines/Fake_GPU_80GB" in done.stderr
+    # A machine where lmsys is not installed: its tests load the plugin by name.
+    stub = Path(env["PATH"].split(os.pathsep)[0]) / "python3"
+    stub.write_text(stub.read_text().replace("*get_device_name*)", "*entry_points*) exit 0;; *get_device_name*)"))
+    done = campaign(tree, env, "commands", "rest-other", "f00ba47", "0123abcd", "900", "13")
+    assert done.stdout.rstrip().endswith("-- perf_tests -k not\\ attention -p no:cacheprovider -p lmsys.perf.plugin")
+
+
 def files(folder: str) -> dict[Path, tuple[bytes, int]]:
     """Every file under folder: its bytes and inode (a file replaced by another of the same bytes shows)."""
     return {path.relative_to(folder): (path.read_bytes(), path.stat().st_ino)
