@@ -49,7 +49,7 @@ INJECT_DELAYS_FROM = "LMSYS_INJECT_DELAYS_FROM"
 INJECTED_CASES_KEY = "injected_cases"
 _CASES_KEY = pytest.StashKey[list]()
 _FROM_KEY = pytest.StashKey[float]()
-# Rounds per block when a delay's work is sized where it runs (Injection._sized_in_place).
+# Rounds per block when a delay's work is sized where it runs (Injection._correction).
 SIZING_ROUNDS = 7
 SIZING_LIMIT = 2.0
 # make_work: below this a wait, since a launch of the tensor-core kernel alone takes a few microseconds;
