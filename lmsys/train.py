@@ -208,8 +208,8 @@ def make_train_step(
         )
     if compile_loss and not compile:
         raise ValueError("compile_loss=True compiles the loss with the model: it needs compile=True")
-    if compile_blocks and not (compile and not compile_loss and isinstance(getattr(model, "layers", None),
-                                                                           nn.ModuleList) and len(model.layers)):
+    has_blocks = isinstance(getattr(model, "layers", None), nn.ModuleList)
+    if compile_blocks and (not compile or compile_loss or not has_blocks):
         raise ValueError(
             f"compile_blocks=True compiles each block of model.layers and runs the loss eager: it needs compile=True, "
             f"compile_loss=False and a model with an nn.ModuleList of blocks in `layers`, not compile={compile}, "
@@ -248,11 +248,12 @@ def make_train_step(
 
     mode = {(False, False): None, (True, False): "reduce-overhead", (False, True): "max-autotune-no-cudagraphs",
             (True, True): "max-autotune"}[cuda_graphs, max_autotune]
-    for block in model.layers if compile_blocks else ():
-        block.compile(backend=compile_backend, mode=mode)
-    whole = compile and not compile_blocks and (compile_loss or fused_loss)  # the loss compiled with the model
-    forward = (torch.compile(model, backend=compile_backend, mode=mode) if compile and not (whole or compile_blocks)
-               else model)
+    if compile_blocks:
+        for block in model.layers:
+            block.compile(backend=compile_backend, mode=mode)
+    whole_model = compile and not compile_blocks  # the model compiled as one
+    whole = whole_model and (compile_loss or fused_loss)  # ... with the loss
+    forward = torch.compile(model, backend=compile_backend, mode=mode) if whole_model and not whole else model
     loss_of = torch.compile(model_loss, backend=compile_backend, mode=mode) if whole else model_loss
     optimizer_step = torch.compile(optimizer.step, backend=compile_backend) if compile_optimizer else optimizer.step
 

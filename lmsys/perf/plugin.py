@@ -537,10 +537,12 @@ def pytest_collection_modifyitems(config, items):
         return
     # Points of the full grids are deselected, not skipped: thousands of skipped items cost seconds of pytest's
     # per-test protocol, and a deselected test is no baseline entry the run fails to judge.
-    grid = [item for item in items if item.get_closest_marker("full_grid")]
+    kept, grid = [], []
+    for item in items:
+        (grid if item.get_closest_marker("full_grid") else kept).append(item)
     if grid:
         config.hook.pytest_deselected(items=grid)
-        items[:] = [item for item in items if not item.get_closest_marker("full_grid")]
+        items[:] = kept
         config.stash[_FULL_GRID_KEY] = len(grid)
 
 
