@@ -12,12 +12,12 @@ Providers (a model and an optimizer):
 - `ours-naive`: lmsys.model with the naive attention reference and lmsys.optim.AdamW.
 
 On a GPU: batch 4, context 512 (as in the plain-PyTorch reference runs). The default subset: `large` in bf16
-autocast + torch.compile with reference, ours and ours-flash_triton side by side (MFU in the report's "% of peak";
-each compilation of `large` is long, so ours-torch-adamw is in the full grid), `large` in
-fp32 and bf16 eager (reference and ours), `large` with the compiled step replayed as CUDA graphs (`bf16-graphs`:
-reference and ours), and `small` in every precision with SDPA and naive attention. The rest (2.7B with every
-provider, medium and xl, naive on large, flash_triton eager and with graphs) runs with --perf-full-grid.
-On the CPU: the tiny preset, reference and ours.
+autocast + torch.compile with reference and ours side by side (MFU in the report's "% of peak"), `large` in fp32 and
+bf16 eager (reference and ours), `large` with the compiled step replayed as CUDA graphs (`bf16-graphs`: reference
+and ours), `small` in every precision with ours, eager with naive attention and with flash_triton. A compilation of
+`large` takes about a minute, so the rest (2.7B with every provider, medium and xl, `large` compiled with
+ours-torch-adamw and ours-flash_triton, naive on large, `small` compiled with naive attention) runs with
+--perf-full-grid. On the CPU: the tiny preset, reference and ours.
 
 A compiled step of `large` spends longer launching its kernels than the GPU spends running them, and that launch
 time moves with the host from one machine to the next (docs/training-step.md, "The perf suite's steps"): on a GPU
@@ -65,13 +65,17 @@ def case(size: str, precision: str, provider: str, batch: int = 4, context: int 
 
 
 GPU_CASES = [
-    *(case("large", "bf16-compile", provider, full_grid=provider == "ours-torch-adamw") for provider in MAIN_PROVIDERS),
+    *(case("large", "bf16-compile", provider, full_grid=provider in ("ours-torch-adamw", "ours-flash_triton"))
+      for provider in MAIN_PROVIDERS),
     *(case("large", "bf16-graphs", provider) for provider in ("reference", "ours")),
     *(case(size, "bf16-graphs", provider, full_grid=True)
       for size, provider in (("large", "ours-flash_triton"), ("2.7B", "reference"), ("2.7B", "ours"),
                              ("2.7B", "ours-flash_triton"))),
     *(case("large", precision, provider) for precision in ("fp32", "bf16") for provider in ("reference", "ours")),
-    *(case("small", precision, provider) for precision in PRECISIONS for provider in ("ours", "ours-naive")),
+    *(case("small", precision, "ours") for precision in PRECISIONS),
+    *(case("small", precision, "ours-naive", full_grid="compile" in precision or "graphs" in precision)
+      for precision in PRECISIONS),
+    case("small", "bf16", "ours-flash_triton"),
     *(case("2.7B", "bf16-compile", provider, full_grid=True) for provider in MAIN_PROVIDERS),
     *(case("2.7B", "bf16", provider, full_grid=True) for provider in ("reference", "ours", "ours-flash_triton")),
     case("large", "bf16", "ours-flash_triton", full_grid=True),
@@ -86,6 +90,11 @@ CPU_CASES = [case("tiny", "fp32", provider, batch=2, context=64) for provider in
 )
 def test_train_step(gpu_benchmark, fresh_compiler, device, size, precision, provider, batch, context):
     model_class, attention, optimizer_class = PROVIDERS[provider]
+    compiled = PRECISIONS[precision]["compile"]
+    if attention == "naive" and compiled and device.type == "cuda" and torch.__version__ < "2.13":
+        # torch 2.11's inductor raises TypeError in TritonSymbols.get_block_shape on a kernel of this step (the
+        # RoPE'd queries and keys read in a reduction without an x dimension); 2.13 handles that case.
+        pytest.skip(f"torch {torch.__version__}'s inductor cannot compile the naive-attention step (needs 2.13)")
     config = dataclasses.replace(SIZES[size], context_length=context, attention=attention)
     with torch.device(device):
         model = model_class(config)
