@@ -18,10 +18,11 @@ ALLOCATED_BEFORE = 512 * 2**20
 INNER_CONFTEST = """
 import os
 
+import perf_fakes
 import pytest
-from perf_fakes import FakeGpu
 
-FAKE = FakeGpu({name!r})
+# FAKE_GPU_CLASS=CountingGpu counts what each measurement does (the cost of a detection run's passes).
+FAKE = getattr(perf_fakes, os.environ.get("FAKE_GPU_CLASS", "FakeGpu"))({name!r})
 FAKE.cpu_slowdown = float(os.environ.get("FAKE_CPU_SLOWDOWN", "1"))
 FAKE.sleep_hides = float(os.environ.get("FAKE_SLEEP_HIDES", "0"))
 FAKE.hot_readings = int(os.environ.get("FAKE_HOT_READINGS", "0"))
@@ -234,6 +235,55 @@ class FakeGpu:
             return calls
 
         return fn
+
+class CountingGpu(FakeGpu):
+    """A FakeGpu that counts what the measurements ask of it, by kind (`counts`): the untimed first calls of a warm-up
+    ('first calls': each is followed by the one synchronize of timing.warm_up), eager rounds (behind the short sleep:
+    warm-up, calibration and eager timed rounds, the lead's round, the injection's sizing rounds), graph replays timed
+    ('replays'), queued rounds, LAUNCH rounds, host rounds, graph captures, memory readings and the injected work made
+    ('works'). How much of a detection run each pass costs, counted: docs/gate-measurements.md."""
+
+    KINDS = ("first calls", "eager rounds", "replays", "queued rounds", "launch rounds", "host rounds", "captures",
+             "memory readings", "works")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.counts = dict.fromkeys(self.KINDS, 0)
+
+    def synchronize(self) -> None:
+        self.counts["first calls"] += 1
+
+    def time_call(self, call, lead=None) -> float:
+        kind = "queued rounds" if lead is not None else "replays" if getattr(call, "is_replay", False) else "eager rounds"
+        self.counts[kind] += 1
+        return super().time_call(call, lead)
+
+    def time_launch(self, call) -> float:
+        self.counts["launch rounds"] += 1
+        return super().time_launch(call)
+
+    def time_host(self, call, lead=None) -> float:
+        self.counts["host rounds"] += 1
+        return super().time_host(call, lead)
+
+    def capture_graph(self, call):
+        replay, release = super().capture_graph(call)
+        self.counts["captures"] += 1
+
+        def counted_replay():
+            replay()
+
+        counted_replay.is_replay = True
+        return counted_replay, release
+
+    def measure_memory(self, call):
+        self.counts["memory readings"] += 1
+        return super().measure_memory(call)
+
+    def make_work(self, seconds: float):
+        self.counts["works"] += 1
+        return super().make_work(seconds)
+
 
 # max-time 0 makes every run exactly min-rounds rounds, whatever the machine's speed.
 # The hypothesis plugin would be imported afresh by every inner run (pytester restores sys.modules): 2 s each.

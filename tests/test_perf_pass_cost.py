@@ -1,0 +1,84 @@
+"""What each measurement of an in-process detection run costs, counted on the fake GPU (perf_fakes.CountingGpu): the
+A/A pass, which is what an ordinary perf run measures, and the passes of the injected cases (LMSYS_INJECT_CASES).
+docs/gate-measurements.md ("The acceptance campaign on the H200") tabulates these counts."""
+
+import json
+
+import pytest
+from perf_fakes import INJECTION, MIB, run, save_baseline, write_suite
+
+from lmsys.perf import timing
+
+pytest_plugins = ["pytester"]
+
+# The fake's calls take no wall time, so a benchmark plans timing.MAX_ROUNDS rounds and MAX_WARMUP_ROUNDS warm-up
+# rounds, its LAUNCH rounds LAUNCH_SHARE of them; --perf-max-time=0 keeps the rounds planned (no adapting).
+R, W = timing.MAX_ROUNDS, timing.MAX_WARMUP_ROUNDS
+L = int(timing.LAUNCH_SHARE * R)
+COUNTED = ("--benchmark-max-time=1", "--perf-max-time=0")
+TESTS = {
+    "test_eager": {"ms": 2.0, "noise": 0.002},
+    "test_graph": {"ms": 2.0, "noise": 0.002, "launch_ms": 3.0, "call": ", graph=True"},
+    "test_queued": {"ms": 2.0, "noise": 0.002, "launch_ms": 3.0, "capturable": False, "call": ", graph=True"},
+    "test_host": {"ms": 2.0, "noise": 0.002, "launch_ms": 0.5, "launch_noise": 0.002, "call": ", host=True"},
+}
+
+
+def nonzero(counts: dict) -> dict:
+    return {kind: count for kind, count in counts.items() if count}
+
+
+@pytest.fixture
+def passes(monkeypatch):
+    """Each timing.run of the inner runs: (its injection's label, or 'A/A'; its timing; what it asked of the fake)."""
+    measured = []
+    real = timing.run
+
+    def counted(backend, call, **kwargs):
+        before = dict(backend.counts)
+        measurement = real(backend, call, **kwargs)
+        inject = kwargs.get("inject")
+        measured.append(("A/A" if inject is None else inject.label, measurement.timing,
+                         nonzero({kind: backend.counts[kind] - before[kind] for kind in before})))
+        return measurement
+
+    monkeypatch.setattr(timing, "run", counted)
+    return measured
+
+
+def counted_run(pytester, monkeypatch, passes, tests: dict, *args, injection: bool = True):
+    """A baseline of `tests` on the counting fake GPU, then a compare run with `args` (and the injection plugin); the
+    passes of the compare run (into `passes`) and its benchmarks' extra_info by name."""
+    monkeypatch.setenv("FAKE_GPU_CLASS", "CountingGpu")
+    save_baseline(pytester, tests)
+    write_suite(pytester, tests, seed=2)
+    passes.clear()
+    result = run(pytester, *INJECTION * injection, *COUNTED, "--benchmark-compare", "--benchmark-json=out.json", *args)
+    result.assert_outcomes(passed=len(tests))
+    benches = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
+    return {bench["name"]: bench["extra_info"] for bench in benches}
+
+
+# A pass of an ordinary run, by timing: the warm-up's first call (and the replays' own), W warm-up rounds (the first
+# of them the calibration round), the timed rounds (R replays behind W of their own warm-up for graph; behind one
+# eager round that sizes the lead for queued and host), the LAUNCH rounds beside graph and queued ones, one memory
+# reading.
+ORDINARY = {
+    "eager": {"first calls": 1, "eager rounds": W + R, "memory readings": 1},
+    "graph": {"first calls": 2, "eager rounds": W, "replays": W + R, "launch rounds": L, "captures": 1,
+              "memory readings": 1},
+    "queued": {"first calls": 1, "eager rounds": W + 1, "queued rounds": R, "launch rounds": L, "memory readings": 1},
+    "host": {"first calls": 1, "eager rounds": W + 1, "host rounds": R, "memory readings": 1},
+}
+
+
+def test_an_ordinary_pass_takes_its_warm_up_rounds_launch_rounds_and_memory_reading(pytester, monkeypatch, passes):
+    """What an ordinary perf run measures, pass by pass: the injection leaves it as it is, the A/A pass of an
+    in-process detection run included."""
+    counted_run(pytester, monkeypatch, passes, TESTS, injection=False)
+    assert passes == [("A/A", timing, ORDINARY[timing]) for timing in ("eager", "graph", "queued", "host")]
+    monkeypatch.setenv("LMSYS_INJECT_CASES", "0.05:1048576,0:1048576")
+    counted_run(pytester, monkeypatch, passes, TESTS)
+    assert [aa for aa in passes if aa[0] == "A/A"] == [("A/A", timing, ORDINARY[timing])
+                                                       for timing in ("eager", "graph", "queued", "host")]
+
