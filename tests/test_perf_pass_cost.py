@@ -82,3 +82,32 @@ def test_an_ordinary_pass_takes_its_warm_up_rounds_launch_rounds_and_memory_read
     assert [aa for aa in passes if aa[0] == "A/A"] == [("A/A", timing, ORDINARY[timing])
                                                        for timing in ("eager", "graph", "queued", "host")]
 
+
+
+def injected(passes, timing: str) -> list[tuple[str, dict]]:
+    """The injected passes of the benchmark timed `timing`: (label, counts)."""
+    return [(label, counts) for label, timed, counts in passes if label != "A/A" and timed == timing]
+
+
+def test_an_injected_case_takes_no_launch_rounds_unless_its_test_gates_the_host_time(pytester, monkeypatch, passes):
+    """The LAUNCH rounds beside graph replays and queued rounds are reported, never gated unless the test says so: an
+    injected case's verdict does not read them, and its passes leave them out. Each caught delay is measured twice,
+    as the gate re-measures a SLOWER; the first pass also sizes the benchmark's delays (Sizing: 28 rounds, and for
+    graph two captures)."""
+    monkeypatch.setenv("LMSYS_INJECT_CASES", "0.05:1048576,0.1")
+    infos = counted_run(pytester, monkeypatch, passes, TESTS)
+    graph = {"first calls": 2, "eager rounds": W, "replays": W + R, "captures": 1, "memory readings": 1}
+    sizing = {"replays": 28, "captures": 2, "works": 2}
+    assert injected(passes, "graph") == [
+        ("+5.0% and 1 MiB held", {**graph, **{kind: graph.get(kind, 0) + n for kind, n in sizing.items()}}),
+        ("+5.0% and 1 MiB held", graph), ("+10.0%", {**graph, "works": 1}), ("+10.0%", graph)]
+    queued = {"first calls": 1, "eager rounds": W + 1, "queued rounds": R, "memory readings": 1}
+    assert injected(passes, "queued") == [
+        ("+5.0% and 1 MiB held", {**queued, "eager rounds": W + 2, "queued rounds": R + 28, "works": 2}),
+        ("+5.0% and 1 MiB held", queued), ("+10.0%", {**queued, "works": 1}), ("+10.0%", queued)]
+    for name in ("test_graph", "test_queued"):
+        assert [case["verdict"] for case in infos[name]["injected_cases"]] == ["SLOWER+MORE-MEMORY", "SLOWER"]
+    # A test that gates its host-set time reads the LAUNCH rounds in every verdict, an injected case's too.
+    gated = {name: {**spec, "marker": "perf_tolerance(host=0.5)"} for name, spec in TESTS.items()}
+    counted_run(pytester, monkeypatch, passes, gated)
+    assert all(counts["launch rounds"] == L for _, counts in injected(passes, "graph") + injected(passes, "queued"))

@@ -14,7 +14,8 @@ imports this module or reads these variables.
                              and fail nothing. One process then measures the A/A case and every injected one.
                              A benchmark's delays are sized once (Sizing: the median of its own measurement, and
                              the work's correction where it runs, measured with the largest delay), and shared by
-                             its cases and their re-measurements.
+                             its cases and their re-measurements. A case's passes leave out what its verdict does
+                             not read: the LAUNCH rounds, unless the test gates its host-set time.
     LMSYS_INJECT_DELAYS_FROM=s  with LMSYS_INJECT_CASES: the delays only into benchmarks whose baseline's median is
                              at least s seconds; the others are measured again with each size of memory the cases
                              hold, without a delay (the memory is still judged on every benchmark).
@@ -132,11 +133,15 @@ class Sizing:
 @dataclass(frozen=True)
 class Injection:
     """A delay (a fraction of each call's time) and a number of bytes held during each call, with the benchmark's
-    Sizing when its cases share one. Picklable: multi-rank benchmarks hand it to every rank."""
+    Sizing when its cases share one, and what its measurement leaves out (no part of what is injected):
+    `launch_rounds` False, the LAUNCH rounds beside graph replays or queued rounds (timing.run), which an in-process
+    case whose host-set time is not gated does not read. Picklable: multi-rank benchmarks hand it to every rank, which
+    measure every case in full."""
 
     delay: float = 0.0
     memory: int = 0
     sizing: Sizing | None = field(default=None, compare=False, repr=False)
+    launch_rounds: bool = field(default=True, compare=False)
 
     @property
     def label(self) -> str:
@@ -373,9 +378,12 @@ def pytest_perf_measured(item, benchmark, remeasure):
     # The benchmark's delays share one Sizing: its typical time is the median its own measurement judged.
     delays = [case.delay for case in cases if case.delay]
     sizing = Sizing(max(delays), typical=record.median) if delays else None
+    # A case's verdict reads the LAUNCH rounds only where the test gates its host-set time (fixture._verdict).
+    marker = item.get_closest_marker("perf_tolerance")
+    launch_rounds = perf.host_gate(marker.kwargs if marker else {}) is not None
     results = []
     for case in cases:
-        decided = remeasure(replace(case, sizing=sizing) if case.delay else case)
+        decided = remeasure(replace(case, sizing=sizing if case.delay else None, launch_rounds=launch_rounds))
         results.append({"delay": case.delay, "memory": case.memory,
                         "verdict": None if decided is None else decided.label,
                         "time_change": None if decided is None or decided.time is None else decided.time.change})

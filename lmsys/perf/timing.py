@@ -263,7 +263,8 @@ def run(
 
     `precision` is the target of the benchmark's own rounds, `launch_precision` that of the LAUNCH rounds beside graph
     and queued ones. `inject` (lmsys.perf.injection.Injection, when the gate is measured) holds its bytes during every
-    call and adds its delay to every timed one.
+    call and adds its delay to every timed one; its `launch_rounds` False leaves out the LAUNCH rounds (an injected
+    case whose host-set time is not gated: nothing of its verdict reads them).
     """
     if inject is not None:
         call = inject.held(backend, call)
@@ -288,7 +289,7 @@ def run(
             samples, wall = sample(backend, replay, replay_rounds.rounds, flush, precision)
         finally:
             release()
-    if queued or captured is not None:
+    if (queued or captured is not None) and (inject is None or inject.launch_rounds):
         rounds = max(min_rounds, ceil(LAUNCH_SHARE * chosen.rounds))
         launch = sample(backend, timed, rounds, flush, launch_precision, launch=True)
     result, memory = backend.measure_memory(call)
