@@ -91,12 +91,13 @@ def injected(passes, timing: str) -> list[tuple[str, dict]]:
 
 def test_an_injected_case_takes_no_launch_rounds_unless_its_test_gates_the_host_time(pytester, monkeypatch, passes):
     """The LAUNCH rounds beside graph replays and queued rounds are reported, never gated unless the test says so: an
-    injected case's verdict does not read them, and its passes leave them out. Each caught delay is measured twice,
-    as the gate re-measures a SLOWER; the first pass also sizes the benchmark's delays (Sizing: 28 rounds, and for
-    graph two captures)."""
+    injected case's verdict does not read them, and its passes leave them out. A captured call's eager warm-up is
+    its first call and the calibration round (the replays keep their W rounds of warm-up); a queued one keeps its W
+    rounds, which its queued rounds follow. Each caught delay is measured twice, as the gate re-measures a SLOWER;
+    the first pass also sizes the benchmark's delays (Sizing: 28 rounds, and for graph two captures)."""
     monkeypatch.setenv("LMSYS_INJECT_CASES", "0.05:1048576,0.1")
     infos = counted_run(pytester, monkeypatch, passes, TESTS)
-    graph = {"first calls": 2, "eager rounds": W, "replays": W + R, "captures": 1, "memory readings": 1}
+    graph = {"first calls": 2, "eager rounds": 1, "replays": W + R, "captures": 1, "memory readings": 1}
     sizing = {"replays": 28, "captures": 2, "works": 2}
     assert injected(passes, "graph") == [
         ("+5.0% and 1 MiB held", {**graph, **{kind: graph.get(kind, 0) + n for kind, n in sizing.items()}}),
@@ -111,3 +112,4 @@ def test_an_injected_case_takes_no_launch_rounds_unless_its_test_gates_the_host_
     gated = {name: {**spec, "marker": "perf_tolerance(host=0.5)"} for name, spec in TESTS.items()}
     counted_run(pytester, monkeypatch, passes, gated)
     assert all(counts["launch rounds"] == L for _, counts in injected(passes, "graph") + injected(passes, "queued"))
+    assert [counts["eager rounds"] for _, counts in injected(passes, "graph")] == [1] * 4

@@ -15,7 +15,8 @@ imports this module or reads these variables.
                              A benchmark's delays are sized once (Sizing: the median of its own measurement, and
                              the work's correction where it runs, measured with the largest delay), and shared by
                              its cases and their re-measurements. A case's passes leave out what its verdict does
-                             not read: the LAUNCH rounds, unless the test gates its host-set time.
+                             not read: the LAUNCH rounds, unless the test gates its host-set time; and a graph=True
+                             call's eager warmup rounds, its replays warmed by their own.
     LMSYS_INJECT_DELAYS_FROM=s  with LMSYS_INJECT_CASES: the delays only into benchmarks whose baseline's median is
                              at least s seconds; the others are measured again with each size of memory the cases
                              hold, without a delay (the memory is still judged on every benchmark).
@@ -133,15 +134,18 @@ class Sizing:
 @dataclass(frozen=True)
 class Injection:
     """A delay (a fraction of each call's time) and a number of bytes held during each call, with the benchmark's
-    Sizing when its cases share one, and what its measurement leaves out (no part of what is injected):
-    `launch_rounds` False, the LAUNCH rounds beside graph replays or queued rounds (timing.run), which an in-process
-    case whose host-set time is not gated does not read. Picklable: multi-rank benchmarks hand it to every rank, which
-    measure every case in full."""
+    Sizing when its cases share one, and what its measurement leaves out (no part of what is injected, read by
+    timing.run): `launch_rounds` False, the LAUNCH rounds beside graph replays or queued rounds, which an in-process
+    case whose host-set time is not gated does not read; `warm` True, the eager warmup rounds of a graph=True call
+    whose capture succeeds: an in-process case runs after the benchmark's own measurement in the same process (its
+    compilation and autotuning done, the GPU busy with the same call), and the replays keep their own warmup right
+    before them. Picklable: multi-rank benchmarks hand it to every rank, which measure every case in full."""
 
     delay: float = 0.0
     memory: int = 0
     sizing: Sizing | None = field(default=None, compare=False, repr=False)
     launch_rounds: bool = field(default=True, compare=False)
+    warm: bool = field(default=False, compare=False)
 
     @property
     def label(self) -> str:
@@ -383,7 +387,8 @@ def pytest_perf_measured(item, benchmark, remeasure):
     launch_rounds = perf.host_gate(marker.kwargs if marker else {}) is not None
     results = []
     for case in cases:
-        decided = remeasure(replace(case, sizing=sizing if case.delay else None, launch_rounds=launch_rounds))
+        decided = remeasure(replace(case, sizing=sizing if case.delay else None, launch_rounds=launch_rounds,
+                                    warm=True))
         results.append({"delay": case.delay, "memory": case.memory,
                         "verdict": None if decided is None else decided.label,
                         "time_change": None if decided is None or decided.time is None else decided.time.change})

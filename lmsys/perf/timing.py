@@ -178,17 +178,21 @@ def sample(
     return adapt(timed, rounds, precision)
 
 
-def warm_up(backend, call: Callable[[], Any], flush, max_time: float, min_rounds: int, warmup_rounds: int | None):
-    """Runs the untimed first call (compilation, autotuning), one calibration round and the warmup; returns the planned rounds.
+def warm_up(backend, call: Callable[[], Any], flush, max_time: float, min_rounds: int, warmup_rounds: int | None,
+            rest: bool = True):
+    """Runs the untimed first call (compilation, autotuning), one calibration round and the warmup; returns the
+    planned rounds.
 
-    The calibration round counts as the first warmup round.
+    The calibration round counts as the first warmup round. rest=False leaves out the warmup rounds after it, for a
+    caller that runs them only where its timed rounds need them (`run`, for a warm call).
     """
     call()
     backend.synchronize()
     start = time.perf_counter()
     time_rounds(backend, call, 1, flush)
     chosen = planned_rounds(time.perf_counter() - start, max_time, min_rounds, warmup_rounds)
-    time_rounds(backend, call, chosen.warmup_rounds - 1, flush)
+    if rest:
+        time_rounds(backend, call, chosen.warmup_rounds - 1, flush)
     return chosen
 
 
@@ -264,16 +268,23 @@ def run(
     `precision` is the target of the benchmark's own rounds, `launch_precision` that of the LAUNCH rounds beside graph
     and queued ones. `inject` (lmsys.perf.injection.Injection, when the gate is measured) holds its bytes during every
     call and adds its delay to every timed one; its `launch_rounds` False leaves out the LAUNCH rounds (an injected
-    case whose host-set time is not gated: nothing of its verdict reads them).
+    case whose host-set time is not gated: nothing of its verdict reads them), its `warm` True the eager warmup
+    rounds before captured replays (a call measured in this process already: compiled, tuned, the clocks up).
     """
     if inject is not None:
         call = inject.held(backend, call)
     before = backend.machine_state()
-    chosen = warm_up(backend, call, flush, max_time, min_rounds, warmup_rounds)
+    # A warm call (inject.warm: measured in this process already) timed as graph replays is warmed by the replays' own
+    # warm-up, right before them; its eager warmup rounds run only when the capture fails and eager or queued rounds
+    # follow instead.
+    deferred = graph and inject is not None and inject.warm
+    chosen = warm_up(backend, call, flush, max_time, min_rounds, warmup_rounds, rest=not deferred)
     timed = call if inject is None else inject.delayed(backend, call, flush, graph, host)
     notes = []
     captured = _capture(backend, timed, flush, max_time, min_rounds, notes) if graph else None
     queued = graph and captured is None and backend.is_gpu
+    if deferred and captured is None:
+        time_rounds(backend, call, chosen.warmup_rounds - 1, flush)
     launch = None
     if host:
         lead = queue_lead(backend, timed, flush)
@@ -295,7 +306,7 @@ def run(
     result, memory = backend.measure_memory(call)
     after = backend.machine_state()
     measurement = Measurement(
-        samples, wall, chosen.warmup_rounds, memory, result,
+        samples, wall, 1 if deferred and captured is not None else chosen.warmup_rounds, memory, result,
         timing=HOST if host else QUEUED if queued else EAGER if captured is None else GRAPH,
         machine=None if before is None and after is None else {"before": before, "after": after},
         notes=notes,
