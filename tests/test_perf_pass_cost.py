@@ -113,3 +113,17 @@ def test_an_injected_case_takes_no_launch_rounds_unless_its_test_gates_the_host_
     counted_run(pytester, monkeypatch, passes, gated)
     assert all(counts["launch rounds"] == L for _, counts in injected(passes, "graph") + injected(passes, "queued"))
     assert [counts["eager rounds"] for _, counts in injected(passes, "graph")] == [1] * 4
+
+
+@pytest.mark.parametrize("cases", ["0:1048576", "0.05:1048576,0.1"], ids=["memory-apart", "delays-from"])
+def test_a_case_of_memory_alone_is_one_call_under_the_memory_reading(pytester, monkeypatch, passes, cases):
+    """A case that only holds memory is judged on the memory alone: no rounds, no time to compare (time_change None),
+    never re-measured; so are the benchmarks below LMSYS_INJECT_DELAYS_FROM."""
+    monkeypatch.setenv("LMSYS_INJECT_CASES", cases)
+    if cases != "0:1048576":
+        monkeypatch.setenv("LMSYS_INJECT_DELAYS_FROM", "1")  # every benchmark below 1 s: the memory alone
+    infos = counted_run(pytester, monkeypatch, passes, TESTS)
+    assert [(label, timed, counts) for label, timed, counts in passes if label != "A/A"] == [
+        ("1 MiB held", timing.MEMORY, {"memory readings": 1})] * len(TESTS)
+    for info in infos.values():
+        assert info["injected_cases"] == [{"delay": 0.0, "memory": MIB, "verdict": "MORE-MEMORY", "time_change": None}]

@@ -457,7 +457,7 @@ def test_injected_cases_are_measured_beside_the_unchanged_call_and_fail_nothing(
         assert [(c["delay"], c["memory"], c["verdict"]) for c in cases] == [
             (0.1, MIB, "SLOWER+MORE-MEMORY"), (0.0, MIB, "MORE-MEMORY"), (0.1, 0, "SLOWER")]
         assert cases[0]["time_change"] == pytest.approx(0.1, abs=0.02)
-        assert abs(cases[1]["time_change"]) < 0.02
+        assert cases[1]["time_change"] is None  # memory alone: no rounds, the memory reading
     # Nothing to judge them against without a baseline: no cases measured.
     result = run(pytester, *INJECTION, "--benchmark-json=out.json")
     result.assert_outcomes(passed=2)

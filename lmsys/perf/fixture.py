@@ -264,7 +264,7 @@ class GpuBenchmark:
     def _verdict(self, measurement: timing.Measurement) -> verdict.Verdict | None:
         """The verdict on a measurement against the baseline (verdict.judge; None when not comparing): the device
         time, the host-set time (a host-timed benchmark's, or the LAUNCH rounds beside graph or queued ones) and the
-        memory, each with the tolerance session.py picks for it."""
+        memory, each with the tolerance session.py picks for it; of a MEMORY measurement, the memory alone."""
         session, bench, marker = self._session, self._benchmark, self._marker()
         if not session.comparing:
             return None
@@ -274,7 +274,9 @@ class GpuBenchmark:
         host_gate = session.host_gate(marker)
         reference = baselines.samples(baseline, measurement.timing)
         device = host = uncompared = None
-        if reference is None:
+        if measurement.timing == timing.MEMORY:
+            pass  # no rounds, the memory reading alone (an injected case of memory alone): no time to judge
+        elif reference is None:
             uncompared = f"the baseline was timed {baselines.timing(baseline)}, this run {measurement.timing}"
         elif measurement.timing == timing.HOST:
             host = _compare(measurement.samples, reference, host_gate)

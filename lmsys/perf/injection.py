@@ -16,7 +16,8 @@ imports this module or reads these variables.
                              the work's correction where it runs, measured with the largest delay), and shared by
                              its cases and their re-measurements. A case's passes leave out what its verdict does
                              not read: the LAUNCH rounds, unless the test gates its host-set time; and a graph=True
-                             call's eager warmup rounds, its replays warmed by their own.
+                             call's eager warmup rounds, its replays warmed by their own; every round of a case of
+                             memory alone (its verdict is the memory's: one call under the memory reading).
     LMSYS_INJECT_DELAYS_FROM=s  with LMSYS_INJECT_CASES: the delays only into benchmarks whose baseline's median is
                              at least s seconds; the others are measured again with each size of memory the cases
                              hold, without a delay (the memory is still judged on every benchmark).
@@ -139,13 +140,16 @@ class Injection:
     case whose host-set time is not gated does not read; `warm` True, the eager warmup rounds of a graph=True call
     whose capture succeeds: an in-process case runs after the benchmark's own measurement in the same process (its
     compilation and autotuning done, the GPU busy with the same call), and the replays keep their own warmup right
-    before them. Picklable: multi-rank benchmarks hand it to every rank, which measure every case in full."""
+    before them; `timed` False, every round of a case that only holds memory, whose verdict is then the memory's
+    (timing.MEMORY: one call under the memory reading). Picklable: multi-rank benchmarks hand it to every rank, which
+    measure every case in full."""
 
     delay: float = 0.0
     memory: int = 0
     sizing: Sizing | None = field(default=None, compare=False, repr=False)
     launch_rounds: bool = field(default=True, compare=False)
     warm: bool = field(default=False, compare=False)
+    timed: bool = field(default=True, compare=False)
 
     @property
     def label(self) -> str:
@@ -388,7 +392,7 @@ def pytest_perf_measured(item, benchmark, remeasure):
     results = []
     for case in cases:
         decided = remeasure(replace(case, sizing=sizing if case.delay else None, launch_rounds=launch_rounds,
-                                    warm=True))
+                                    warm=True, timed=bool(case.delay)))
         results.append({"delay": case.delay, "memory": case.memory,
                         "verdict": None if decided is None else decided.label,
                         "time_change": None if decided is None or decided.time is None else decided.time.change})

@@ -20,6 +20,8 @@ What a sample is (`Measurement.timing`):
   beside, as in graph mode.
 - HOST (host=True): the CPU's time from the call to its return, each round queued behind the same kind of sleep (no
   launch waits for the device). That is what launching the call costs the CPU: Python, dispatch and the launches.
+- MEMORY: no rounds, the memory reading alone (an injected case that holds memory and adds no delay,
+  lmsys.perf.injection: its verdict is the memory's).
 """
 
 import gc
@@ -40,7 +42,7 @@ WARMUP_SHARE = 0.1
 # The LAUNCH rounds beside graph and queued ones take this share of the planned rounds (more where a test gates the
 # host time and its precision asks for them): they are reported, and gated only on request.
 LAUNCH_SHARE = 0.25
-EAGER, GRAPH, QUEUED, HOST = "eager", "graph", "queued", "host"
+EAGER, GRAPH, QUEUED, HOST, MEMORY = "eager", "graph", "queued", "host", "memory"
 # The rounds beside graph and queued ones: eager calls from an idle device, the whole launch cost in the span
 # (backend.time_launch).
 LAUNCH = "launch"
@@ -269,10 +271,14 @@ def run(
     and queued ones. `inject` (lmsys.perf.injection.Injection, when the gate is measured) holds its bytes during every
     call and adds its delay to every timed one; its `launch_rounds` False leaves out the LAUNCH rounds (an injected
     case whose host-set time is not gated: nothing of its verdict reads them), its `warm` True the eager warmup
-    rounds before captured replays (a call measured in this process already: compiled, tuned, the clocks up).
+    rounds before captured replays (a call measured in this process already: compiled, tuned, the clocks up), its
+    `timed` False every round: the memory reading alone (MEMORY), for a case that only holds memory.
     """
     if inject is not None:
         call = inject.held(backend, call)
+        if not inject.timed:
+            result, memory = backend.measure_memory(call)
+            return Measurement([], 0.0, 0, memory, result, timing=MEMORY)
     before = backend.machine_state()
     # A warm call (inject.warm: measured in this process already) timed as graph replays is warmed by the replays' own
     # warm-up, right before them; its eager warmup rounds run only when the capture fails and eager or queued rounds
