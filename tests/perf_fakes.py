@@ -254,7 +254,8 @@ class CountingGpu(FakeGpu):
         self.counts["first calls"] += 1
 
     def time_call(self, call, lead=None) -> float:
-        kind = "queued rounds" if lead is not None else "replays" if getattr(call, "is_replay", False) else "eager rounds"
+        replay = getattr(call, "is_replay", False)
+        kind = "queued rounds" if lead is not None else "replays" if replay else "eager rounds"
         self.counts[kind] += 1
         return super().time_call(call, lead)
 

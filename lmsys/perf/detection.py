@@ -16,7 +16,8 @@ multiplies, injection.make_work), LMSYS_INJECT_MEMORY=B hold B more bytes on the
 case), then once more per injected case (LMSYS_INJECT_CASES, judged against the same reference, failing nothing):
 the cases share each run's process, and its start-up and compilations are paid once (on the H100 such a run of the
 default subset took 982 s, a plain warm run 330 s: the timing of the cases, not the start-up, is most of it; a
-caught delay is measured twice, as the gate re-measures a SLOWER). --delays-from SECONDS injects the delays only into
+caught delay is measured twice, as the gate re-measures a SLOWER; a case's passes leave out what its verdict does not
+read: injection.Injection). --delays-from SECONDS injects the delays only into
 benchmarks whose reference median is at least SECONDS, and measures the others again with the allocation alone.
 --budget-s SECONDS starts no run that would end past SECONDS from the command's start (a run expected to take as long
 as the longest so far, --run-s before the first): a session's share of a measurement that --resume adds to later.
