@@ -42,6 +42,7 @@ from lmsys.attention import (
     tuned,
 )
 from lmsys.attention.checks import check_inputs
+from lmsys.bench.attention import TRAINING_HEADS, TRAINING_TOKENS
 from lmsys.model import ModelConfig, TransformerLM
 
 # The Triton interpreter (triton 3.6) converts one-element arrays to scalars in a way NumPy deprecates.
@@ -513,6 +514,38 @@ def test_flash_triton_split_head_dim_gpu(gpu, shape, k_len, layout, is_causal, d
 def test_flash_triton_gpu(gpu, q_shape, k_shape, is_causal, dtype, seed):
     q, k, v = make_inputs(q_shape, k_shape, dtype, gpu)
     check_flash("triton", q, k, v, is_causal, torch.randn_like(q))
+
+
+# The training grid's shapes (lmsys.bench.attention.training_grid: 16384 tokens a batch, the grid's heads per head dim)
+# and odd lengths of the same heads, causal and not, through flash_triton's default routes (this GPU's measured kernel
+# choices and pinned configs). Up to 4096 keys at d=80 and 96, whose longer lengths run the same kernels with more
+# tiles (and have no pins: each would autotune).
+def _training_points():
+    lengths = {64: (512, 1024, 2048, 4096, 8192, 16384), 128: (512, 1024, 2048, 4096, 8192, 16384),
+               80: (512, 1024, 2048, 4096), 96: (512, 1024, 2048, 4096)}
+    return [
+        pytest.param((max(1, TRAINING_TOKENS // seq), TRAINING_HEADS[d], seq, d), is_causal,
+                     id=f"d{d}-t{seq}-{'causal' if is_causal else 'full'}")
+        for d, seqs in lengths.items() for seq in (*seqs, 1000, 3001) for is_causal in (True, False)
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, is_causal", _training_points())
+def test_training_grid_matches_float64_gpu(gpu, shape, is_causal, seed):
+    """bf16 forward and every gradient at the whole shape, the first and the last (batch, head) against float64 (one
+    head at a time: the reference holds its T x T scores)."""
+    q, k, v = make_inputs(shape, shape, torch.bfloat16, gpu)
+    do = torch.randn_like(q)
+    o, lse = flash_triton.forward(q, k, v, is_causal)
+    dq, dk, dv = flash_triton.backward(q, k, v, o, lse, do, is_causal)
+    for b, h in dict.fromkeys(((0, 0), (shape[0] - 1, shape[1] - 1))):
+        rows = (slice(b, b + 1), slice(h, h + 1))
+        expected = reference(q[rows], k[rows], v[rows], do[rows], is_causal)
+        for name, actual, exp in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, dq, dk, dv), expected, strict=True):
+            assert_matches(actual[rows], exp, q.dtype, f"{name}[{b}, {h}]")
+        del expected
+        torch.cuda.empty_cache()
 
 
 def _config_id(config):
