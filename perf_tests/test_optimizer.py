@@ -4,7 +4,7 @@ AdamW, on the parameters of the `small`, `large` and `2.7B` presets (on the CPU:
 Each call is one step over every parameter of the model, fp32, with random gradients. AdamW is memory-bound: it
 reads the parameter, the gradient and both moments and writes the parameter and both moments, 28 bytes per
 parameter; that is the work each call states, so the report shows GB/s and the fraction of the memory peak
-(2.7B -> about 95 GB per step; what that takes at the H100's copy bandwidth: docs/training-step.md, "The perf
+(2.7B -> about 95 GB per step; what that takes at the H200's copy bandwidth: docs/training-step.md, "The perf
 suite's steps").
 """
 
