@@ -860,6 +860,26 @@ def test_a_budget_starts_only_the_runs_that_fit(monkeypatch, tmp_path, capsys):
     assert [c for c in calls if c[0] == "runs"] == [("runs", n) for n in range(4, 8)]
 
 
+def test_a_timed_run_replaces_the_expected_length(monkeypatch, tmp_path, capsys):
+    """--run-s stands for a run's length until one is timed, then the longest timed run does: with --run-s 400, runs
+    of 200 s after a reference of 50 s start at 50 s (50 + 400 fits 1000), then at 250, 450 and 650 s."""
+    monkeypatch.chdir(tmp_path)
+    clock = [0.0]
+    monkeypatch.setattr(detection.time, "monotonic", lambda: clock[0])
+    calls = []
+    rerun = keeping_rerun(calls)
+
+    def timed_rerun(args, runs, cwd, env=None, timeout=None, progress=None, keep=None, first=0):
+        clock[0] += 50.0 if any(a.startswith("--benchmark-save=") for a in args) else 200.0
+        return rerun(args, runs, cwd, env, timeout, progress, keep, first)
+
+    monkeypatch.setattr(detection.reruns, "rerun", timed_rerun)
+    assert detection.main(["--in-process", "--runs", "10", "--inject", "0.05", "--keep", "k", "--budget-s", "1000",
+                           "--run-s", "400", "--", "perf_tests"]) == 0
+    assert [c for c in calls if c[0] == "runs"] == [("runs", n) for n in range(4)]
+    assert "(850 s spent, a run expected to take 200 s): 4 of 10 runs kept" in capsys.readouterr().err
+
+
 SCRIPT = Path(__file__).parent.parent / "scripts" / "detection_campaign.sh"
 
 

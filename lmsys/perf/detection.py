@@ -511,19 +511,20 @@ def _measure_in_process(args: argparse.Namespace, cases: list[Case], held: dict
     with tempfile.TemporaryDirectory(prefix="lmsys-detection-") as folder:
         compare = _compare_args(args, Path(folder))
         print(f"{args.runs} runs, each measuring every case", file=sys.stderr, flush=True)
-        longest = args.run_s or 0.0
+        longest = None  # the longest run timed so far; --run-s stands for it until the first is timed
         while len(docs) < args.runs:
             spent = time.monotonic() - started
-            if args.budget_s is not None and spent + longest > args.budget_s:
+            expected = longest if longest is not None else args.run_s or 0.0
+            if args.budget_s is not None and spent + expected > args.budget_s:
                 print(f"the budget of {args.budget_s:.0f} s leaves no room for another run ({spent:.0f} s spent, a run "
-                      f"expected to take {longest:.0f} s): {len(docs)} of {args.runs} runs kept", file=sys.stderr,
+                      f"expected to take {expected:.0f} s): {len(docs)} of {args.runs} runs kept", file=sys.stderr,
                       flush=True)
                 break
             begun = time.monotonic()
             docs += reruns.rerun([*INJECTION, *args.pytest_args, *compare, DURATIONS], 1, Path.cwd(), env=env,
                                  timeout=args.timeout, progress=_progress("every case", args.runs),
                                  keep=None if args.keep is None else args.keep / IN_PROCESS, first=len(docs))
-            longest = max(longest, time.monotonic() - begun)
+            longest = max(longest or 0.0, time.monotonic() - begun)
             if len(docs) < args.runs:  # what is measured so far, in case the rest never finishes
                 print(f"after {len(docs)} of {args.runs} runs:", file=sys.stderr)
                 print(tally(_with_memory(_in_process_results(cases, docs), held)).to_string(index=False),
