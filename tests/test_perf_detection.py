@@ -832,10 +832,8 @@ def test_delays_from_and_the_budget_need_in_process_runs(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-def test_a_budget_starts_only_the_runs_that_fit(monkeypatch, tmp_path, capsys):
-    """--budget-s 1000 with runs of 200 s after a reference of 50 s: runs start at 50, 250, 450 and 650 s; one
-    starting at 850 s would end past 1000 s. --run-s stands for a run's length before the first; a resumed
-    measurement counts its budget from its own start."""
+def clocked_runs(monkeypatch, tmp_path) -> list:
+    """keeping_rerun's calls, in tmp_path, on a clock that a reference's save moves by 50 s and every run by 200 s."""
     monkeypatch.chdir(tmp_path)
     clock = [0.0]
     monkeypatch.setattr(detection.time, "monotonic", lambda: clock[0])
@@ -847,6 +845,14 @@ def test_a_budget_starts_only_the_runs_that_fit(monkeypatch, tmp_path, capsys):
         return rerun(args, runs, cwd, env, timeout, progress, keep, first)
 
     monkeypatch.setattr(detection.reruns, "rerun", timed_rerun)
+    return calls
+
+
+def test_a_budget_starts_only_the_runs_that_fit(monkeypatch, tmp_path, capsys):
+    """--budget-s 1000 with runs of 200 s after a reference of 50 s: runs start at 50, 250, 450 and 650 s; one
+    starting at 850 s would end past 1000 s. --run-s stands for a run's length before the first; a resumed
+    measurement counts its budget from its own start."""
+    calls = clocked_runs(monkeypatch, tmp_path)
     argv = ["--in-process", "--runs", "10", "--inject", "0.05", "--keep", "k", "--budget-s", "1000", "--", "perf_tests"]
     assert detection.main(argv) == 0
     assert [c for c in calls if c[0] == "runs"] == [("runs", n) for n in range(4)]
@@ -863,17 +869,7 @@ def test_a_budget_starts_only_the_runs_that_fit(monkeypatch, tmp_path, capsys):
 def test_a_timed_run_replaces_the_expected_length(monkeypatch, tmp_path, capsys):
     """--run-s stands for a run's length until one is timed, then the longest timed run does: with --run-s 400, runs
     of 200 s after a reference of 50 s start at 50 s (50 + 400 fits 1000), then at 250, 450 and 650 s."""
-    monkeypatch.chdir(tmp_path)
-    clock = [0.0]
-    monkeypatch.setattr(detection.time, "monotonic", lambda: clock[0])
-    calls = []
-    rerun = keeping_rerun(calls)
-
-    def timed_rerun(args, runs, cwd, env=None, timeout=None, progress=None, keep=None, first=0):
-        clock[0] += 50.0 if any(a.startswith("--benchmark-save=") for a in args) else 200.0
-        return rerun(args, runs, cwd, env, timeout, progress, keep, first)
-
-    monkeypatch.setattr(detection.reruns, "rerun", timed_rerun)
+    calls = clocked_runs(monkeypatch, tmp_path)
     assert detection.main(["--in-process", "--runs", "10", "--inject", "0.05", "--keep", "k", "--budget-s", "1000",
                            "--run-s", "400", "--", "perf_tests"]) == 0
     assert [c for c in calls if c[0] == "runs"] == [("runs", n) for n in range(4)]
