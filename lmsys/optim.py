@@ -563,13 +563,19 @@ class AdamW(torch.optim.Optimizer):
         cached = self._chunk_tables.get((device, dtype))
         if cached is not None and cached[0] == sizes:
             return cached[1]
-        counts = torch.tensor([triton.cdiv(n, CHUNK) for n in sizes])
-        index = torch.repeat_interleave(torch.arange(len(sizes)), counts)  # (chunks,)
-        first_chunk = torch.cumsum(counts, 0) - counts
-        start = (torch.arange(index.numel()) - first_chunk[index]) * CHUNK
-        table = torch.stack((index, start), dim=1).to(device)  # (chunks, 2) int64
+        table = chunk_table(sizes, CHUNK, device)
         self._chunk_tables[device, dtype] = (sizes, table)
         return table
+
+
+def chunk_table(sizes: list[int], chunk: int, device: torch.device) -> torch.Tensor:
+    """(tensor index, first element) of every chunk of `chunk` elements of tensors of these sizes, (chunks, 2) int64
+    on `device`: the kernel's program ids."""
+    counts = torch.tensor([triton.cdiv(n, chunk) for n in sizes])
+    index = torch.repeat_interleave(torch.arange(len(sizes)), counts)  # (chunks,)
+    first_chunk = torch.cumsum(counts, 0) - counts
+    start = (torch.arange(index.numel()) - first_chunk[index]) * chunk
+    return torch.stack((index, start), dim=1).to(device)
 
 
 class _Plan:

@@ -11,6 +11,7 @@ Registers and spills per compiled kernel. Prints the table sorted by time and wr
 """
 
 import argparse
+import functools
 import itertools
 import time
 
@@ -96,15 +97,6 @@ def _variant(TENSORS, CHUNKS, ROW: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.
               step_size, bc2_sqrt, weight1, beta2, weight2, eps, BLOCK, False, EXACT, BRANCH, TAIL, STAGES)
 
 
-def chunk_table(sizes: list[int], chunk: int, device: torch.device) -> torch.Tensor:
-    """(tensor index, first element) of every chunk, as AdamW._chunk_table builds it for CHUNK = `chunk`."""
-    counts = torch.tensor([triton.cdiv(n, chunk) for n in sizes])
-    index = torch.repeat_interleave(torch.arange(len(sizes)), counts)
-    first = torch.cumsum(counts, 0) - counts
-    start = (torch.arange(index.numel()) - first[index]) * chunk
-    return torch.stack((index, start), 1).to(device)
-
-
 def variants():
     """(CHUNK, BLOCK, warps, EXACT, BRANCH, TAIL, STAGES) to time: the grid, then the shipped loop's pieces."""
     grid = [(c, b, w, True, False, False, 1)
@@ -156,10 +148,10 @@ def main() -> None:
             del reference
         table = optimizer._plan.table.to(device)
         sizes = [p.numel() for p in params if p.numel()]
-        chunks = chunk_table(sizes, optim.CHUNK, device)
-        shipped = launcher(optim._adamw_kernel, (chunks.shape[0],), table, chunks, ROW=optim._ROW,
-                                           CHUNK=optim.CHUNK, BLOCK=optim.BLOCK, DTYPE=tl.float32, ALIGNED=True,
-                                           num_warps=optim.NUM_WARPS)
+        chunks = optim.chunk_table(sizes, optim.CHUNK, device)
+        shipped = functools.partial(optim._adamw_kernel[(chunks.shape[0],)], table, chunks, ROW=optim._ROW,
+                                    CHUNK=optim.CHUNK, BLOCK=optim.BLOCK, DTYPE=tl.float32, ALIGNED=True,
+                                    num_warps=optim.NUM_WARPS)
         kernel = shipped()
         record(f"{mode}: shipped kernel", do_bench(shipped, warmup=60, rep=250), nbytes, chunk=optim.CHUNK,
                block=optim.BLOCK, warps=optim.NUM_WARPS, registers=kernel.n_regs, spills=kernel.n_spills)
@@ -167,10 +159,10 @@ def main() -> None:
             if time.time() - started > args.budget_s:
                 print(f"--budget-s {args.budget_s:g} reached", flush=True)
                 break
-            chunks = chunk_table(sizes, chunk, device)
-            launch = launcher(_variant, (chunks.shape[0],), table, chunks, ROW=optim._ROW,
-                                              CHUNK=chunk, BLOCK=block, EXACT=exact, BRANCH=branch, TAIL=tail,
-                                              STAGES=stages, num_warps=warps)
+            chunks = optim.chunk_table(sizes, chunk, device)
+            launch = functools.partial(_variant[(chunks.shape[0],)], table, chunks, ROW=optim._ROW, CHUNK=chunk,
+                                       BLOCK=block, EXACT=exact, BRANCH=branch, TAIL=tail, STAGES=stages,
+                                       num_warps=warps)
             kernel = launch()
             record(f"{mode}: variant", do_bench(launch, warmup=60, rep=250), nbytes, chunk=chunk, block=block,
                    warps=warps, exact=exact, branch=branch, tail=tail, stages=stages, registers=kernel.n_regs,
@@ -180,11 +172,6 @@ def main() -> None:
     frame = pd.DataFrame(rows)
     frame.to_csv(args.csv, index=False)
     print(frame.sort_values("ms").to_string(index=False))
-
-
-def launcher(kernel, grid, *args, **kwargs):
-    """A no-argument launch of `kernel[grid](*args, **kwargs)`, returning the compiled kernel."""
-    return lambda: kernel[grid](*args, **kwargs)
 
 
 if __name__ == "__main__":
