@@ -17,6 +17,7 @@ the CSV named.
 """
 
 import argparse
+import contextlib
 import os
 
 import pandas as pd
@@ -50,34 +51,34 @@ def describe(config: triton.Config) -> str:
     return f"{tiles} w{config.num_warps} s{config.num_stages}{tail}"
 
 
-def widened(part: str):
-    """(apply, restore): put the extra candidates into flash_triton's lists for `part`, and put the shipped ones
-    back (the shipped route's pins are fingerprinted with its own list)."""
+@contextlib.contextmanager
+def wider_search(part: str):
+    """The Triton kernel of `part` alone, autotuning afresh (pins off, no small-problem pruning) over its candidates
+    and the extra ones; yields the kernel's autotuner. After the block the shipped lists are back: the shipped route's
+    pins are fingerprinted with them."""
     if part == "forward":
-        kernel, lists = flash_triton._flash_fwd_kernel, flash_triton._FWD_CONFIGS
+        kernel, lists = flash_triton._flash_fwd_kernel, flash_triton._FWD_CONFIGS  # lists: bound into the pruning
         shipped = dict(lists), list(kernel.configs)
-        wide = {d: list(dict.fromkeys(c + [flash_triton._fwd_config(*t) for t in EXTRA_FORWARD.get(d, ())]))
-                for d, c in shipped[0].items()}
-
-        def apply():
-            lists.update(wide)
-            kernel.configs = list(dict.fromkeys(c for configs in wide.values() for c in configs))
-
-        def restore():
-            lists.update(shipped[0])
-            kernel.configs = shipped[1]
-        return kernel, apply, restore
-    kernel = flash_triton._flash_bwd_kernel
-    shipped = list(kernel.configs)
-    extra = [triton.Config({"BLOCK_BIG": big, "BLOCK_M1": m1, "BLOCK_N2": n2}, num_warps=w, num_stages=s)
-             for big, m1, n2, w, s in EXTRA_BACKWARD]
-
-    def apply():
-        kernel.configs = list(dict.fromkeys(shipped + extra))
-
-    def restore():
-        kernel.configs = shipped
-    return kernel, apply, restore
+        lists.update({d: list(dict.fromkeys(c + [flash_triton._fwd_config(*t) for t in EXTRA_FORWARD.get(d, ())]))
+                      for d, c in shipped[0].items()})
+        kernel.configs = list(dict.fromkeys(c for configs in lists.values() for c in configs))
+    else:
+        kernel, lists = flash_triton._flash_bwd_kernel, {}
+        shipped = {}, list(kernel.configs)
+        kernel.configs = list(dict.fromkeys(shipped[1] + [
+            triton.Config({"BLOCK_BIG": big, "BLOCK_M1": m1, "BLOCK_N2": n2}, num_warps=w, num_stages=s)
+            for big, m1, n2, w, s in EXTRA_BACKWARD]))
+    setting = "HOPPER_FORWARD" if part == "forward" else "HOPPER_BACKWARD"
+    os.environ[tuned.ENV] = "0"
+    try:
+        with tuned._settings({flash_triton: {setting: False, "_SMALL_PROBLEM": 0}}):
+            kernel.cache.clear()
+            yield kernel
+            kernel.cache.clear()
+    finally:
+        lists.update(shipped[0])
+        kernel.configs = shipped[1]
+        os.environ[tuned.ENV] = "1"
 
 
 def main() -> None:
@@ -91,8 +92,6 @@ def main() -> None:
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
-    kernel, widen, restore = widened(args.part)
-    setting = "HOPPER_FORWARD" if args.part == "forward" else "HOPPER_BACKWARD"
     rows = []
     for d in args.dims:
         for seq in args.seqs:
@@ -136,20 +135,12 @@ def main() -> None:
                             record(route, do_bench(ours(), warmup=25, rep=100))
                         except Exception as error:  # noqa: BLE001 - a route that does not take the shape
                             print(f"{shape} {route}: {type(error).__name__}: {error}"[:200], flush=True)
-                os.environ[tuned.ENV] = "0"
-                widen()
-                try:
-                    with tuned._settings({flash_triton: {setting: False, "_SMALL_PROBLEM": 0}}):
-                        kernel.cache.clear()
-                        call = ours()
-                        call()
-                        for config, timing in sorted(kernel.configs_timings.items(), key=lambda item: item[1][0]):
-                            record(f"triton {describe(config)}", timing[0])
-                        record("triton (the best config, do_bench)", do_bench(call, warmup=25, rep=100))
-                        kernel.cache.clear()
-                finally:
-                    restore()
-                    os.environ[tuned.ENV] = "1"
+                with wider_search(args.part) as kernel:
+                    call = ours()
+                    call()
+                    for config, timing in sorted(kernel.configs_timings.items(), key=lambda item: item[1][0]):
+                        record(f"triton {describe(config)}", timing[0])
+                    record("triton (the best config, do_bench)", do_bench(call, warmup=25, rep=100))
                 table = pd.DataFrame([r for r in rows if r["shape"] == point["shape"] and r["causal"] == causal])
                 print(f"\n{args.part} {shape} causal={causal}\n" + table[["what", "ms"]].sort_values("ms").to_markdown(
                     index=False, floatfmt=".4f"), flush=True)
