@@ -165,8 +165,9 @@ def _adamw_kernel(TENSORS, CHUNKS, ROW: tl.constexpr, CHUNK: tl.constexpr, BLOCK
     weight2 = _coefficient(row, 10, DTYPE)
     eps = _coefficient(row, 11, DTYPE)
     # A bf16 parameter with its master (a bf16 gradient, and a copy to write) or a parameter of DTYPE: the same
-    # branch for the whole program, so it costs one test per chunk.
-    if tl.load(row + 12) != 0:
+    # branch for the whole program, so it costs one test per chunk. Masters are fp32, so a float64 table compiles
+    # without the bf16 branch (whose rounding works on fp32 bits).
+    if DTYPE == tl.float32 and tl.load(row + 12) != 0:
         _adamw_chunk(param, _pointer(row, 1, tl.bfloat16, ALIGNED), exp_avg, exp_avg_sq,
                      _pointer(row, 12, tl.bfloat16, ALIGNED), start, end, decay, step_size, bc2_sqrt,
                      weight1, beta2, weight2, eps, BLOCK, True)
