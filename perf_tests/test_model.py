@@ -9,15 +9,17 @@ Providers (a model and an optimizer):
 - `ours-torch-adamw`: lmsys.model with SDPA and torch's fused AdamW;
 - `ours`: lmsys.model with SDPA and lmsys.optim.AdamW (the fused Triton kernel);
 - `ours-flash_triton`: lmsys.model with our Triton FlashAttention and lmsys.optim.AdamW;
-- `ours-naive`: lmsys.model with the naive attention reference and lmsys.optim.AdamW.
+- `ours-naive`: lmsys.model with the naive attention reference and lmsys.optim.AdamW;
+- `ours-bf16-weights-fused-loss`: `ours` with make_train_step's fastest options (bf16 Linear weights with their fp32
+  masters in the optimizer, the LM head and cross-entropy fused): our step as fast as it goes (bf16 autocast only).
 
 On a GPU: batch 4, context 512 (as in the plain-PyTorch reference runs). The default subset: `large` in bf16
-autocast + torch.compile with reference and ours side by side (MFU in the report's "% of peak"), `large` in fp32 and
-bf16 eager (reference and ours), `large` with the compiled step replayed as CUDA graphs (`bf16-graphs`: reference
-and ours), `small` in every precision with ours, eager with naive attention and with flash_triton. A compilation of
-`large` takes about a minute, so the rest (2.7B with every provider, medium and xl, `large` compiled with
-ours-torch-adamw and ours-flash_triton, naive on large, `small` compiled with naive attention) runs with
---perf-full-grid. On the CPU: the tiny preset, reference and ours.
+autocast + torch.compile with reference and ours-bf16-weights-fused-loss side by side (MFU in the report's "% of
+peak"), `large` in fp32 and bf16 eager (reference and ours), `large` with the compiled step replayed as CUDA graphs
+(`bf16-graphs`: reference and ours-bf16-weights-fused-loss), `small` in every precision with ours, eager with naive
+attention and with flash_triton. A compilation of `large` takes about a minute, so the rest (2.7B with every
+provider, medium and xl, `large` compiled with the other providers, naive on large, `small` compiled with naive
+attention) runs with --perf-full-grid. On the CPU: the tiny preset, reference and ours.
 
 A compiled step of `large` spends longer launching its kernels than the GPU spends running them, and that launch
 time moves with the host from one machine to the next (docs/training-step.md, "The perf suite's steps"): on a GPU
@@ -46,15 +48,18 @@ PRECISIONS = {
 }
 
 TORCH_FUSED_ADAMW = functools.partial(torch.optim.AdamW, fused=True, capturable=True)
-# provider -> (model class, attention backend, optimizer class)
+FASTEST = dict(bf16_weights=True, fused_loss=True)
+# provider -> (model class, attention backend, optimizer class, make_train_step's options)
 PROVIDERS = {
-    "reference": (ReferenceLM, "sdpa", TORCH_FUSED_ADAMW),
-    "ours-torch-adamw": (TransformerLM, "sdpa", TORCH_FUSED_ADAMW),
-    "ours": (TransformerLM, "sdpa", AdamW),
-    "ours-flash_triton": (TransformerLM, "flash_triton", AdamW),
-    "ours-naive": (TransformerLM, "naive", AdamW),
+    "reference": (ReferenceLM, "sdpa", TORCH_FUSED_ADAMW, {}),
+    "ours-torch-adamw": (TransformerLM, "sdpa", TORCH_FUSED_ADAMW, {}),
+    "ours": (TransformerLM, "sdpa", AdamW, {}),
+    "ours-flash_triton": (TransformerLM, "flash_triton", AdamW, {}),
+    "ours-naive": (TransformerLM, "naive", AdamW, {}),
+    "ours-bf16-weights-fused-loss": (TransformerLM, "sdpa", AdamW, FASTEST),
 }
-MAIN_PROVIDERS = ("reference", "ours-torch-adamw", "ours", "ours-flash_triton")
+COMPILED_PROVIDERS = ("reference", "ours-bf16-weights-fused-loss", "ours-torch-adamw", "ours", "ours-flash_triton")
+DEFAULT_COMPILED = ("reference", "ours-bf16-weights-fused-loss")
 
 
 def case(size: str, precision: str, provider: str, batch: int = 4, context: int = 512, full_grid: bool = False):
@@ -65,18 +70,18 @@ def case(size: str, precision: str, provider: str, batch: int = 4, context: int 
 
 
 GPU_CASES = [
-    *(case("large", "bf16-compile", provider, full_grid=provider in ("ours-torch-adamw", "ours-flash_triton"))
-      for provider in MAIN_PROVIDERS),
-    *(case("large", "bf16-graphs", provider) for provider in ("reference", "ours")),
+    *(case("large", "bf16-compile", provider, full_grid=provider not in DEFAULT_COMPILED)
+      for provider in COMPILED_PROVIDERS),
+    *(case("large", "bf16-graphs", provider) for provider in DEFAULT_COMPILED),
     *(case(size, "bf16-graphs", provider, full_grid=True)
-      for size, provider in (("large", "ours-flash_triton"), ("2.7B", "reference"), ("2.7B", "ours"),
-                             ("2.7B", "ours-flash_triton"))),
+      for size, provider in (("large", "ours"), ("large", "ours-flash_triton"), ("2.7B", "reference"),
+                             ("2.7B", "ours-bf16-weights-fused-loss"), ("2.7B", "ours"), ("2.7B", "ours-flash_triton"))),
     *(case("large", precision, provider) for precision in ("fp32", "bf16") for provider in ("reference", "ours")),
     *(case("small", precision, "ours") for precision in PRECISIONS),
     *(case("small", precision, "ours-naive", full_grid="compile" in precision or "graphs" in precision)
       for precision in PRECISIONS),
     case("small", "bf16", "ours-flash_triton"),
-    *(case("2.7B", "bf16-compile", provider, full_grid=True) for provider in MAIN_PROVIDERS),
+    *(case("2.7B", "bf16-compile", provider, full_grid=True) for provider in COMPILED_PROVIDERS),
     *(case("2.7B", "bf16", provider, full_grid=True) for provider in ("reference", "ours", "ours-flash_triton")),
     case("large", "bf16", "ours-flash_triton", full_grid=True),
     *(case("large", precision, "ours-naive", full_grid=True) for precision in PRECISIONS),
@@ -89,7 +94,7 @@ CPU_CASES = [case("tiny", "fp32", provider, batch=2, context=64) for provider in
     "size,precision,provider,batch,context", GPU_CASES if torch.cuda.is_available() else CPU_CASES
 )
 def test_train_step(gpu_benchmark, fresh_compiler, device, size, precision, provider, batch, context):
-    model_class, attention, optimizer_class = PROVIDERS[provider]
+    model_class, attention, optimizer_class, options = PROVIDERS[provider]
     compiled = PRECISIONS[precision]["compile"]
     if attention == "naive" and compiled and device.type == "cuda" and torch.__version__ < "2.13":
         # torch 2.11's inductor raises TypeError in TritonSymbols.get_block_shape on a kernel of this step (the
@@ -98,7 +103,7 @@ def test_train_step(gpu_benchmark, fresh_compiler, device, size, precision, prov
     config = dataclasses.replace(SIZES[size], context_length=context, attention=attention)
     with torch.device(device):
         model = model_class(config)
-    step = make_train_step(model, optimizer_class(model.parameters()), **PRECISIONS[precision])
+    step = make_train_step(model, optimizer_class(model.parameters()), **PRECISIONS[precision], **options)
     inputs, targets = random_batch(batch, context, config.vocab_size, device)
     # The embedding is a lookup; every other weight (the untied LM head included) is a matmul.
     matmul_params = sum(p.numel() for p in model.parameters()) - model.embedding.weight.numel()
