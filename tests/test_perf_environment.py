@@ -35,6 +35,8 @@ def test_a_baseline_saved_from_a_copied_tree_names_the_commit_handed_in(pytester
     (path,) = (pytester.path / "baselines" / "Fake_GPU_80GB").glob("*.json")
     doc = json.loads(path.read_text())
     assert doc["commit_info"]["id"] == "0123456789abcdef"
+    # The stale .git's time and dirty flag describe its own commit, not the one measured.
+    assert not {"time", "author_time", "dirty", "branch"} & set(doc["commit_info"]), doc["commit_info"]
     assert doc["machine_info"]["lmsys"]["git_commit"] == "0123456789abcdef"
 
 

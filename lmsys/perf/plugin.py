@@ -515,7 +515,7 @@ def pytest_benchmark_update_machine_info(config, machine_info):
 @pytest.hookimpl(optionalhook=True)  # a pytest-benchmark hook: absent under -p no:benchmark
 def pytest_benchmark_update_commit_info(config, commit_info):
     # pytest-benchmark reads the commit from .git; a copied tree names it in $LMSYS_GIT_COMMIT, which wins: a copy may
-    # carry a .git that is not the measured commit's.
+    # carry a .git that is not the measured commit's, so that .git's time, branch and dirty flag go with its id.
     perf = config.stash.get(SESSION_KEY, None)
     if perf is None or not perf.active:
         return
@@ -523,6 +523,9 @@ def pytest_benchmark_update_commit_info(config, commit_info):
 
     commit = perf.environment["git_commit"]
     if commit and (os.environ.get(COMMIT_VARIABLE) or commit_info.get("id") in (None, "unversioned", "unknown")):
+        if commit_info.get("id") != commit:
+            for field in ("time", "author_time", "dirty", "branch"):
+                commit_info.pop(field, None)
         commit_info["id"] = commit
 
 
