@@ -203,6 +203,9 @@ def test_a_capture_failure_is_noted_by_its_errors_first_line_and_where_it_failed
     assert timing.error_line(RuntimeError("CUDA error: not permitted\nCUDA kernel errors might be ...")) == (
         "RuntimeError: CUDA error: not permitted")
     assert timing.error_line(RuntimeError("  ")) == "RuntimeError"
+    # torch's one-line messages can run to hundreds of characters: the note keeps their start.
+    long = "Cannot prepare for replay during capturing stage. " * 6
+    assert timing.error_line(RuntimeError(long)) == f"RuntimeError: {long[:timing.ERROR_LINE_CHARS].rstrip()}..."
     assert timing.capture_failed_note(gpu, "AssertionError", " on rank 1") == (
         "timed queued (device time): the CUDA graph capture failed on rank 1 (AssertionError)")
 

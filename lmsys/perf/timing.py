@@ -213,10 +213,19 @@ def spin(seconds: float) -> None:
         pass
 
 
+ERROR_LINE_CHARS = 100
+
+
 def error_line(exc: BaseException) -> str:
-    """'RuntimeError: the first line of its message', or the type's name alone for an empty message."""
+    """'RuntimeError: the first line of its message' (at most ERROR_LINE_CHARS of it, then '...'), or the type's name
+    alone for an empty message: a note per benchmark, not the traceback."""
     message = str(exc).strip()
-    return f"{type(exc).__name__}: {message.splitlines()[0]}" if message else type(exc).__name__
+    if not message:
+        return type(exc).__name__
+    line = message.splitlines()[0]
+    if len(line) > ERROR_LINE_CHARS:
+        line = line[:ERROR_LINE_CHARS].rstrip() + "..."
+    return f"{type(exc).__name__}: {line}"
 
 
 # The words every capture_failed_note holds (expected_notes finds them by these).
