@@ -48,7 +48,7 @@ PRECISIONS = {
 }
 
 TORCH_FUSED_ADAMW = functools.partial(torch.optim.AdamW, fused=True, capturable=True)
-FASTEST = dict(bf16_weights=True, fused_loss=True)
+FASTEST = dict(bf16_weights=True, fused_loss=True)  # make_train_step's options of our fastest step (bf16 autocast only)
 # provider -> (model class, attention backend, optimizer class, make_train_step's options)
 PROVIDERS = {
     "reference": (ReferenceLM, "sdpa", TORCH_FUSED_ADAMW, {}),
@@ -87,7 +87,8 @@ GPU_CASES = [
     *(case("large", precision, "ours-naive", full_grid=True) for precision in PRECISIONS),
     *(case(size, precision, "ours", full_grid=True) for size in ("medium", "xl") for precision in PRECISIONS),
 ]
-CPU_CASES = [case("tiny", "fp32", provider, batch=2, context=64) for provider in ("reference", "ours")]
+CPU_CASES = [*(case("tiny", "fp32", provider, batch=2, context=64) for provider in ("reference", "ours")),
+             case("tiny", "bf16", "ours-bf16-weights-fused-loss", batch=2, context=64)]
 
 
 @pytest.mark.parametrize(
