@@ -58,14 +58,17 @@ def test_gpu_workflow_compares_on_a_gpu_runner_and_saves_only_by_hand():
 
 
 def test_gpu_workflow_runs_the_readmes_test_command_on_the_gpu_runner():
-    """The tests marked gpu skip on CI's CPU machine; the GPU runner runs them, on what the compare job runs on."""
+    """The tests marked gpu skip on CI's CPU machine; the GPU runner runs them (the README's command with -m gpu),
+    on the events the compare job runs on."""
     doc = workflow("perf.yml")
     job = doc["jobs"]["tests"]
     assert job["runs-on"] == GPU_LABELS and job["if"] == doc["jobs"]["compare"]["if"]
     [readme_command] = [line.split("#")[0].strip() for line in (ROOT / "README.md").read_text().splitlines()
                         if line.strip().endswith("# the tests (CI: bash .ci/run)")]
-    run = " && ".join(filter(None, commands(job).split("\n")))
-    assert run == readme_command == "bash .ci/setup && python3 -m pytest"
+    setup, gpu_check, tests = filter(None, commands(job).split("\n"))
+    assert readme_command == "bash .ci/setup && python3 -m pytest"
+    assert f"{setup} && {tests}" == f"{readme_command} -m gpu"
+    assert "torch.cuda.is_available()" in gpu_check  # without a GPU every test would skip and the job pass
 
 
 def test_gpu_workflow_compares_a_pull_request_with_its_base_timed_on_the_same_runner():
