@@ -940,7 +940,7 @@ def test_the_campaign_script_measures_a_sessions_share_and_a_later_session_adds_
                                      ["test_attention_short", "0/3", "", "", "3/3"], ["all", "0/6", "3/3", "3/3", "9/9"]]
     assert len(list((unpacked / gate / "references").rglob("reference-*.json"))) == 1  # the second start's own
     assert json.loads((committed / "detection.json").read_text())["pytest_args"] == [
-        "perf_tests", "-k", "attention", "-p", "no:cacheprovider"]
+        "perf_tests", "-k", "attention", "-p", "no:cacheprovider", "-p", "no:hypothesispytest"]
 
     # A budget that a run does not fit in: the reference, and no run.
     done = campaign(tree, {**env, "LMSYS_CAMPAIGN_RUNS": "1"}, "start", "rest-same", gate, commit, "200")
@@ -983,7 +983,8 @@ def test_the_campaign_script_compares_the_other_halves_with_the_baseline_it_name
     stub = Path(env["PATH"].split(os.pathsep)[0]) / "python3"
     stub.write_text(stub.read_text().replace("*get_device_name*)", "*entry_points*) exit 0;; *get_device_name*)"))
     done = campaign(tree, env, "commands", "rest-other", "f00ba47", "0123abcd", "900", "13")
-    assert done.stdout.rstrip().endswith("-- perf_tests -k not\\ attention -p no:cacheprovider -p lmsys.perf.plugin")
+    assert done.stdout.rstrip().endswith(
+        "-- perf_tests -k not\\ attention -p no:cacheprovider -p no:hypothesispytest -p lmsys.perf.plugin")
 
 
 def files(folder: str) -> dict[Path, tuple[bytes, int]]:
