@@ -65,8 +65,8 @@ half_command() {
     [[ $runs =~ ^[1-9][0-9]*$ ]] || { echo "LMSYS_CAMPAIGN_RUNS must be a positive integer" >&2; exit 2; }
     opts=(--in-process --runs "$runs" "${cases[@]}" "${compare[@]}" --budget-s "$((budget - margin))" --run-s "$run_s"
           --keep "$jobs/$half/keep/$gate" --markdown)
-    # Neither plugin serves the perf suite; hypothesis's imports its package at each run's end (0.45 s a run here, more on a
-    # slower host), which every fresh process of the campaign would pay.
+    # Neither plugin serves the perf suite; hypothesis's imports its package at each run's end (0.45 s a run on the
+    # workstation, more on a slower host), which every fresh process of the campaign would pay.
     tests+=(-p no:cacheprovider -p no:hypothesispytest)
     # Without `pip install` the plugin's pytest11 entry point is not registered: load it by name (as .ci/detection).
     python3 -c "import sys; from importlib.metadata import entry_points
