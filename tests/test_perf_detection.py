@@ -1,6 +1,7 @@
 """lmsys.perf.detection: the A/A false-alarm and injected-delay detection table, from the reruns' JSON."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -583,13 +584,14 @@ def test_in_process_measures_the_gate_end_to_end_on_the_fake_gpu(pytester, monke
 
 class ShareGpu:
     """A fake device for Injection alone: a clock that moves by the call's `call_ms` (not in host timing) and by
-    `share` of each injected work's length (a kernel at the power cap gives part of it back), graphs that replay
-    the call, and counts of the call's calls outside a capture and of the works made."""
+    `share` of each injected work's length less `give_back` of the call's time (a kernel at the power cap runs faster
+    behind work that lets its clocks rise), graphs that replay the call, and counts of the call's calls outside a
+    capture and of the works made."""
 
     is_gpu = True
 
-    def __init__(self, share: float, call_ms: float = 2.0):
-        self.share, self.call_ms = share, call_ms
+    def __init__(self, share: float, call_ms: float = 2.0, give_back: float = 0.0):
+        self.share, self.call_ms, self.give_back = share, call_ms, give_back
         self.now, self.calls, self.works, self.capturing = 0.0, 0, 0, False
 
     def time_call(self, call, lead=None):
@@ -618,7 +620,7 @@ class ShareGpu:
 
     def make_work(self, seconds):
         self.works += 1
-        return self.make_delay(self.share * seconds)
+        return self.make_delay(self.share * seconds - self.give_back * self.call_ms / 1e3)
 
     def make_host_delay(self, seconds):
         return self.make_delay(seconds)
@@ -635,35 +637,61 @@ def added(gpu: ShareGpu, delayed) -> float:
     return (gpu.now - start) / (gpu.call_ms / 1e3) - 1
 
 
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_a_benchmarks_delays_are_sized_once_and_each_adds_its_share_where_it_runs(graph):
-    """One Sizing per benchmark: the correction is measured once (four blocks of SIZING_ROUNDS rounds, with the work of
-    the largest delay), every delay is scaled by it (work that adds only 60% of its length is made 1/0.6 as long, for
-    +3% as for +10%), and a re-measurement gets the same work, sized again nowhere."""
-    from lmsys.perf.injection import SIZING_ROUNDS, Injection, Sizing
+def sizing_calls(call_ms: float) -> int:
+    """The calls of the call that sizing a benchmark's delays makes: two turns of three blocks."""
+    from lmsys.perf import injection
 
-    gpu = ShareGpu(share=0.6)
-    sizing = Sizing(0.1, typical=2e-3)  # typical: the benchmark's own median (no rounds of it)
+    block = sum(min(max(math.ceil(seconds / (call_ms / 1e3)), injection.SIZING_MIN_ROUNDS), injection.SIZING_MAX_ROUNDS)
+                for seconds in (injection.SIZING_SETTLE, injection.SIZING_BLOCK))
+    return 2 * 3 * block
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize(("share", "give_back"), [(0.6, 0.0), (1.0, 0.016), (1.2, -0.005)],
+                         ids=["proportional", "gives-back", "adds-more"])
+def test_a_benchmarks_delays_are_sized_once_and_each_adds_its_share_where_it_runs(graph, share, give_back):
+    """One Sizing per benchmark: the call alone and followed by work of the smallest and the largest delay's nominal
+    length are timed in blocks, and each delay's work gets the length that adds its share where it runs: work that adds
+    60% of its length, or its length less 1.6% of the call (a power-capped kernel running faster behind it), or more,
+    adds +3% for +3% and +10% for +10%. A re-measurement gets the same work, sized again nowhere."""
+    from lmsys.perf.injection import Injection, Sizing
+
+    gpu = ShareGpu(share=share, give_back=give_back)
+    sizing = Sizing((0.03, 0.05, 0.1), typical=2e-3)  # typical: the benchmark's own median (no rounds of it)
     first = Injection(0.03, sizing=sizing).delayed(gpu, gpu.call, None, graph, False)
-    assert gpu.calls == 4 * SIZING_ROUNDS and sizing.correction == pytest.approx(1 / 0.6)
+    assert gpu.calls == sizing_calls(2.0)
+    assert [nominal for nominal, _ in sizing.points] == [0.03, 0.1]
     for delay in (0.03, 0.05, 0.1):
         assert added(gpu, Injection(delay, sizing=sizing).delayed(gpu, gpu.call, None, graph, False)) == (
-            pytest.approx(delay, rel=1e-9))
+            pytest.approx(delay, rel=1e-6))
     again = Injection(0.03, 2**20, sizing=sizing).delayed(gpu, gpu.call, None, graph, False)
-    assert gpu.calls == 4 * SIZING_ROUNDS + 3  # the three calls timed above, no sizing rounds
-    assert gpu.works == 1 + 3  # the work sized with, and one per delay: +3% again is the same work
-    assert added(gpu, again) == added(gpu, first) == pytest.approx(0.03, rel=1e-9)
-    # Without a Sizing of its own the delay measures its typical time (three rounds) and its correction.
-    gpu = ShareGpu(share=0.6)
-    assert added(gpu, Injection(0.05).delayed(gpu, gpu.call, None, graph, False)) == pytest.approx(0.05, rel=1e-9)
-    assert gpu.calls == 3 + 4 * SIZING_ROUNDS + 1
+    assert gpu.calls == sizing_calls(2.0) + 3  # the three calls timed above, no sizing rounds
+    assert gpu.works == 2 + 3  # the works sized with, and one per delay: +3% again is the same work
+    assert added(gpu, again) == added(gpu, first) == pytest.approx(0.03, rel=1e-6)
+    # Without a Sizing of its own the delay measures its typical time (three rounds) and its length.
+    gpu = ShareGpu(share=share, give_back=give_back)
+    assert added(gpu, Injection(0.05).delayed(gpu, gpu.call, None, graph, False)) == pytest.approx(0.05, rel=1e-6)
+    assert gpu.calls == 3 + sizing_calls(2.0) + 1
+
+
+@pytest.mark.parametrize(("share", "give_back", "expected"), [(0.0, 0.0, 0.05), (0.1, 0.0, 0.1), (5.0, 0.0, 0.025)],
+                         ids=["adds-nothing", "adds-a-tenth", "adds-five-times"])
+def test_a_delays_length_stays_within_the_sizing_limit_of_its_nominal_length(share, give_back, expected):
+    """Work that adds nothing measurable keeps its nominal length; a length the line asks for is held within
+    SIZING_LIMIT (2x) of the nominal either way."""
+    from lmsys.perf.injection import Injection, Sizing
+
+    gpu = ShareGpu(share=share, give_back=give_back)
+    sizing = Sizing((0.03, 0.05), typical=2e-3)
+    Injection(0.05, sizing=sizing).delayed(gpu, gpu.call, None, False, False)
+    assert sizing.lengths[0.05] / sizing.typical == pytest.approx(expected)
 
 
 def test_a_host_delay_is_a_share_of_the_typical_host_time_measured_once():
     from lmsys.perf.injection import Injection, Sizing
 
     gpu = ShareGpu(share=1.0)
-    sizing = Sizing(0.05)
+    sizing = Sizing((0.05,))
     first = Injection(0.05, sizing=sizing).delayed(gpu, gpu.call, None, False, True)
     assert gpu.calls == 1 + 3 and sizing.typical == pytest.approx(2e-3)  # the lead's round, three host rounds
     Injection(0.05, sizing=sizing).delayed(gpu, gpu.call, None, False, True)
@@ -675,9 +703,9 @@ def test_a_sizing_travels_to_the_ranks_without_its_works():
 
     from lmsys.perf.injection import Injection, Sizing
 
-    sizing = Sizing(0.05, typical=1e-3, correction=1.2, works={0.05: lambda: None})
+    sizing = Sizing((0.05,), typical=1e-3, lengths={0.05: 1.2e-4}, works={0.05: lambda: None})
     copy = pickle.loads(pickle.dumps(Injection(0.05, sizing=sizing)))
-    assert (copy.delay, copy.sizing.typical, copy.sizing.correction, copy.sizing.works) == (0.05, 1e-3, 1.2, {})
+    assert (copy.delay, copy.sizing.typical, copy.sizing.lengths, copy.sizing.works) == (0.05, 1e-3, {0.05: 1.2e-4}, {})
     assert copy == Injection(0.05) and sizing.works  # the sizing is no part of what the case is
 
 
@@ -697,27 +725,30 @@ def inner_run(pytester, monkeypatch, tests: dict, cases: str, delays_from: str |
 
 
 def test_in_process_cases_share_one_sizing_per_benchmark_from_its_own_median(pytester, monkeypatch):
-    """Two delays, each caught and so measured twice (the gate's re-measurement): each benchmark's work is sized
-    once, with the largest delay, from the median its own measurement judged."""
+    """Two delays, each caught and so measured twice (the gate's re-measurement): each benchmark's works are sized
+    once, for both delays, from the median its own measurement judged, and what they were sized by is kept."""
     from lmsys.perf.injection import Injection
 
     sized = []
-    correction = Injection._correction
+    lengths = Injection._lengths
 
     def counted(backend, call, flush, graph, sizing):
-        sized.append((sizing.at, sizing.typical))
-        return correction(backend, call, flush, graph, sizing)
+        sized.append((sizing.delays, sizing.typical))
+        return lengths(backend, call, flush, graph, sizing)
 
-    monkeypatch.setattr(Injection, "_correction", staticmethod(counted))
+    monkeypatch.setattr(Injection, "_lengths", staticmethod(counted))
     tests = {"test_a": {"ms": 1.0, "noise": 0.002},
              "test_b": {"ms": 2.0, "noise": 0.002, "launch_ms": 3.0, "call": ", graph=True"}}
     result, benches = inner_run(pytester, monkeypatch, tests, "0.05:1048576,0.1:1048576")
     result.assert_outcomes(passed=2)
-    assert sized == [(0.1, benches[name]["stats"]["median"]) for name in ("test_a", "test_b")]
+    assert sized == [((0.05, 0.1), benches[name]["stats"]["median"]) for name in ("test_a", "test_b")]
     for bench in benches.values():
         cases = bench["extra_info"]["injected_cases"]
         assert [c["verdict"] for c in cases] == ["SLOWER+MORE-MEMORY"] * 2
         assert [c["time_change"] for c in cases] == [pytest.approx(0.05, abs=0.005), pytest.approx(0.1, abs=0.005)]
+        sized_by = bench["extra_info"]["injected_sizing"]
+        assert [nominal for nominal, _ in sized_by["points"]] == [0.05, 0.1] and list(sized_by["shares"]) == ["0.05",
+                                                                                                          "0.1"]
 
 
 @pytest.mark.parametrize(("cases", "short"), [("0.03:1048576,0.05:1048576", [(0.0, 2**20, "MORE-MEMORY")]),
@@ -727,7 +758,8 @@ def test_delays_go_only_into_benchmarks_whose_baseline_median_reaches_the_thresh
                                                                                     short):
     """LMSYS_INJECT_DELAYS_FROM=0.001: the 0.5 ms benchmark is measured again with the memory alone (each size once),
     or not at all when no case holds memory; the 2 ms one with every case."""
-    tests = {"test_short": {"ms": 0.5}, "test_long": {"ms": 2.0}}
+    quiet = {"noise": 0.002}  # +3% well past what 21 rounds resolve
+    tests = {"test_short": {"ms": 0.5, **quiet}, "test_long": {"ms": 2.0, **quiet}}
     result, benches = inner_run(pytester, monkeypatch, tests, cases, delays_from="0.001")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["*LMSYS_INJECT_DELAYS_FROM=0.001: the delays only where the baseline's median is at "
@@ -794,20 +826,20 @@ def test_with_one_injected_delay_each_benchmark_is_sized_once_for_its_measuremen
     from lmsys.perf.injection import Injection
 
     sized = []
-    correction = Injection._correction
+    lengths = Injection._lengths
 
     def counted(backend, call, flush, graph, sizing):
-        sized.append(sizing.at)
-        return correction(backend, call, flush, graph, sizing)
+        sized.append(sizing.delays)
+        return lengths(backend, call, flush, graph, sizing)
 
-    monkeypatch.setattr(Injection, "_correction", staticmethod(counted))
+    monkeypatch.setattr(Injection, "_lengths", staticmethod(counted))
     tests = {"test_a": {"ms": 1.0, "noise": 0.002}, "test_b": {"ms": 2.0, "noise": 0.002, "call": ", graph=True"}}
     save_baseline(pytester, tests)
     write_suite(pytester, tests, seed=2)
     monkeypatch.setenv(detection.INJECT_DELAY, "0.1")
     result = run(pytester, *INJECTION, "--benchmark-compare", "--benchmark-json=out.json")
     result.assert_outcomes(failed=2)
-    assert sized == [0.1, 0.1]
+    assert sized == [(0.1,), (0.1,)]
     benches = json.loads((pytester.path / "out.json").read_text())["benchmarks"]
     assert [bench["extra_info"]["remeasured"] for bench in benches] == [True, True]
 

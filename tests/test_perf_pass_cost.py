@@ -3,6 +3,7 @@ A/A pass, which is what an ordinary perf run measures, and the passes of the inj
 docs/gate-measurements.md ("The acceptance campaign on the H200") tabulates these counts."""
 
 import json
+import math
 
 import pytest
 from perf_fakes import INJECTION, MIB, run, save_baseline, write_suite
@@ -89,22 +90,34 @@ def injected(passes, timing: str) -> list[tuple[str, dict]]:
     return [(label, counts) for label, timed, counts in passes if label != "A/A" and timed == timing]
 
 
+def sizing_rounds(extra_info: dict) -> int:
+    """The rounds in which a benchmark's delays were sized: two turns of three blocks (the call alone and followed by
+    two works), each its settling and its timed rounds."""
+    from lmsys.perf import injection
+
+    per_block = sum(min(max(math.ceil(seconds / extra_info["injected_sizing"]["typical"]), injection.SIZING_MIN_ROUNDS),
+                        injection.SIZING_MAX_ROUNDS) for seconds in (injection.SIZING_SETTLE, injection.SIZING_BLOCK))
+    return 2 * 3 * per_block
+
+
 def test_an_injected_case_takes_no_launch_rounds_unless_its_test_gates_the_host_time(pytester, monkeypatch, passes):
     """The LAUNCH rounds beside graph replays and queued rounds are reported, never gated unless the test says so: an
     injected case's verdict does not read them, and its passes leave them out. A captured call's eager warm-up is
     its first call and the calibration round (the replays keep their W rounds of warm-up); a queued one keeps its W
     rounds, which its queued rounds follow. Each caught delay is measured twice, as the gate re-measures a SLOWER;
-    the first pass also sizes the benchmark's delays (Sizing: 28 rounds, and for graph two captures)."""
+    the first pass also sizes the benchmark's delays (Sizing: two turns of three blocks, and for graph three
+    captures)."""
     monkeypatch.setenv("LMSYS_INJECT_CASES", "0.05:1048576,0.1")
     infos = counted_run(pytester, monkeypatch, passes, TESTS)
     graph = {"first calls": 2, "eager rounds": 1, "replays": W + R, "captures": 1, "memory readings": 1}
-    sizing = {"replays": 28, "captures": 2, "works": 2}
+    sizing = {"replays": sizing_rounds(infos["test_graph"]), "captures": 3, "works": 3}
     assert injected(passes, "graph") == [
         ("+5.0% and 1 MiB held", {**graph, **{kind: graph.get(kind, 0) + n for kind, n in sizing.items()}}),
         ("+5.0% and 1 MiB held", graph), ("+10.0%", {**graph, "works": 1}), ("+10.0%", graph)]
     queued = {"first calls": 1, "eager rounds": W + 1, "queued rounds": R, "memory readings": 1}
     assert injected(passes, "queued") == [
-        ("+5.0% and 1 MiB held", {**queued, "eager rounds": W + 2, "queued rounds": R + 28, "works": 2}),
+        ("+5.0% and 1 MiB held", {**queued, "eager rounds": W + 2,
+                                  "queued rounds": R + sizing_rounds(infos["test_queued"]), "works": 3}),
         ("+5.0% and 1 MiB held", queued), ("+10.0%", {**queued, "works": 1}), ("+10.0%", queued)]
     for name in ("test_graph", "test_queued"):
         assert [case["verdict"] for case in infos[name]["injected_cases"]] == ["SLOWER+MORE-MEMORY", "SLOWER"]

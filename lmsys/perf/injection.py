@@ -13,7 +13,7 @@ imports this module or reads these variables.
                              baseline; the verdicts go into its extra_info (INJECTED_CASES_KEY) and the summary,
                              and fail nothing. One process then measures the A/A case and every injected one.
                              A benchmark's delays are sized once (Sizing: the median of its own measurement, and
-                             the work's correction where it runs, measured with the largest delay), and shared by
+                             each delay's work length measured where it runs), and shared by
                              its cases and their re-measurements. A case's passes leave out what its verdict does
                              not read: the LAUNCH rounds, unless the test gates its host-set time; and a graph=True
                              call's eager warmup rounds, its replays warmed by their own; every round of a case of
@@ -50,10 +50,17 @@ INJECT_MEMORY = "LMSYS_INJECT_MEMORY"
 INJECT_CASES = "LMSYS_INJECT_CASES"
 INJECT_DELAYS_FROM = "LMSYS_INJECT_DELAYS_FROM"
 INJECTED_CASES_KEY = "injected_cases"
+INJECTED_SIZING_KEY = "injected_sizing"
 _CASES_KEY = pytest.StashKey[list]()
 _FROM_KEY = pytest.StashKey[float]()
-# Rounds per block when a delay's work is sized where it runs (Injection._correction).
-SIZING_ROUNDS = 7
+# Sizing a benchmark's delays where they run (Injection._lengths): blocks of rounds, each SIZING_SETTLE seconds untimed
+# (a power-capped GPU's clocks settle to what the block runs) and then SIZING_BLOCK seconds timed, at least
+# SIZING_MIN_ROUNDS and at most SIZING_MAX_ROUNDS rounds each; a work's length stays within SIZING_LIMIT times its
+# nominal length either way.
+SIZING_SETTLE = 0.05
+SIZING_BLOCK = 0.15
+SIZING_MIN_ROUNDS = 7
+SIZING_MAX_ROUNDS = 200
 SIZING_LIMIT = 2.0
 # make_work: below this a wait, since a launch of the tensor-core kernel alone takes a few microseconds;
 # WORK_PROBE_ITERATIONS (about 0.3 ms on the H100) give the first estimate of a count.
@@ -116,16 +123,17 @@ def holding(backend, nbytes: int):
 @dataclass
 class Sizing:
     """What one benchmark's injected delays are sized by, measured once in its process and shared by its cases and
-    their re-measurements (a benchmark's +3% and +5% are the same work per unit of delay): `typical`, the median of
-    the rounds the benchmark judges (its own measurement's with LMSYS_INJECT_CASES, else three rounds), and
-    `correction`, the factor by which the work's length is scaled so that it adds its share where it runs, measured
-    once with the work of the largest delay, `at` (Injection._correction). `works` keeps each delay's work, so that a
-    re-measurement adds the same work. Picklable without `works`: a multi-rank benchmark's Injection travels to its
-    ranks, which size nothing here (Injection.delayed_ranks)."""
+    their re-measurements: `delays`, every delay its cases inject; `typical`, the median of the rounds the benchmark
+    judges (its own measurement's with LMSYS_INJECT_CASES, else three rounds); `lengths`, each delay's work in
+    seconds, measured where it runs (Injection._lengths); `points`, what that measurement read: (nominal share of the
+    work, share it added to the round). `works` keeps each delay's work, so that a re-measurement adds the same work.
+    Picklable without `works`: a multi-rank benchmark's Injection travels to its ranks, which size nothing here
+    (Injection.delayed_ranks)."""
 
-    at: float
+    delays: tuple[float, ...]
     typical: float | None = None
-    correction: float | None = None
+    lengths: dict | None = None
+    points: list = field(default_factory=list)
     works: dict = field(default_factory=dict)
 
     def __getstate__(self) -> dict:
@@ -169,14 +177,14 @@ class Injection:
         return with_bytes_held
 
     def delayed(self, backend, call: Callable[[], Any], flush, graph: bool, host: bool) -> Callable[[], Any]:
-        """call followed by the delay: device-side work of the fraction of the typical time of what the benchmark
-        judges (the call; with graph=True the replays of a trial capture, or queued rounds when it cannot be captured:
-        a launch-bound call's eager time is mostly CPU), scaled by the correction measured where it runs, or with
-        host=True a CPU spin of the fraction of its host time. The typical time, the correction and the work come
-        from the benchmark's Sizing where it has one already, and are measured into it where not."""
+        """call followed by the delay: device-side work that adds the fraction `delay` to the typical time of what the
+        benchmark judges (the call; with graph=True the replays of a trial capture, or queued rounds when it cannot be
+        captured: a launch-bound call's eager time is mostly CPU), its length measured where it runs (_lengths), or
+        with host=True a CPU spin of the fraction of its host time. The typical time, the lengths and the work come
+        from the benchmark's Sizing where it has them already, and are measured into it where not."""
         if not self.delay:
             return call
-        sizing = self.sizing if self.sizing is not None else Sizing(self.delay)
+        sizing = self.sizing if self.sizing is not None else Sizing((self.delay,))
         if self.delay not in sizing.works:
             if host:
                 if sizing.typical is None:
@@ -184,21 +192,26 @@ class Injection:
                     sizing.typical = median(timing.time_rounds(backend, call, 3, flush, lead, host=True))
                 sizing.works[self.delay] = make_host_delay(backend, self.delay * sizing.typical)
             else:
-                if sizing.correction is None:
-                    sizing.correction = self._correction(backend, call, flush, graph, sizing)
-                sizing.works[self.delay] = make_work(backend, self.delay * sizing.typical * sizing.correction)
+                if sizing.lengths is None or self.delay not in sizing.lengths:
+                    sizing.delays = tuple(sorted({*sizing.delays, self.delay}))
+                    self._lengths(backend, call, flush, graph, sizing)
+                sizing.works[self.delay] = make_work(backend, sizing.lengths[self.delay])
         return _followed_by(call, sizing.works[self.delay])
 
     @staticmethod
-    def _correction(backend, call, flush, graph: bool, sizing: Sizing) -> float:
-        """The factor by which the work's length is scaled (and sizing.typical, when it is not known: the median of
-        three rounds of the call as the benchmark judges it), measured with the work of sizing.at x typical where it
-        runs: blocks of SIZING_ROUNDS rounds of the call alone and of the call followed by the work, in turns, timed
-        as the benchmark is (graph replays; queued rounds when a graph=True call cannot be captured on a GPU). The
-        work's iterations are timed alone on an idle device, but after a kernel at the power cap it adds another
-        share of the round (docs/gate-measurements.md), and the sizes the detection reports are of what the gate reads.
-        The factor is at most SIZING_LIMIT either way (a ratio past it is noise of a short call), 1 when the work
-        added nothing measurable; it scales every delay of the benchmark alike."""
+    def _lengths(backend, call, flush, graph: bool, sizing: Sizing) -> None:
+        """Measures the length of each delay's work where it runs into sizing.lengths (and sizing.typical, when it is
+        not known: the median of three rounds of the call as the benchmark judges it).
+
+        The work's iterations are timed alone on an idle device, but behind a kernel at the power cap it adds more or
+        less than its length (less where the clocks rise while it runs and the call after it runs faster), and by a
+        share that is not proportional to its length (docs/gate-measurements.md, "Sizing the delays"). So the call
+        alone and the call followed by work of two nominal lengths (the smallest and the largest delay's; with one
+        delay, half of it and it) are timed in turns as the benchmark is (graph replays; queued rounds when a
+        graph=True call cannot be captured on a GPU), twice, each block SIZING_SETTLE seconds untimed and then
+        SIZING_BLOCK seconds timed, so that the clocks settle to what the block runs. The shares the two added give a
+        line; each delay gets the length that the line says adds its share (the largest point's proportion where
+        the line does not rise), within SIZING_LIMIT times its nominal length either way."""
         lead, releases = None, []
         alone = call
         if graph:
@@ -212,24 +225,41 @@ class Injection:
         try:
             if sizing.typical is None:
                 sizing.typical = median(timing.time_rounds(backend, alone, 3, flush, lead))
-            work = make_work(backend, sizing.at * sizing.typical)
-            pair = [alone, _followed_by(call, work)]
+            low, high = min(sizing.delays), max(sizing.delays)
+            shares = (low if low < high else high / 2, high)
+            delayed = [_followed_by(call, make_work(backend, share * sizing.typical)) for share in shares]
+            timed = [alone, *delayed]
             if graph:
                 try:
-                    pair[1], release = backend.capture_graph(pair[1])
-                    releases.append(release)
-                except Exception:  # the work cannot be captured: both timed as the call is when not captured
-                    pair = [call, _followed_by(call, work)]
-            samples = ([], [])
-            for index in (0, 1, 0, 1):
-                samples[index].extend(timing.time_rounds(backend, pair[index], SIZING_ROUNDS, flush, lead))
+                    for index, function in enumerate(delayed, start=1):
+                        timed[index], release = backend.capture_graph(function)
+                        releases.append(release)
+                except Exception:  # the work cannot be captured: every block timed as the call is when not captured
+                    timed = [call, *delayed]
+            settle, rounds = (min(max(math.ceil(seconds / sizing.typical), SIZING_MIN_ROUNDS), SIZING_MAX_ROUNDS)
+                              for seconds in (SIZING_SETTLE, SIZING_BLOCK))
+            samples = [[] for _ in timed]
+            for _ in range(2):
+                for function, kept in zip(timed, samples):
+                    timing.time_rounds(backend, function, settle, flush, lead)
+                    kept.extend(timing.time_rounds(backend, function, rounds, flush, lead))
         finally:
             for release in releases:
                 release()
-        added = median(samples[1]) / median(samples[0]) - 1
-        if not added > 0:  # nothing measurable added: the work as timed alone
-            return 1.0
-        return min(max(sizing.at / added, 1 / SIZING_LIMIT), SIZING_LIMIT)
+        alone_median = median(samples[0])
+        added = [median(kept) / alone_median - 1 for kept in samples[1:]]
+        sizing.points = list(zip(shares, added))
+        slope = (added[1] - added[0]) / (shares[1] - shares[0])
+        lengths = {}
+        for delay in sizing.delays:
+            if slope > 0:
+                share = shares[1] + (delay - added[1]) / slope
+            else:
+                share = delay * shares[1] / added[1] if added[1] > 0 else delay
+            if not math.isfinite(share):
+                share = delay
+            lengths[delay] = min(max(share, delay / SIZING_LIMIT), delay * SIZING_LIMIT) * sizing.typical
+        sizing.lengths = lengths
 
     def delayed_ranks(self, ctx, timed: Callable[[], Any], step: Callable[[], Any], timer):
         """(timed, step) of a multi-rank benchmark followed by the same device-side work on every rank: the fraction
@@ -340,7 +370,7 @@ def pytest_runtest_setup(item):
     a re-measurement adds the same work."""
     perf = item.config.stash.get(SESSION_KEY, None)
     if perf is not None and perf.injection is not None and perf.injection.delay:
-        perf.injection = replace(perf.injection, sizing=Sizing(perf.injection.delay))
+        perf.injection = replace(perf.injection, sizing=Sizing((perf.injection.delay,)))
 
 
 @pytest.hookimpl(trylast=True)
@@ -385,7 +415,7 @@ def pytest_perf_measured(item, benchmark, remeasure):
             return
     # The benchmark's delays share one Sizing: its typical time is the median its own measurement judged.
     delays = [case.delay for case in cases if case.delay]
-    sizing = Sizing(max(delays), typical=record.median) if delays else None
+    sizing = Sizing(tuple(sorted(set(delays))), typical=record.median) if delays else None
     # A case's verdict reads the LAUNCH rounds only where the test gates its host-set time (fixture._verdict).
     marker = item.get_closest_marker("perf_tolerance")
     launch_rounds = perf.host_gate(marker.kwargs if marker else {}) is not None
@@ -397,5 +427,10 @@ def pytest_perf_measured(item, benchmark, remeasure):
                         "verdict": None if decided is None else decided.label,
                         "time_change": None if decided is None or decided.time is None else decided.time.change})
     benchmark.extra_info[INJECTED_CASES_KEY] = results
+    if sizing is not None and sizing.lengths is not None:
+        # What the delays were sized by: the nominal shares tried and what each added, and each delay's work.
+        benchmark.extra_info[INJECTED_SIZING_KEY] = {
+            "typical": sizing.typical, "points": [[share, added] for share, added in sizing.points],
+            "shares": {f"{delay:g}": length / sizing.typical for delay, length in sizing.lengths.items()}}
     record.notes.append("injected: " + "; ".join(f"{case.label}: {result['verdict']}"
                                                  for case, result in zip(cases, results)))
