@@ -79,7 +79,10 @@ wait_for() {
 }
 
 pack_caches() {
-    tar -czf - /tmp/torchinductor_"$(whoami)" ~/.triton/cache 2>/dev/null | split -b 15m - "${OUT:?}/caches.tgz.part-"
+    # Where the job's processes kept them: TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR when set (a later start
+    # unpacks them to the same paths, and needs the same variables), else the libraries' defaults.
+    tar -czf - "${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(whoami)}" "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" \
+        2>/dev/null | split -b 15m - "${OUT:?}/caches.tgz.part-"
     ls -l "$OUT"
 }
 
