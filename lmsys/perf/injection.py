@@ -13,9 +13,10 @@ imports this module or reads these variables.
                              baseline; the verdicts go into its extra_info (INJECTED_CASES_KEY) and the summary,
                              and fail nothing. One process then measures the A/A case and every injected one.
                              A benchmark's delays are sized once (Sizing: the median of its own measurement, and
-                             each delay's work length measured where it runs), and shared by
-                             its cases and their re-measurements. A case's passes leave out what its verdict does
-                             not read: the LAUNCH rounds, unless the test gates its host-set time; and a graph=True
+                             each delay's work length measured where it runs), and shared by its cases and their
+                             re-measurements; a case whose pass added a share off its delay is resized once and
+                             measured again (Sizing.resize). A case's passes leave out what its verdict does not
+                             read: the LAUNCH rounds, unless the test gates its host-set time; and a graph=True
                              call's eager warmup rounds, its replays warmed by their own; every round of a case of
                              memory alone (its verdict is the memory's: one call under the memory reading).
     LMSYS_INJECT_DELAYS_FROM=s  with LMSYS_INJECT_CASES: the delays only into benchmarks whose baseline's median is
@@ -62,6 +63,9 @@ SIZING_BLOCK = 0.15
 SIZING_MIN_ROUNDS = 7
 SIZING_MAX_ROUNDS = 200
 SIZING_LIMIT = 2.0
+# An in-process case whose delay added a share further than this part of the delay from it (its pass's median against
+# the benchmark's own) has its work resized once and is measured again (Sizing.resize).
+RESIZE_SHARE = 0.08
 # make_work: below this a wait, since a launch of the tensor-core kernel alone takes a few microseconds;
 # WORK_PROBE_ITERATIONS (about 0.3 ms on the H100) give the first estimate of a count.
 MIN_WORK_SECONDS = 20e-6
@@ -134,10 +138,32 @@ class Sizing:
     typical: float | None = None
     lengths: dict | None = None
     points: list = field(default_factory=list)
+    slope: float | None = None
+    resized: set = field(default_factory=set)
     works: dict = field(default_factory=dict)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "works": {}}
+
+    def resize(self, delay: float, added: float | None) -> bool:
+        """After a case of `delay` added `added` to the benchmark's median over the gate's whole pass (its rounds
+        follow each other for about a second, as the sizing's blocks do not: a GPU's clocks can follow a slower part
+        of what runs): when that is further from the delay than RESIZE_SHARE of it, shifts the works of this delay
+        and of every delay not resized yet by the shortfall, through the sizing's line, within SIZING_LIMIT of their
+        nominal lengths, once per delay; returns whether it did (and the case is to be measured again)."""
+        if (self.lengths is None or delay in self.resized or added is None or not math.isfinite(added)
+                or abs(added - delay) <= RESIZE_SHARE * delay):
+            return False
+        slope = self.slope if self.slope is not None and self.slope > 0 else 1.0
+        shift = (delay - added) / slope * self.typical
+        for other in self.lengths:
+            if other == delay or other not in self.resized:
+                nominal = other * self.typical
+                self.lengths[other] = min(max(self.lengths[other] + shift, nominal / SIZING_LIMIT),
+                                          nominal * SIZING_LIMIT)
+                self.works.pop(other, None)
+        self.resized.add(delay)
+        return True
 
 
 @dataclass(frozen=True)
@@ -249,7 +275,7 @@ class Injection:
         alone_median = median(samples[0])
         added = [median(kept) / alone_median - 1 for kept in samples[1:]]
         sizing.points = list(zip(shares, added))
-        slope = (added[1] - added[0]) / (shares[1] - shares[0])
+        slope = sizing.slope = (added[1] - added[0]) / (shares[1] - shares[0])
         lengths = {}
         for delay in sizing.delays:
             if slope > 0:
@@ -421,11 +447,16 @@ def pytest_perf_measured(item, benchmark, remeasure):
     launch_rounds = perf.host_gate(marker.kwargs if marker else {}) is not None
     results = []
     for case in cases:
-        decided = remeasure(replace(case, sizing=sizing if case.delay else None, launch_rounds=launch_rounds,
-                                    warm=True, timed=bool(case.delay)))
+        measured = replace(case, sizing=sizing if case.delay else None, launch_rounds=launch_rounds, warm=True,
+                           timed=bool(case.delay))
+        decided = remeasure(measured)
+        resized = bool(case.delay) and sizing is not None and sizing.resize(case.delay, _added(decided, record))
+        if resized:
+            decided = remeasure(measured)
         results.append({"delay": case.delay, "memory": case.memory,
                         "verdict": None if decided is None else decided.label,
-                        "time_change": None if decided is None or decided.time is None else decided.time.change})
+                        "time_change": None if decided is None or decided.time is None else decided.time.change,
+                        **({"added": _added(decided, record), "resized": resized} if case.delay else {})})
     benchmark.extra_info[INJECTED_CASES_KEY] = results
     if sizing is not None and sizing.lengths is not None:
         # What the delays were sized by: the nominal shares tried and what each added, and each delay's work.
@@ -434,3 +465,11 @@ def pytest_perf_measured(item, benchmark, remeasure):
             "shares": {f"{delay:g}": length / sizing.typical for delay, length in sizing.lengths.items()}}
     record.notes.append("injected: " + "; ".join(f"{case.label}: {result['verdict']}"
                                                  for case, result in zip(cases, results)))
+
+
+def _added(decided, record) -> float | None:
+    """The share a case's pass added to the benchmark's own median (the same process, a moment before), or None when
+    it compared no time."""
+    if decided is None or decided.time is None or not record.median:
+        return None
+    return decided.time.median / record.median - 1
