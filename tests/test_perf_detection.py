@@ -952,6 +952,18 @@ def test_per_run_names_a_missed_allocation_of_a_benchmark_measured_with_it_alone
                                                                                   "(PASS)"]
 
 
+def test_per_run_says_what_a_missed_in_process_delay_added_and_whether_it_was_resized():
+    """An in-process run's missed delay names the share its work added against the benchmark's own median, so that a
+    miss of the gate and a short injection can be told apart."""
+    run = {"benchmarks": [{"name": "a", "extra_info": {"verdict": "PASS", "timing": "graph", "injected_cases": [
+        {"delay": 0.03, "memory": 0, "verdict": "PASS", "time_change": 0.021, "added": 0.0262, "resized": True}]}},
+        {"name": "b", "extra_info": {"verdict": "PASS", "timing": "graph", "injected_cases": [
+            {"delay": 0.03, "memory": 0, "verdict": "PASS", "time_change": 0.019}]}}]}
+    cases = [("+3% caught", detection._case_docs([run], (0.03, 0)), detection.slower)]
+    assert detection.per_run(cases, {})[1] == ["run 1, +3% caught: missed a at +2.10%, the work adding +2.62% resized "
+                                               "(PASS)", "run 1, +3% caught: missed b at +1.90% (PASS)"]
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--delays-from", "0.001"], "--delays-from and --budget-s go with --in-process"),
     (["--budget-s", "600"], "--delays-from and --budget-s go with --in-process"),

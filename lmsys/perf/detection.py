@@ -145,6 +145,8 @@ def per_run(cases: list[tuple[str, list[dict], Callable[[str | None], bool]]], h
                 timings.setdefault(info.get("timing") or "", []).append((change, bench["name"], counted(label)))
                 if column != AA_COLUMN and not counted(label):
                     measured = f" at {change:+.2%}" if changes and change is not None else ""
+                    if changes and info.get("added") is not None:  # the delay's work against the A/A median
+                        measured += f", the work adding {info['added']:+.2%}{' resized' if info.get('resized') else ''}"
                     lines.append(f"run {run}, {column}: missed {bench['name']}{measured} ({label})")
                 if column != AA_COLUMN and held and counted is not more_memory and not more_memory(label):
                     lines.append(f"run {run}, {column}: the allocation missed by {bench['name']} ({label})")
@@ -288,7 +290,8 @@ def _case_docs(docs: list[dict], case: tuple[float, int]) -> list[dict]:
             for entry in (bench.get("extra_info") or {}).get(INJECTED_CASES_KEY, []):
                 if (entry["delay"], entry["memory"]) == case:
                     info = {"verdict": entry["verdict"], "timing": bench["extra_info"].get("timing"),
-                            "time_change": entry.get("time_change")}
+                            "time_change": entry.get("time_change"), "added": entry.get("added"),
+                            "resized": entry.get("resized")}
                     benchmarks.append({"name": bench["name"], "extra_info": info})
         out.append({"benchmarks": benchmarks})
     return out
