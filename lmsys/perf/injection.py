@@ -130,7 +130,9 @@ class Sizing:
     their re-measurements: `delays`, every delay its cases inject; `typical`, the median of the rounds the benchmark
     judges (its own measurement's with LMSYS_INJECT_CASES, else three rounds); `lengths`, each delay's work in
     seconds, measured where it runs (Injection._lengths); `points`, what that measurement read: (nominal share of the
-    work, share it added to the round). `works` keeps each delay's work, so that a re-measurement adds the same work.
+    work, share it added to the round), and `slope`, the line's (share added per nominal share); `resized`, the
+    delays resized after a case's pass (resize). `works` keeps each delay's work, so that a re-measurement adds the
+    same work.
     Picklable without `works`: a multi-rank benchmark's Injection travels to its ranks, which size nothing here
     (Injection.delayed_ranks)."""
 
