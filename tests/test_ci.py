@@ -235,8 +235,9 @@ def test_the_gpu_script_compares_a_change_with_its_base_timed_in_the_same_job(tm
     before = sorted(p.relative_to(ROOT) for p in (ROOT / "baselines").rglob("*"))
     out = tmp_path / "ab"
     root, env = tracked_copy(tmp_path / "tree", git=True)
-    # A/A on the CPU: the commit checked out against itself (the plumbing, not the timing: a wide tolerance).
-    done = run_script(out, "--base", "HEAD", extra=("--perf-time-tolerance=1",), root=root, env=env)
+    # A/A on the CPU: the commit checked out against itself (the plumbing, not the timing: a tolerance no contention
+    # reaches; with the other test workers on the same cores a CPU matmul once ran 74 times slower than its base).
+    done = run_script(out, "--base", "HEAD", extra=("--perf-time-tolerance=1000",), root=root, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     assert f"the base, HEAD ({head}): compiling, untimed, then timing it on this machine" in done.stdout
