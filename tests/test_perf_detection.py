@@ -641,9 +641,7 @@ def sizing_calls(call_ms: float) -> int:
     """The calls of the call that sizing a benchmark's delays makes: two turns of three blocks."""
     from lmsys.perf import injection
 
-    block = sum(min(max(math.ceil(seconds / (call_ms / 1e3)), injection.SIZING_MIN_ROUNDS), injection.SIZING_MAX_ROUNDS)
-                for seconds in (injection.SIZING_SETTLE, injection.SIZING_BLOCK))
-    return 2 * 3 * block
+    return 2 * 3 * sum(injection.block_rounds(call_ms / 1e3))
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])

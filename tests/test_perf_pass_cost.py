@@ -3,7 +3,6 @@ A/A pass, which is what an ordinary perf run measures, and the passes of the inj
 docs/gate-measurements.md ("The acceptance campaign on the H200") tabulates these counts."""
 
 import json
-import math
 
 import pytest
 from perf_fakes import INJECTION, MIB, run, save_baseline, write_suite
@@ -95,9 +94,7 @@ def sizing_rounds(extra_info: dict) -> int:
     two works), each its settling and its timed rounds."""
     from lmsys.perf import injection
 
-    per_block = sum(min(max(math.ceil(seconds / extra_info["injected_sizing"]["typical"]), injection.SIZING_MIN_ROUNDS),
-                        injection.SIZING_MAX_ROUNDS) for seconds in (injection.SIZING_SETTLE, injection.SIZING_BLOCK))
-    return 2 * 3 * per_block
+    return 2 * 3 * sum(injection.block_rounds(extra_info["injected_sizing"]["typical"]))
 
 
 def test_an_injected_case_takes_no_launch_rounds_unless_its_test_gates_the_host_time(pytester, monkeypatch, passes):

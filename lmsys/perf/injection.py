@@ -63,6 +63,14 @@ SIZING_BLOCK = 0.15
 SIZING_MIN_ROUNDS = 7
 SIZING_MAX_ROUNDS = 200
 SIZING_LIMIT = 2.0
+
+
+def block_rounds(typical: float) -> tuple[int, int]:
+    """(untimed, timed) rounds of a sizing block for a call whose rounds take `typical` seconds."""
+    return tuple(min(max(math.ceil(seconds / typical), SIZING_MIN_ROUNDS), SIZING_MAX_ROUNDS)
+                 for seconds in (SIZING_SETTLE, SIZING_BLOCK))
+
+
 # An in-process case whose delay added a share further than this part of the delay from it (its pass's median against
 # the benchmark's own) has its work resized once and is measured again (Sizing.resize).
 RESIZE_SHARE = 0.08
@@ -147,6 +155,11 @@ class Sizing:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "works": {}}
 
+    def within_limit(self, delay: float, length: float) -> float:
+        """`length` (seconds of work for `delay`) held within SIZING_LIMIT times the delay's nominal length."""
+        nominal = delay * self.typical
+        return min(max(length, nominal / SIZING_LIMIT), nominal * SIZING_LIMIT)
+
     def resize(self, delay: float, added: float | None) -> bool:
         """After a case of `delay` added `added` to the benchmark's median over the gate's whole pass (its rounds
         follow each other for about a second, as the sizing's blocks do not: a GPU's clocks can follow a slower part
@@ -160,9 +173,7 @@ class Sizing:
         shift = (delay - added) / slope * self.typical
         for other in self.lengths:
             if other == delay or other not in self.resized:
-                nominal = other * self.typical
-                self.lengths[other] = min(max(self.lengths[other] + shift, nominal / SIZING_LIMIT),
-                                          nominal * SIZING_LIMIT)
+                self.lengths[other] = self.within_limit(other, self.lengths[other] + shift)
                 self.works.pop(other, None)
         self.resized.add(delay)
         return True
@@ -264,8 +275,7 @@ class Injection:
                         releases.append(release)
                 except Exception:  # the work cannot be captured: every block timed as the call is when not captured
                     timed = [call, *delayed]
-            settle, rounds = (min(max(math.ceil(seconds / sizing.typical), SIZING_MIN_ROUNDS), SIZING_MAX_ROUNDS)
-                              for seconds in (SIZING_SETTLE, SIZING_BLOCK))
+            settle, rounds = block_rounds(sizing.typical)
             samples = [[] for _ in timed]
             for _ in range(2):
                 for function, kept in zip(timed, samples):
@@ -286,7 +296,7 @@ class Injection:
                 share = delay * shares[1] / added[1] if added[1] > 0 else delay
             if not math.isfinite(share):
                 share = delay
-            lengths[delay] = min(max(share, delay / SIZING_LIMIT), delay * SIZING_LIMIT) * sizing.typical
+            lengths[delay] = sizing.within_limit(delay, share * sizing.typical)
         sizing.lengths = lengths
 
     def delayed_ranks(self, ctx, timed: Callable[[], Any], step: Callable[[], Any], timer):
@@ -452,13 +462,15 @@ def pytest_perf_measured(item, benchmark, remeasure):
         measured = replace(case, sizing=sizing if case.delay else None, launch_rounds=launch_rounds, warm=True,
                            timed=bool(case.delay))
         decided = remeasure(measured)
-        resized = bool(case.delay) and sizing is not None and sizing.resize(case.delay, _added(decided, record))
+        added = _added(decided, record)
+        resized = bool(case.delay) and sizing is not None and sizing.resize(case.delay, added)
         if resized:
             decided = remeasure(measured)
+            added = _added(decided, record)
         results.append({"delay": case.delay, "memory": case.memory,
                         "verdict": None if decided is None else decided.label,
                         "time_change": None if decided is None or decided.time is None else decided.time.change,
-                        **({"added": _added(decided, record), "resized": resized} if case.delay else {})})
+                        **({"added": added, "resized": resized} if case.delay else {})})
     benchmark.extra_info[INJECTED_CASES_KEY] = results
     if sizing is not None and sizing.lengths is not None:
         # What the delays were sized by: the nominal shares tried and what each added, and each delay's work.
