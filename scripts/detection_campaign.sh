@@ -8,8 +8,8 @@
 #   bash scripts/detection_campaign.sh wait SECONDS     then, for each job that has ended, into $OUT: HALF.tar.gz (the
 #                                                        kept folder, to --compact) and HALF.log
 #   bash scripts/detection_campaign.sh commands HALF GATE COMMIT BUDGET_S [BASELINE]   the job's command, not run
-#   bash scripts/detection_campaign.sh pack-caches      triton's and inductor's caches into $OUT, as
-#                                                        detection_on_device.sh packs them
+#   bash scripts/detection_campaign.sh pack-caches      triton's and inductor's caches into $OUT, in parts of 15 MiB
+#                                                        (caches.tgz.part-*), for a later start to carry in .devrun/
 #
 # HALF (runs to build up; LMSYS_CAMPAIGN_RUNS overrides):
 #   attention-same   perf_tests -k attention against a fresh reference of this machine start: A/A, +3% and +5% with
@@ -23,11 +23,13 @@
 # has left, and what is left of the machine's 30 minutes held, less the calls that follow). The job ends 45 s before
 # it, and starts no run that would end later (--budget-s; a run is expected to take --run-s until one has been timed).
 # LMSYS_CAMPAIGN_GPU=N runs the job on GPU N alone (two halves at once on a 2-GPU machine, each `start` with its own);
-# the rest's multi-rank benchmarks need the machine's GPUs to themselves. Parts of caches.tgz.part-* carried into
-# .devrun/ (an earlier start's pack-caches) are unpacked first, and then the untimed run is left out. Back on the
-# workstation: `tar -xzf HALF.tar.gz -C X` and `python -m lmsys.perf.detection --compact X/GATE
-# baselines/<GPU>/detection/HALF/GATE`, commit, and compact before the next start (it numbers its runs on from the
-# tree's).
+# the rest's multi-rank benchmarks need the machine's GPUs to themselves. LMSYS_CAMPAIGN_TREE=FILE runs the job from a
+# tar archive of the tree (`git archive COMMIT > .devrun/tree.tar`, carried) instead of a copy of the tree as it is:
+# a campaign that spans sessions keeps measuring COMMIT's gate and kernels while the checkout moves on (the runs kept
+# so far still come from the tree). Parts of caches.tgz.part-* carried into .devrun/ (an earlier start's pack-caches)
+# are unpacked first, and then the untimed run is left out. Back on the workstation: `tar -xzf HALF.tar.gz -C X` and
+# `python -m lmsys.perf.detection --compact X/GATE baselines/<GPU>/detection/HALF/GATE`, commit, and compact before
+# the next start (it numbers its runs on from the tree's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 jobs=${LMSYS_CAMPAIGN_JOBS:-/tmp/detection-campaign}  # the jobs' folders (a test gives its own)
@@ -79,25 +81,39 @@ command_line() {
 }
 
 start() {
-    local half=$1 gate=$2 gpu job
+    local half=$1 gate=$2 gpu job tree
     half_command "$@"
-    gpu=$(PYTHONPATH=$PWD python3 -c "import torch; from lmsys.perf.baselines import machine_id
-print(machine_id(torch.cuda.get_device_name(), True))") || exit 2
-    [[ -d baselines/$gpu ]] || { echo "no baselines/$gpu in the tree" >&2; exit 2; }
     job=$jobs/$half
     [[ ! -f $job/running ]] || { echo "a $half job is running already" >&2; exit 2; }
+    if [[ -n ${LMSYS_CAMPAIGN_TREE:-} ]]; then
+        [[ -f $LMSYS_CAMPAIGN_TREE ]] || {
+            echo "LMSYS_CAMPAIGN_TREE=$LMSYS_CAMPAIGN_TREE is not a file (a tar archive of the tree, git archive)" >&2
+            exit 2; }
+        local listing
+        listing=$(tar -tf "$LMSYS_CAMPAIGN_TREE" 2>/dev/null) && grep -Eq '^(\./)?scripts/detection_campaign\.sh$' <<< "$listing" || {
+            echo "LMSYS_CAMPAIGN_TREE=$LMSYS_CAMPAIGN_TREE does not unpack to a tree of this repository" >&2
+            exit 2; }
+    fi
+    rm -rf "$job" && mkdir -p "$job/keep" "$job/tree"
+    tree=$job/tree
+    if [[ -n ${LMSYS_CAMPAIGN_TREE:-} ]]; then
+        tar -xf "$LMSYS_CAMPAIGN_TREE" -C "$tree" || { rm -rf "$job"; exit 2; }
+    else
+        cp -r . "$tree"
+    fi
+    gpu=$(cd "$tree" && PYTHONPATH=$PWD python3 -c "import torch; from lmsys.perf.baselines import machine_id
+print(machine_id(torch.cuda.get_device_name(), True))") || { rm -rf "$job"; exit 2; }
+    [[ -d $tree/baselines/$gpu ]] || { echo "no baselines/$gpu in the tree" >&2; rm -rf "$job"; exit 2; }
     if [[ $half == *-other ]]; then
         local file
-        file=$(compgen -G "baselines/$gpu/$(printf %04d "$((10#$5))")_*.json") || {
-            echo "no baseline numbered $5 in baselines/$gpu" >&2; exit 2; }
+        file=$(cd "$tree" && compgen -G "baselines/$gpu/$(printf %04d "$((10#$5))")_*.json") || {
+            echo "no baseline numbered $5 in baselines/$gpu" >&2; rm -rf "$job"; exit 2; }
         echo "comparing with $file, saved at commit $(python3 -c "import json, sys
-print(json.load(open(sys.argv[1]))['machine_info']['lmsys'].get('git_commit', 'unknown'))" "$file"); this tree is $3"
+print(json.load(open(sys.argv[1]))['machine_info']['lmsys'].get('git_commit', 'unknown'))" "$tree/$file"); this tree is $3"
     fi
-    rm -rf "$job" && mkdir -p "$job/keep"
     if compgen -G ".devrun/caches.tgz.part-*" >/dev/null; then
         cat .devrun/caches.tgz.part-* | tar -xzf - -C / && opts+=(--no-warm-up)
     fi
-    cp -r . "$job/tree"
     [[ ! -d baselines/$gpu/detection/$half/$gate ]] || cp -r "baselines/$gpu/detection/$half/$gate" "$job/keep/"
     [[ ! -f $job/keep/$gate/detection.json ]] || opts+=(--resume)
     command_line > "$job/command"
@@ -140,11 +156,19 @@ wait_for() {
     done
 }
 
+pack_caches() {
+    # Where the jobs' processes kept them: TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR when set (a later start
+    # unpacks them to the same paths, and needs the same variables), else the libraries' defaults.
+    tar -czf - "${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(whoami)}" "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" \
+        2>/dev/null | split -b 15m - "${OUT:?}/caches.tgz.part-"
+    ls -l "$OUT"
+}
+
 case ${1:-} in
     start) [[ $# -eq 5 || $# -eq 6 ]] || usage; start "${@:2}" ;;
     commands) [[ $# -eq 5 || $# -eq 6 ]] || usage; half_command "${@:2}"; command_line; echo ;;
     wait) [[ $# -eq 2 && $2 =~ ^[0-9]+$ ]] || usage; wait_for "$2" ;;
-    pack-caches) [[ $# -eq 1 ]] || usage; bash scripts/detection_on_device.sh pack-caches ;;
+    pack-caches) [[ $# -eq 1 ]] || usage; pack_caches ;;
     _job) shift; job_body "$@" ;;  # start's background job
     *) usage ;;
 esac

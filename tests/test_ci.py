@@ -100,17 +100,6 @@ def test_the_gpu_scripts_are_executable_valid_bash(name):
     subprocess.run(["bash", "-n", str(script)], check=True)
 
 
-def test_the_device_detection_helper_is_valid_bash_and_refuses_what_it_cannot_run():
-    script = ROOT / "scripts" / "detection_on_device.sh"
-    assert os.access(script, os.X_OK)
-    subprocess.run(["bash", "-n", str(script)], check=True)
-    for args, said in ((["start", "everything", "abc1234", "0" * 40], "PART must be attention or rest"),
-                       (["start", "rest", "abc1234", "0" * 40, "0"], "RUNS must be a positive integer"),
-                       (["wait", "soon"], "detection_on_device.sh wait SECONDS"), ([], "pack-caches")):
-        done = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=60)
-        assert done.returncode == 2 and said in done.stderr, done.stderr
-
-
 # The runs' arguments: the one benchmark whose timing is quickest, and no plugin the runs do not need (hypothesis's
 # costs each fresh process a second or two of imports).
 DETECTION_ARGS = ["perf_tests/test_timing_overhead.py", "-p", "no:cacheprovider", "-p", "no:hypothesispytest"]

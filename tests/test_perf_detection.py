@@ -1099,6 +1099,56 @@ def test_the_campaign_script_measures_a_sessions_share_and_a_later_session_adds_
     assert doc["machine_info"]["lmsys"]["git_commit"] == commit
 
 
+def test_the_campaign_script_runs_from_an_archived_tree_while_the_checkout_moves_on(tmp_path):
+    """LMSYS_CAMPAIGN_TREE: the job runs the archive's code and baselines, not the checkout's (broken here); the runs
+    kept so far still come from the checkout. A path that is no archive of this repository is refused, and the ended
+    job's folder stays as it was."""
+    import tarfile
+
+    tree, env = campaign_tree(tmp_path)
+    archive = tmp_path / "tree.tar"
+    with tarfile.open(archive, "w") as tar:
+        for path in tree.iterdir():
+            tar.add(path, arcname=path.name)
+    (tree / "lmsys" / "perf" / "detection.py").write_text("raise SystemExit('the checkout, not the archive')\n")
+    (tmp_path / "out").mkdir()
+    done = campaign(tree, {**env, "LMSYS_CAMPAIGN_RUNS": "1", "LMSYS_CAMPAIGN_TREE": str(archive)},
+                    "start", "rest-same", "f00ba47", "0123abcd" * 5, "600")
+    assert done.returncode == 0, done.stderr
+    done = campaign(tree, env, "wait", "240")
+    assert "exit 0 after" in done.stdout and "| test_matmul | 0/1 |" in done.stdout, done.stdout + done.stderr
+    assert (tmp_path / "jobs" / "rest-same" / "tree" / "lmsys" / "perf" / "detection.py").read_text() == \
+        (Path(__file__).parent.parent / "lmsys" / "perf" / "detection.py").read_text()
+
+    (tmp_path / "junk.tar").write_bytes(b"not a tar archive")
+    with tarfile.open(tmp_path / "other.tar", "w") as tar:
+        tar.add(tree / "pytest.ini", arcname="pytest.ini")
+    for path, said in ((tmp_path / "missing.tar", "is not a file"), (tmp_path / "junk.tar", "does not unpack"),
+                       (tmp_path / "other.tar", "does not unpack to a tree of this repository")):
+        done = campaign(tree, {**env, "LMSYS_CAMPAIGN_TREE": str(path)}, "start", "rest-same", "f00ba47", "0123abcd",
+                        "600")
+        assert done.returncode == 2 and said in done.stderr, done.stderr
+        assert (tmp_path / "jobs" / "rest-same" / "done").read_text() == "0\n"
+
+
+def test_the_campaign_script_packs_the_caches_its_variables_name_for_a_later_start(tmp_path):
+    tree, env = campaign_tree(tmp_path)
+    caches = {"TRITON_CACHE_DIR": tmp_path / "tc", "TORCHINDUCTOR_CACHE_DIR": tmp_path / "ic"}
+    for name, folder in caches.items():
+        (folder / "sub").mkdir(parents=True)
+        (folder / "sub" / "entry").write_bytes(name.encode() * 1000)
+    (tmp_path / "out").mkdir()
+    done = campaign(tree, {**env, **{k: str(v) for k, v in caches.items()}}, "pack-caches")
+    assert done.returncode == 0, done.stderr
+    parts = sorted((tmp_path / "out").glob("caches.tgz.part-*"))
+    assert parts
+    unpacked = tmp_path / "unpacked"
+    unpacked.mkdir()
+    subprocess.run(f"cat {' '.join(map(str, parts))} | tar -xzf - -C {unpacked}", shell=True, check=True)
+    for name, folder in caches.items():
+        assert (unpacked / folder.relative_to("/") / "sub" / "entry").read_bytes() == name.encode() * 1000
+
+
 @pytest.mark.parametrize(("args", "said"), [
     (["start", "everything", "f00ba47", "0123abcd", "900"], "HALF must be attention-same, attention-other"),
     (["start", "attention-other", "f00ba47", "0123abcd", "900"], "attention-other compares with BASELINE"),
