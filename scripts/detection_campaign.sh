@@ -119,8 +119,10 @@ print(json.load(open(sys.argv[1]))['machine_info']['lmsys'].get('git_commit', 'u
     command_line > "$job/command"
     echo "${LMSYS_CAMPAIGN_GPU:-}" > "$job/gpu"
     touch "$job/running"
-    # A session of its own (setsid): the end of the call that started it, and its process group, leave it running.
-    setsid nohup bash "$job/tree/scripts/detection_campaign.sh" _job "$half" "$3" < /dev/null > /dev/null 2>&1 &
+    # A session of its own (setsid): the end of the call that started it, and its process group, leave it running. The
+    # job is this script's, whichever tree it measures.
+    cp scripts/detection_campaign.sh "$job/campaign.sh"
+    setsid nohup bash "$job/campaign.sh" _job "$half" "$3" < /dev/null > /dev/null 2>&1 &
     echo "started: $half, gate $gate$([[ -z ${LMSYS_CAMPAIGN_GPU:-} ]] || echo ", GPU $LMSYS_CAMPAIGN_GPU"):"
     cat "$job/command"; echo
 }
@@ -131,7 +133,10 @@ job_body() {
     begun=$(date +%s)
     local gpu
     gpu=$(cat "$job/gpu")
-    env ${gpu:+CUDA_VISIBLE_DEVICES=$gpu} LMSYS_GIT_COMMIT="$commit" PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 \
+    # Each run is a fresh process: with bytecode written (a lent machine's image may forbid it and ship none), its
+    # imports are compiled once per job, not once per run (torch.compile's imports alone take seconds from source).
+    env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX="${PYTHONPYCACHEPREFIX:-$jobs/pycache}" \
+        ${gpu:+CUDA_VISIBLE_DEVICES=$gpu} LMSYS_GIT_COMMIT="$commit" PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 \
         bash -c "$(cat "$job/command")" > "$job/table.md" 2> "$job/log"
     status=$?
     echo "exit $status after $(($(date +%s) - begun)) s" >> "$job/log"

@@ -1069,7 +1069,8 @@ def test_the_campaign_script_measures_a_sessions_share_and_a_later_session_adds_
         out = tmp_path / "out"
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
-        done = campaign(tree, {**env, "LMSYS_CAMPAIGN_RUNS": runs}, "start", "attention-same", gate, commit, "900")
+        done = campaign(tree, {**env, "LMSYS_CAMPAIGN_RUNS": runs, "PYTHONDONTWRITEBYTECODE": "1"},
+                        "start", "attention-same", gate, commit, "900")
         assert done.returncode == 0, done.stderr
         assert "--delays-from 0.001" in done.stdout and ("--resume" in done.stdout) == (session == 2)
         done = campaign(tree, env, "wait", "240")
@@ -1078,6 +1079,9 @@ def test_the_campaign_script_measures_a_sessions_share_and_a_later_session_adds_
         unpacked.mkdir()
         subprocess.run(["tar", "-xzf", str(out / "attention-same.tar.gz"), "-C", str(unpacked)], check=True)
         assert detection.main(["--compact", str(unpacked / gate), str(committed)]) == 0
+    # The runs wrote their bytecode, whatever the machine's environment said, and outside the tree.
+    assert any((tmp_path / "jobs" / "pycache").rglob("detection*.pyc"))
+    assert not any((tmp_path / "jobs" / "attention-same" / "tree").rglob("*.pyc"))
     table = detection._table_of_kept([committed])[0]
     assert table.values.tolist() == [["test_attention_long", "0/3", "3/3", "3/3", "6/6"],
                                      ["test_attention_short", "0/3", "", "", "3/3"], ["all", "0/6", "3/3", "3/3", "9/9"]]
