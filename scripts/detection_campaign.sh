@@ -81,36 +81,36 @@ command_line() {
 }
 
 start() {
-    local half=$1 gate=$2 gpu job tree
+    local half=$1 gate=$2 gpu job tree staging
     half_command "$@"
     job=$jobs/$half
     [[ ! -f $job/running ]] || { echo "a $half job is running already" >&2; exit 2; }
+    # The job's tree is made and checked aside: a refused start leaves an ended job's folder (its results) as it was.
+    staging=$jobs/.$half.new
+    refuse() { echo "$1" >&2; rm -rf "$staging"; exit 2; }
+    rm -rf "$staging" && mkdir -p "$staging/keep" "$staging/tree"
+    tree=$staging/tree
     if [[ -n ${LMSYS_CAMPAIGN_TREE:-} ]]; then
-        [[ -f $LMSYS_CAMPAIGN_TREE ]] || {
-            echo "LMSYS_CAMPAIGN_TREE=$LMSYS_CAMPAIGN_TREE is not a file (a tar archive of the tree, git archive)" >&2
-            exit 2; }
-        local listing
-        listing=$(tar -tf "$LMSYS_CAMPAIGN_TREE" 2>/dev/null) && grep -Eq '^(\./)?scripts/detection_campaign\.sh$' <<< "$listing" || {
-            echo "LMSYS_CAMPAIGN_TREE=$LMSYS_CAMPAIGN_TREE does not unpack to a tree of this repository" >&2
-            exit 2; }
-    fi
-    rm -rf "$job" && mkdir -p "$job/keep" "$job/tree"
-    tree=$job/tree
-    if [[ -n ${LMSYS_CAMPAIGN_TREE:-} ]]; then
-        tar -xf "$LMSYS_CAMPAIGN_TREE" -C "$tree" || { rm -rf "$job"; exit 2; }
+        [[ -f $LMSYS_CAMPAIGN_TREE ]] ||
+            refuse "LMSYS_CAMPAIGN_TREE=$LMSYS_CAMPAIGN_TREE is not a file (a tar archive of the tree, git archive)"
+        tar -xf "$LMSYS_CAMPAIGN_TREE" -C "$tree" 2>/dev/null && [[ -f $tree/scripts/detection_campaign.sh ]] ||
+            refuse "LMSYS_CAMPAIGN_TREE=$LMSYS_CAMPAIGN_TREE does not unpack to a tree of this repository"
     else
         cp -r . "$tree"
     fi
     gpu=$(cd "$tree" && PYTHONPATH=$PWD python3 -c "import torch; from lmsys.perf.baselines import machine_id
-print(machine_id(torch.cuda.get_device_name(), True))") || { rm -rf "$job"; exit 2; }
-    [[ -d $tree/baselines/$gpu ]] || { echo "no baselines/$gpu in the tree" >&2; rm -rf "$job"; exit 2; }
+print(machine_id(torch.cuda.get_device_name(), True))") || refuse "no GPU name: is this a GPU machine?"
+    [[ -d $tree/baselines/$gpu ]] || refuse "no baselines/$gpu in the tree"
     if [[ $half == *-other ]]; then
         local file
-        file=$(cd "$tree" && compgen -G "baselines/$gpu/$(printf %04d "$((10#$5))")_*.json") || {
-            echo "no baseline numbered $5 in baselines/$gpu" >&2; rm -rf "$job"; exit 2; }
-        echo "comparing with $file, saved at commit $(python3 -c "import json, sys
-print(json.load(open(sys.argv[1]))['machine_info']['lmsys'].get('git_commit', 'unknown'))" "$tree/$file"); this tree is $3"
+        file=$(cd "$tree" && compgen -G "baselines/$gpu/$(printf %04d "$((10#$5))")_*.json") ||
+            refuse "no baseline numbered $5 in baselines/$gpu"
+        local saved
+        saved=$(python3 -c "import json, sys
+print(json.load(open(sys.argv[1]))['machine_info']['lmsys'].get('git_commit', 'unknown'))" "$tree/$file")
+        echo "comparing with $file, saved at commit $saved; this tree is $3"
     fi
+    rm -rf "$job" && mv "$staging" "$job"
     if compgen -G ".devrun/caches.tgz.part-*" >/dev/null; then
         cat .devrun/caches.tgz.part-* | tar -xzf - -C / && opts+=(--no-warm-up)
     fi

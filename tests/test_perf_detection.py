@@ -1127,8 +1127,13 @@ def test_the_campaign_script_runs_from_an_archived_tree_while_the_checkout_moves
     (tmp_path / "junk.tar").write_bytes(b"not a tar archive")
     with tarfile.open(tmp_path / "other.tar", "w") as tar:
         tar.add(tree / "pytest.ini", arcname="pytest.ini")
+    with tarfile.open(tmp_path / "no-baselines.tar", "w") as tar:
+        for path in tree.iterdir():
+            if path.name != "baselines":
+                tar.add(path, arcname=path.name)
     for path, said in ((tmp_path / "missing.tar", "is not a file"), (tmp_path / "junk.tar", "does not unpack"),
-                       (tmp_path / "other.tar", "does not unpack to a tree of this repository")):
+                       (tmp_path / "other.tar", "does not unpack to a tree of this repository"),
+                       (tmp_path / "no-baselines.tar", "no baselines/Fake_GPU_80GB in the tree")):
         done = campaign(tree, {**env, "LMSYS_CAMPAIGN_TREE": str(path)}, "start", "rest-same", "f00ba47", "0123abcd",
                         "600")
         assert done.returncode == 2 and said in done.stderr, done.stderr
