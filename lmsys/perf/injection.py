@@ -164,13 +164,15 @@ class Sizing:
         """After a case of `delay` added `added` to the benchmark's median over the gate's whole pass (its rounds
         follow each other for about a second, as the sizing's blocks do not: a GPU's clocks can follow a slower part
         of what runs): when that is further from the delay than RESIZE_SHARE of it, shifts the works of this delay
-        and of every delay not resized yet by the shortfall, through the sizing's line, within SIZING_LIMIT of their
-        nominal lengths, once per delay; returns whether it did (and the case is to be measured again)."""
+        and of every delay not resized yet by the shortfall, within SIZING_LIMIT of their nominal lengths, once per
+        delay; returns whether it did (and the case is to be measured again). The shift is the shortfall itself, a
+        point of work per point short: over a whole pass a work adds about its own length more for each length more
+        (on the H200's compiled leaderboards 0.84-1.01 of it), where the sizing's short blocks can read much less
+        (0.6-0.75 there), and a shift through their line overshoots by as much (docs/gate-measurements.md)."""
         if (self.lengths is None or delay in self.resized or added is None or not math.isfinite(added)
                 or abs(added - delay) <= RESIZE_SHARE * delay):
             return False
-        slope = self.slope if self.slope is not None and self.slope > 0 else 1.0
-        shift = (delay - added) / slope * self.typical
+        shift = (delay - added) * self.typical
         for other in self.lengths:
             if other == delay or other not in self.resized:
                 self.lengths[other] = self.within_limit(other, self.lengths[other] + shift)
