@@ -31,8 +31,6 @@ import numpy as np
 CONFIDENCE = 0.95
 RESAMPLES = 2000
 SEED = 0
-# Bounds the bootstrap's working memory: resamples are drawn in chunks of at most this many values.
-_CHUNK_VALUES = 4_000_000
 
 # Time tolerances without a marker, an option or a calibration (docs/gate.md, "Where the numbers come from").
 SAME_START = 0.025
@@ -230,12 +228,19 @@ def _as_samples(values: Sequence[float], what: str) -> np.ndarray:
 
 
 def _bootstrap_medians(samples: np.ndarray, rng: np.random.Generator, resamples: int) -> np.ndarray:
-    chunk = max(1, _CHUNK_VALUES // samples.size)
-    medians = []
-    for start in range(0, resamples, chunk):
-        rows = min(chunk, resamples - start)
-        medians.append(np.median(samples[rng.integers(0, samples.size, size=(rows, samples.size))], axis=1))
-    return np.concatenate(medians)
+    """The medians of `resamples` bootstrap resamples (n of the n samples, drawn with replacement), drawn without
+    drawing the resamples: a resample's k-th smallest value is the sorted samples' value at floor(n U), where U, the
+    k-th smallest of n uniforms, is Beta(k, n + 1 - k); the next smallest uniform lies a Beta(1, n - k) share of the
+    way from it to 1. The same distribution as the resamples' own medians, in O(n log n + resamples)."""
+    values = np.sort(samples)
+    n = values.size
+    k = (n + 1) // 2  # the rank of the (lower) middle value
+    lower = rng.beta(k, n + 1 - k, size=resamples)
+    low = values[np.minimum((n * lower).astype(np.int64), n - 1)]
+    if n % 2:
+        return low
+    upper = lower + (1 - lower) * rng.beta(1, n - k, size=resamples)
+    return (low + values[np.minimum((n * upper).astype(np.int64), n - 1)]) / 2
 
 
 def compare_time(
