@@ -138,8 +138,7 @@ class Sizing:
     their re-measurements: `delays`, every delay its cases inject; `typical`, the median of the rounds the benchmark
     judges (its own measurement's with LMSYS_INJECT_CASES, else three rounds); `lengths`, each delay's work in
     seconds, measured where it runs (Injection._lengths); `points`, what that measurement read: (nominal share of the
-    work, share it added to the round), and `slope`, the line's (share added per nominal share); `resized`, the
-    delays resized after a case's pass (resize). `works` keeps each delay's work, so that a re-measurement adds the
+    work, share it added to the round); `resized`, the delays resized after a case's pass (resize). `works` keeps each delay's work, so that a re-measurement adds the
     same work.
     Picklable without `works`: a multi-rank benchmark's Injection travels to its ranks, which size nothing here
     (Injection.delayed_ranks)."""
@@ -148,7 +147,6 @@ class Sizing:
     typical: float | None = None
     lengths: dict | None = None
     points: list = field(default_factory=list)
-    slope: float | None = None
     resized: set = field(default_factory=set)
     works: dict = field(default_factory=dict)
 
@@ -289,7 +287,7 @@ class Injection:
         alone_median = median(samples[0])
         added = [median(kept) / alone_median - 1 for kept in samples[1:]]
         sizing.points = list(zip(shares, added))
-        slope = sizing.slope = (added[1] - added[0]) / (shares[1] - shares[0])
+        slope = (added[1] - added[0]) / (shares[1] - shares[0])
         lengths = {}
         for delay in sizing.delays:
             if slope > 0:
