@@ -791,6 +791,8 @@ def test_an_in_process_case_that_adds_less_than_its_delay_is_resized_and_measure
     cases = benches["test_a"]["extra_info"]["injected_cases"]
     assert [(c["delay"], c["resized"]) for c in cases] == [(0.03, True), (0.1, False)]
     assert [c["added"] for c in cases] == [pytest.approx(0.03, abs=0.002), pytest.approx(0.1, abs=0.002)]
+    assert cases[0]["added_before_resize"] == pytest.approx(0.02, abs=0.002)  # the first pass, a point short
+    assert "added_before_resize" not in cases[1]
     assert all(c["verdict"] == "SLOWER" for c in cases)
 
 
@@ -975,12 +977,14 @@ def test_per_run_says_what_a_missed_in_process_delay_added_and_whether_it_was_re
     """An in-process run's missed delay names the share its work added against the benchmark's own median, so that a
     miss of the gate and a short injection can be told apart."""
     run = {"benchmarks": [{"name": "a", "extra_info": {"verdict": "PASS", "timing": "graph", "injected_cases": [
-        {"delay": 0.03, "memory": 0, "verdict": "PASS", "time_change": 0.021, "added": 0.0262, "resized": True}]}},
+        {"delay": 0.03, "memory": 0, "verdict": "PASS", "time_change": 0.021, "added": 0.0262, "resized": True,
+         "added_before_resize": 0.0205}]}},
         {"name": "b", "extra_info": {"verdict": "PASS", "timing": "graph", "injected_cases": [
             {"delay": 0.03, "memory": 0, "verdict": "PASS", "time_change": 0.019}]}}]}
     cases = [("+3% caught", detection._case_docs([run], (0.03, 0)), detection.slower)]
-    assert detection.per_run(cases, {})[1] == ["run 1, +3% caught: missed a at +2.10%, the work adding +2.62% resized "
-                                               "(PASS)", "run 1, +3% caught: missed b at +1.90% (PASS)"]
+    assert detection.per_run(cases, {})[1] == [
+        "run 1, +3% caught: missed a at +2.10%, the work adding +2.62% resized (from +2.05%) (PASS)",
+        "run 1, +3% caught: missed b at +1.90% (PASS)"]
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -1131,13 +1135,18 @@ def test_the_campaign_script_runs_from_an_archived_tree_while_the_checkout_moves
     import tarfile
 
     tree, env = campaign_tree(tmp_path)
-    archive = tmp_path / "tree.tar"
-    with tarfile.open(archive, "w") as tar:
-        for path in tree.iterdir():
-            tar.add(path, arcname=path.name)
+
+    def archive(name: str, keep=lambda path: True) -> Path:
+        with tarfile.open(tmp_path / name, "w") as tar:
+            for path in tree.iterdir():
+                if keep(path):
+                    tar.add(path, arcname=path.name)
+        return tmp_path / name
+
+    whole = archive("tree.tar")
     (tree / "lmsys" / "perf" / "detection.py").write_text("raise SystemExit('the checkout, not the archive')\n")
     (tmp_path / "out").mkdir()
-    done = campaign(tree, {**env, "LMSYS_CAMPAIGN_RUNS": "1", "LMSYS_CAMPAIGN_TREE": str(archive)},
+    done = campaign(tree, {**env, "LMSYS_CAMPAIGN_RUNS": "1", "LMSYS_CAMPAIGN_TREE": str(whole)},
                     "start", "rest-same", "f00ba47", "0123abcd" * 5, "600")
     assert done.returncode == 0, done.stderr
     done = campaign(tree, env, "wait", "240")
@@ -1146,12 +1155,8 @@ def test_the_campaign_script_runs_from_an_archived_tree_while_the_checkout_moves
         (Path(__file__).parent.parent / "lmsys" / "perf" / "detection.py").read_text()
 
     (tmp_path / "junk.tar").write_bytes(b"not a tar archive")
-    with tarfile.open(tmp_path / "other.tar", "w") as tar:
-        tar.add(tree / "pytest.ini", arcname="pytest.ini")
-    with tarfile.open(tmp_path / "no-baselines.tar", "w") as tar:
-        for path in tree.iterdir():
-            if path.name != "baselines":
-                tar.add(path, arcname=path.name)
+    archive("other.tar", lambda path: path.name == "pytest.ini")
+    archive("no-baselines.tar", lambda path: path.name != "baselines")
     for path, said in ((tmp_path / "missing.tar", "is not a file"), (tmp_path / "junk.tar", "does not unpack"),
                        (tmp_path / "other.tar", "does not unpack to a tree of this repository"),
                        (tmp_path / "no-baselines.tar", "no baselines/Fake_GPU_80GB in the tree")):

@@ -146,7 +146,10 @@ def per_run(cases: list[tuple[str, list[dict], Callable[[str | None], bool]]], h
                 if column != AA_COLUMN and not counted(label):
                     measured = f" at {change:+.2%}" if changes and change is not None else ""
                     if changes and info.get("added") is not None:  # the delay's work against the A/A median
-                        measured += f", the work adding {info['added']:+.2%}{' resized' if info.get('resized') else ''}"
+                        first = info.get("added_before_resize")
+                        resized = (f" resized (from {first:+.2%})" if first is not None
+                                   else " resized" if info.get("resized") else "")  # runs kept before it was recorded
+                        measured += f", the work adding {info['added']:+.2%}{resized}"
                     lines.append(f"run {run}, {column}: missed {bench['name']}{measured} ({label})")
                 if column != AA_COLUMN and held and counted is not more_memory and not more_memory(label):
                     lines.append(f"run {run}, {column}: the allocation missed by {bench['name']} ({label})")
@@ -291,7 +294,7 @@ def _case_docs(docs: list[dict], case: tuple[float, int]) -> list[dict]:
                 if (entry["delay"], entry["memory"]) == case:
                     info = {"verdict": entry["verdict"], "timing": bench["extra_info"].get("timing"),
                             "time_change": entry.get("time_change"), "added": entry.get("added"),
-                            "resized": entry.get("resized")}
+                            "resized": entry.get("resized"), "added_before_resize": entry.get("added_before_resize")}
                     benchmarks.append({"name": bench["name"], "extra_info": info})
         out.append({"benchmarks": benchmarks})
     return out

@@ -138,10 +138,9 @@ class Sizing:
     their re-measurements: `delays`, every delay its cases inject; `typical`, the median of the rounds the benchmark
     judges (its own measurement's with LMSYS_INJECT_CASES, else three rounds); `lengths`, each delay's work in
     seconds, measured where it runs (Injection._lengths); `points`, what that measurement read: (nominal share of the
-    work, share it added to the round); `resized`, the delays resized after a case's pass (resize). `works` keeps each delay's work, so that a re-measurement adds the
-    same work.
-    Picklable without `works`: a multi-rank benchmark's Injection travels to its ranks, which size nothing here
-    (Injection.delayed_ranks)."""
+    work, share it added to the round); `resized`, the delays resized after a case's pass (resize). `works` keeps
+    each delay's work, so that a re-measurement adds the same work. Picklable without `works`: a multi-rank
+    benchmark's Injection travels to its ranks, which size nothing here (Injection.delayed_ranks)."""
 
     delays: tuple[float, ...]
     typical: float | None = None
@@ -462,7 +461,7 @@ def pytest_perf_measured(item, benchmark, remeasure):
         measured = replace(case, sizing=sizing if case.delay else None, launch_rounds=launch_rounds, warm=True,
                            timed=bool(case.delay))
         decided = remeasure(measured)
-        added = _added(decided, record)
+        added = first = _added(decided, record)
         resized = bool(case.delay) and sizing is not None and sizing.resize(case.delay, added)
         if resized:
             decided = remeasure(measured)
@@ -470,7 +469,8 @@ def pytest_perf_measured(item, benchmark, remeasure):
         results.append({"delay": case.delay, "memory": case.memory,
                         "verdict": None if decided is None else decided.label,
                         "time_change": None if decided is None or decided.time is None else decided.time.change,
-                        **({"added": added, "resized": resized} if case.delay else {})})
+                        **({"added": added, "resized": resized} if case.delay else {}),
+                        **({"added_before_resize": first} if resized else {})})
     benchmark.extra_info[INJECTED_CASES_KEY] = results
     if sizing is not None and sizing.lengths is not None:
         # What the delays were sized by: the nominal shares tried and what each added, and each delay's work.
