@@ -117,6 +117,7 @@ print(json.load(open(sys.argv[1]))['machine_info']['lmsys'].get('git_commit', 'u
     [[ ! -d baselines/$gpu/detection/$half/$gate ]] || cp -r "baselines/$gpu/detection/$half/$gate" "$job/keep/"
     [[ ! -f $job/keep/$gate/detection.json ]] || opts+=(--resume)
     command_line > "$job/command"
+    cache_dirs > "$jobs/caches"
     echo "${LMSYS_CAMPAIGN_GPU:-}" > "$job/gpu"
     touch "$job/running"
     # A session of its own (setsid): the end of the call that started it, and its process group, leave it running. The
@@ -161,11 +162,23 @@ wait_for() {
     done
 }
 
+# The caches the jobs' processes keep: TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR as `start` saw them, else the
+# libraries' defaults. `start` writes them to $jobs/caches, because the call that packs them later has its own
+# environment (a later start unpacks them to the same paths, and needs the same variables).
+cache_dirs() {
+    echo "${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(whoami)}"
+    echo "${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
+}
+
 pack_caches() {
-    # Where the jobs' processes kept them: TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR when set (a later start
-    # unpacks them to the same paths, and needs the same variables), else the libraries' defaults.
-    tar -czf - "${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(whoami)}" "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" \
-        2>/dev/null | split -b 15m - "${OUT:?}/caches.tgz.part-"
+    local dirs=() dir
+    if [[ -f $jobs/caches ]]; then mapfile -t dirs < "$jobs/caches"; else mapfile -t dirs < <(cache_dirs); fi
+    for dir in "${dirs[@]}"; do
+        [[ -d $dir ]] || { echo "no cache at $dir: nothing packed" >&2; exit 1; }
+    done
+    rm -f "${OUT:?}"/caches.tgz.part-*
+    tar -czf - "${dirs[@]}" 2>/dev/null | split -b 15m - "$OUT/caches.tgz.part-" ||
+        { echo "packing ${dirs[*]} failed" >&2; exit 1; }
     ls -l "$OUT"
 }
 

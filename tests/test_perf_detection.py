@@ -1128,6 +1128,37 @@ def test_the_campaign_script_measures_a_sessions_share_and_a_later_session_adds_
     assert doc["machine_info"]["lmsys"]["git_commit"] == commit
 
 
+def test_the_campaign_script_packs_the_caches_its_job_used_or_refuses(tmp_path):
+    """pack-caches runs in a call of its own, without the variables `start` had: it packs the cache folders that
+    `start` saw, and where they are gone it fails and writes no archive (an empty one would pass for caches)."""
+    import tarfile
+
+    tree, env = campaign_tree(tmp_path)
+    caches = {name: tmp_path / name for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    for name, folder in caches.items():
+        folder.mkdir()
+        (folder / f"{name}.bin").write_text(name)
+    (tmp_path / "out").mkdir()
+    done = campaign(tree, {**env, **{k: str(v) for k, v in caches.items()}, "LMSYS_CAMPAIGN_RUNS": "1"},
+                    "start", "rest-same", "f00ba47", "0123abcd", "200")
+    assert done.returncode == 0, done.stderr
+    assert campaign(tree, env, "wait", "240").returncode == 0
+    done = campaign(tree, env, "pack-caches")
+    assert done.returncode == 0, done.stderr
+    parts = sorted((tmp_path / "out").glob("caches.tgz.part-*"))
+    (tmp_path / "caches.tgz").write_bytes(b"".join(part.read_bytes() for part in parts))
+    with tarfile.open(tmp_path / "caches.tgz") as archive:
+        names = {Path(name).name for name in archive.getnames()}
+    assert {"TORCHINDUCTOR_CACHE_DIR.bin", "TRITON_CACHE_DIR.bin"} <= names
+
+    shutil.rmtree(caches["TRITON_CACHE_DIR"])
+    for part in parts:
+        part.unlink()
+    done = campaign(tree, env, "pack-caches")
+    assert done.returncode == 1 and f"no cache at {caches['TRITON_CACHE_DIR']}" in done.stderr
+    assert not list((tmp_path / "out").glob("caches.tgz.part-*"))
+
+
 def test_the_campaign_script_runs_from_an_archived_tree_while_the_checkout_moves_on(tmp_path):
     """LMSYS_CAMPAIGN_TREE: the job runs the archive's code and baselines, not the checkout's (broken here); the runs
     kept so far still come from the checkout. A path that is no archive of this repository is refused, and the ended
