@@ -242,7 +242,7 @@ def test_saves_no_score_matrix(impl, seed):
 def test_attention_dict_backends_agree(seed):
     q, k, v = make_inputs((2, 2, 40, 16), (2, 2, 40, 16), torch.float32, "cpu")
     expected = naive_attention(q.double(), k.double(), v.double(), True)
-    assert set(ATTENTION) == {"naive", "sdpa", "flash_torch", "flash_triton"}
+    assert set(ATTENTION) == {"naive", "sdpa", "sdpa_flash", "flash_torch", "flash_triton"}
     for name, attention in ATTENTION.items():
         device = TRITON_DEVICE if name == "flash_triton" else torch.device("cpu")
         out = attention(q.to(device), k.to(device), v.to(device), True)
