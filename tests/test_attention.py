@@ -1504,6 +1504,14 @@ BAD_INPUTS = {
 }
 
 
+@pytest.mark.gpu
+def test_sdpa_flash_refuses_float32_on_cuda(gpu):
+    """FlashAttention-2 has no float32 kernel: the model's sdpa_flash says so, not SDPA's 'No available kernel'."""
+    q = torch.zeros(1, 2, 16, 64, device=gpu)
+    with pytest.raises(ValueError, match="sdpa_flash on CUDA takes float16 or bfloat16 .*got torch.float32"):
+        ATTENTION["sdpa_flash"](q, q, q, True)
+
+
 @pytest.mark.parametrize("backend", ["naive", "flash_torch", "flash_triton"])
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_raises_value_error(backend, case):

@@ -26,6 +26,9 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
 def sdpa_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
     """SDPA held to its FlashAttention-2 backend: for a model at shapes where it beats the backend SDPA picks (on the
     H200, cuDNN), such as the 2.7B preset's heads of 80 at 512 tokens (docs/training-step.md)."""
+    if q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"sdpa_flash on CUDA takes float16 or bfloat16 (FlashAttention-2), got {q.dtype}: run the "
+                         "model under autocast, or choose attention 'sdpa'")
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         return sdpa_attention(q, k, v, is_causal)
 
