@@ -31,7 +31,7 @@ def test_twenty_percent_slower_fails_only_that_test(pytester):
     result = run(pytester, "--benchmark-compare")
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines([
-        "*SLOWER: test_b median 1.[12]* ms vs baseline 1* ms (+*%, tolerance 2.5% (same machine start)*",
+        "*SLOWER: test_b median 1.[12]* ms vs baseline 1* ms (+*%, tolerance 2% (same machine start)*",
         "*confirmed: the time was re-measured once and was SLOWER again*",
         "FAILED test_suite.py::test_b - *SLOWER: test_b median*",
     ])
@@ -191,7 +191,7 @@ def test_saving_keeps_samples_environment_and_never_overwrites(pytester):
     assert not list((pytester.path / "baselines" / MACHINE).glob(".tmp-*"))
     doc = json.loads(first.read_text())
     (bench,) = doc["benchmarks"]
-    # At least the planned rounds; more where the median was not yet known to a quarter of its 2.5% tolerance.
+    # At least the planned rounds; more where the median was not yet known to a quarter of its 2% tolerance.
     assert len(bench["stats"]["data"]) >= 21 and len(bench["stats"]["data"]) == bench["stats"]["rounds"]
     assert bench["extra_info"]["peak_allocated_above_start_bytes"] == 64 * MIB
     assert doc["machine_info"]["lmsys"]["machine_id"] == MACHINE

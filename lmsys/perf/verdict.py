@@ -33,7 +33,7 @@ RESAMPLES = 2000
 SEED = 0
 
 # Time tolerances without a marker, an option or a calibration (docs/gate.md, "Where the numbers come from").
-SAME_START = 0.025
+SAME_START = 0.02
 OTHER_START = 0.06
 # A calibrated tolerance: SIGMAS standard deviations of the difference of two runs' medians (sqrt(2) x one run's).
 SIGMAS = 3.0
@@ -192,7 +192,7 @@ def host_tolerance(marker: float | None = None, option: float | None = None) -> 
 
 
 def format_tolerance(comparison: TimeComparison) -> str:
-    """'2.5% (same machine start)': a time tolerance and where it came from."""
+    """'2% (same machine start)': a time tolerance and where it came from."""
     return f"{comparison.tolerance * 100:.3g}% ({comparison.source})"
 
 
