@@ -794,6 +794,8 @@ def test_an_in_process_case_that_adds_less_than_its_delay_is_resized_and_measure
     assert cases[0]["added_before_resize"] == pytest.approx(0.02, abs=0.002)  # the first pass, a point short
     assert "added_before_resize" not in cases[1]
     assert all(c["verdict"] == "SLOWER" for c in cases)
+    # Each case's own comparison says what it could catch: a SLOWER case's change is past it.
+    assert all(0.02 <= c["time_resolution"] < c["time_change"] for c in cases)
 
 
 @pytest.mark.parametrize(("share", "give_back", "expected"), [(0.0, 0.0, 0.05), (0.1, 0.0, 0.1), (5.0, 0.0, 0.025)],
@@ -977,13 +979,14 @@ def test_per_run_says_what_a_missed_in_process_delay_added_and_whether_it_was_re
     """An in-process run's missed delay names the share its work added against the benchmark's own median, so that a
     miss of the gate and a short injection can be told apart."""
     run = {"benchmarks": [{"name": "a", "extra_info": {"verdict": "PASS", "timing": "graph", "injected_cases": [
-        {"delay": 0.03, "memory": 0, "verdict": "PASS", "time_change": 0.021, "added": 0.0262, "resized": True,
-         "added_before_resize": 0.0205}]}},
+        {"delay": 0.03, "memory": 0, "verdict": "PASS", "time_change": 0.021, "time_resolution": 0.0243,
+         "added": 0.0262, "resized": True, "added_before_resize": 0.0205}]}},
         {"name": "b", "extra_info": {"verdict": "PASS", "timing": "graph", "injected_cases": [
             {"delay": 0.03, "memory": 0, "verdict": "PASS", "time_change": 0.019}]}}]}
     cases = [("+3% caught", detection._case_docs([run], (0.03, 0)), detection.slower)]
     assert detection.per_run(cases, {})[1] == [
-        "run 1, +3% caught: missed a at +2.10%, the work adding +2.62% resized (from +2.05%) (PASS)",
+        "run 1, +3% caught: missed a at +2.10% (catches past +2.43%), the work adding +2.62% resized (from +2.05%) "
+        "(PASS)",
         "run 1, +3% caught: missed b at +1.90% (PASS)"]
 
 

@@ -145,6 +145,8 @@ def per_run(cases: list[tuple[str, list[dict], Callable[[str | None], bool]]], h
                 timings.setdefault(info.get("timing") or "", []).append((change, bench["name"], counted(label)))
                 if column != AA_COLUMN and not counted(label):
                     measured = f" at {change:+.2%}" if changes and change is not None else ""
+                    if measured and info.get("time_resolution") is not None:  # what this comparison could catch
+                        measured += f" (catches past {info['time_resolution']:+.2%})"
                     if changes and info.get("added") is not None:  # the delay's work against the A/A median
                         first = info.get("added_before_resize")
                         resized = (f" resized (from {first:+.2%})" if first is not None
@@ -293,7 +295,8 @@ def _case_docs(docs: list[dict], case: tuple[float, int]) -> list[dict]:
             for entry in (bench.get("extra_info") or {}).get(INJECTED_CASES_KEY, []):
                 if (entry["delay"], entry["memory"]) == case:
                     info = {"verdict": entry["verdict"], "timing": bench["extra_info"].get("timing"),
-                            "time_change": entry.get("time_change"), "added": entry.get("added"),
+                            "time_change": entry.get("time_change"), "time_resolution": entry.get("time_resolution"),
+                            "added": entry.get("added"),
                             "resized": entry.get("resized"), "added_before_resize": entry.get("added_before_resize")}
                     benchmarks.append({"name": bench["name"], "extra_info": info})
         out.append({"benchmarks": benchmarks})

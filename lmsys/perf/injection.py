@@ -469,6 +469,7 @@ def pytest_perf_measured(item, benchmark, remeasure):
         results.append({"delay": case.delay, "memory": case.memory,
                         "verdict": None if decided is None else decided.label,
                         "time_change": None if decided is None or decided.time is None else decided.time.change,
+                        "time_resolution": None if decided is None or decided.time is None else decided.time.resolution,
                         **({"added": added, "resized": resized} if case.delay else {}),
                         **({"added_before_resize": first} if resized else {})})
     benchmark.extra_info[INJECTED_CASES_KEY] = results
