@@ -239,8 +239,9 @@ def test_saves_no_score_matrix(impl, seed):
     assert saved and max(saved) <= q.numel()
 
 
-def test_attention_dict_backends_agree(seed):
-    q, k, v = make_inputs((2, 2, 40, 16), (2, 2, 40, 16), torch.float32, "cpu")
+@pytest.mark.parametrize("shape", [(2, 2, 40, 16), (2, 40, 16)], ids=["4-D", "3-D"])
+def test_attention_dict_backends_agree(seed, shape):
+    q, k, v = make_inputs(shape, shape, torch.float32, "cpu")
     expected = naive_attention(q.double(), k.double(), v.double(), True)
     assert set(ATTENTION) == {"naive", "sdpa", "sdpa_flash", "flash_torch", "flash_triton"}
     for name, attention in ATTENTION.items():

@@ -5,6 +5,8 @@ Every implementation takes q of shape (B, H, T_q, D) or (B, T_q, D), k and v of 
 `ATTENTION` maps a backend name to its function, for the model's `attention` setting and the perf tests.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -23,14 +25,28 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
 
 
+def sdpa_with(backend: SDPBackend) -> Callable:
+    """SDPA restricted to one backend, for (B, H, T, D) or (B, T, D) inputs."""
+
+    def attend(q, k, v, is_causal):
+        with sdpa_kernel(backend):
+            if q.dim() == 3:  # SDPA's fused backends want (B, H, T, D): add a heads dim of 1 (a view).
+                return sdpa_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), is_causal).squeeze(1)
+            return sdpa_attention(q, k, v, is_causal)
+
+    return attend
+
+
+_sdpa_flash = sdpa_with(SDPBackend.FLASH_ATTENTION)
+
+
 def sdpa_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
     """SDPA held to its FlashAttention-2 backend: for a model at shapes where it beats the backend SDPA picks (on the
     H200, cuDNN), such as the 2.7B preset's heads of 80 at 512 tokens (docs/training-step.md)."""
     if q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"sdpa_flash on CUDA takes float16 or bfloat16 (FlashAttention-2), got {q.dtype}: run the "
                          "model under autocast, or choose attention 'sdpa'")
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        return sdpa_attention(q, k, v, is_causal)
+    return _sdpa_flash(q, k, v, is_causal)
 
 
 def flash_attention(
@@ -66,4 +82,5 @@ __all__ = [
     "naive_attention",
     "sdpa_attention",
     "sdpa_flash_attention",
+    "sdpa_with",
 ]
