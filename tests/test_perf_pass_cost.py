@@ -136,4 +136,5 @@ def test_a_case_of_memory_alone_is_one_call_under_the_memory_reading(pytester, m
     assert [(label, timed, counts) for label, timed, counts in passes if label != "A/A"] == [
         ("1 MiB held", timing.MEMORY, {"memory readings": 1})] * len(TESTS)
     for info in infos.values():
-        assert info["injected_cases"] == [{"delay": 0.0, "memory": MIB, "verdict": "MORE-MEMORY", "time_change": None}]
+        assert info["injected_cases"] == [{"delay": 0.0, "memory": MIB, "verdict": "MORE-MEMORY", "time_change": None,
+                                          "time_resolution": None}]
