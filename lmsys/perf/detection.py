@@ -294,10 +294,9 @@ def _case_docs(docs: list[dict], case: tuple[float, int]) -> list[dict]:
         for bench in doc.get("benchmarks", []):
             for entry in (bench.get("extra_info") or {}).get(INJECTED_CASES_KEY, []):
                 if (entry["delay"], entry["memory"]) == case:
-                    info = {"verdict": entry["verdict"], "timing": bench["extra_info"].get("timing"),
-                            "time_change": entry.get("time_change"), "time_resolution": entry.get("time_resolution"),
-                            "added": entry.get("added"),
-                            "resized": entry.get("resized"), "added_before_resize": entry.get("added_before_resize")}
+                    # The case's record as it is (verdict, change, resolution, what its work added), with the
+                    # benchmark's timing.
+                    info = {**entry, "timing": bench["extra_info"].get("timing")}
                     benchmarks.append({"name": bench["name"], "extra_info": info})
         out.append({"benchmarks": benchmarks})
     return out
