@@ -34,9 +34,6 @@ Variants (model, attention, optimizer, make_train_step options):
     ours-bf16-weights-fused-loss  lmsys.model, SDPA, lmsys AdamW, bf16 Linear weights (the LM head's too) and the
                                   fused LM head + cross-entropy (bf16_weights, fused_loss)
     ours-bf16-weights-fused-loss-cuda-graphs  ... replayed as CUDA graphs
-    ours-bf16-weights-fused-loss-sdpa_flash  ours-bf16-weights-fused-loss with SDPA held to FlashAttention-2
-                                  (attention "sdpa_flash"), where SDPA would pick cuDNN
-    ours-bf16-weights-fused-loss-sdpa_flash-cuda-graphs  ... replayed as CUDA graphs
     ours-bf16-weights-max-autotune-cuda-graphs  ours-bf16-weights-cuda-graphs compiled with inductor's max-autotune
                                   (max_autotune: matmul templates and kernel configurations benchmarked while
                                   compiling: a longer first step)
@@ -131,10 +128,6 @@ VARIANTS = {
     "ours-bf16-weights-fused-loss": Variant(TransformerLM, "sdpa", "lmsys", dict(bf16_weights=True, fused_loss=True)),
     "ours-bf16-weights-fused-loss-cuda-graphs": Variant(TransformerLM, "sdpa", "lmsys",
                                                         dict(bf16_weights=True, fused_loss=True, cuda_graphs=True)),
-    "ours-bf16-weights-fused-loss-sdpa_flash": Variant(TransformerLM, "sdpa_flash", "lmsys",
-                                                       dict(bf16_weights=True, fused_loss=True)),
-    "ours-bf16-weights-fused-loss-sdpa_flash-cuda-graphs": Variant(
-        TransformerLM, "sdpa_flash", "lmsys", dict(bf16_weights=True, fused_loss=True, cuda_graphs=True)),
     "ours-bf16-weights-max-autotune-cuda-graphs": Variant(TransformerLM, "sdpa", "lmsys",
                                                           dict(bf16_weights=True, cuda_graphs=True, max_autotune=True)),
     "ours-bf16-weights-fused-loss-max-autotune-cuda-graphs": Variant(

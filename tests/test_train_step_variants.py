@@ -44,7 +44,7 @@ def test_fused_loss_and_bf16_weights_variants_run_beside_ours(tmp_path, capsys, 
     main = runpy.run_path(str(SCRIPT))["main"]
     out = tmp_path / "variants.csv"
     # The two options together wire both through the script; tests/test_train.py checks each option's step.
-    variants = ["reference", "ours", "ours-bf16-weights-fused-loss", "ours-bf16-weights-fused-loss-sdpa_flash"]
+    variants = ["reference", "ours", "ours-bf16-weights-fused-loss"]
     main([str(out), "--sizes", "tiny", "--variants", *variants, "--warmup", "1",
           "--steps", "2", "--batch", "1", "--context", "16", "--compile-backend", "aot_eager"])
     rows = list(csv.DictReader(out.open()))

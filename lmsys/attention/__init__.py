@@ -37,18 +37,6 @@ def sdpa_with(backend: SDPBackend) -> Callable:
     return attend
 
 
-_sdpa_flash = sdpa_with(SDPBackend.FLASH_ATTENTION)
-
-
-def sdpa_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
-    """SDPA held to its FlashAttention-2 backend: for a model at shapes where it beats the backend SDPA picks (on the
-    H200, cuDNN), such as the 2.7B preset's heads of 80 at 512 tokens (docs/training-step.md)."""
-    if q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"sdpa_flash on CUDA takes float16 or bfloat16 (FlashAttention-2), got {q.dtype}: run the "
-                         "model under autocast, or choose attention 'sdpa'")
-    return _sdpa_flash(q, k, v, is_causal)
-
-
 def flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False, impl: str = "triton"
 ) -> torch.Tensor:
@@ -69,7 +57,6 @@ def _flash_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
 ATTENTION = {
     "naive": naive_attention,
     "sdpa": sdpa_attention,
-    "sdpa_flash": sdpa_flash_attention,
     "flash_torch": _flash_torch,
     "flash_triton": _flash_triton,
 }
@@ -81,6 +68,5 @@ __all__ = [
     "flash_attention",
     "naive_attention",
     "sdpa_attention",
-    "sdpa_flash_attention",
     "sdpa_with",
 ]
