@@ -2,10 +2,12 @@
 
 For each size (large and 2.7B by default): bf16 autocast + torch.compile, batch 4, context 512, random tokens;
 CUDA events around each step, the median of 20 steps after 8 warmup steps (how the plain-PyTorch reference numbers
-were taken). Prints a markdown table (ms, tokens/s, TFLOP/s, MFU, peak memory, the first step's wall time, which
-holds the compilation), then each of our variants beside the plain-PyTorch step with the same CUDA-graph,
-max-autotune and per-block compile settings from the same run, and writes every row to the CSV file named on the
-command line.
+were taken). Each step is timed from an idle device, so that time holds the host's work before the step's first
+kernel; `loop ms` is the time per step of 20 steps issued back to back (events around all of them), a training
+loop's steady state, in which the host issues a step while the device still runs the one before. Prints a markdown
+table (ms, loop ms, tokens/s, TFLOP/s, MFU, peak memory, the first step's wall time, which holds the compilation),
+then each of our variants beside the plain-PyTorch step with the same CUDA-graph, max-autotune and per-block compile
+settings from the same run, and writes every row to the CSV file named on the command line.
 
     PYTHONPATH=. python scripts/train_step_variants.py variants.csv          (from the repository root)
     PYTHONPATH=. python scripts/train_step_variants.py variants.csv --sizes large --variants ours ours-compile-loss
@@ -145,7 +147,7 @@ VARIANTS = {
 }
 DEFAULT_VARIANTS = ["reference", "ours-torch-adamw", "ours", "ours-cuda-graphs", "ours-flash_triton-cuda-graphs",
                     "reference-cuda-graphs"]
-COLUMNS = ["size", "variant", "median_ms", "min_ms", "max_ms", "tokens_per_s", "tflops", "mfu", "peak_gib",
+COLUMNS = ["size", "variant", "median_ms", "min_ms", "max_ms", "loop_ms", "tokens_per_s", "tflops", "mfu", "peak_gib",
            "first_step_s", "error"]
 PROFILE_COLUMNS = ["kernels", "gemm", "attention", "triton", "other_kernels", "copies", "launch_calls",
                    "device_busy_ms", "profiled_span_ms", "host_forward_ms", "host_backward_ms", "host_optimizer_ms",
@@ -167,6 +169,16 @@ def time_steps(step, batch, warmup: int, steps: int) -> tuple[list[float], float
     device.synchronize()
     first = time.perf_counter() - start
     return [seconds * 1e3 for seconds in sweep.time_steps(device, lambda: step(*batch), warmup - 1, steps)], first
+
+
+def loop_ms(step, batch, steps: int) -> float:
+    """Milliseconds per step of `steps` steps issued back to back, timed as one call by the gate's clock (CUDA events
+    around all of them on a GPU, the wall clock on the CPU)."""
+    def loop():
+        for _ in range(steps):
+            step(*batch)
+
+    return sweep.backend().time_call(loop) / steps * 1e3
 
 
 def _kernel_kind(name: str) -> str:
@@ -245,18 +257,19 @@ def _make_step(name: str, model, args):
                            compile_backend=args.compile_backend, **variant.options), optimizer
 
 
-def _row(size, name, times, first_step, work, peak, batch, peak_bytes) -> dict:
+def _row(size, name, times, loop, first_step, work, peak, batch, peak_bytes) -> dict:
     median = statistics.median(times)
     tflops = work / (median * 1e-3) / 1e12
     row = dict(
         size=size, variant=name, median_ms=round(median, 2), min_ms=round(min(times), 2),
-        max_ms=round(max(times), 2), tokens_per_s=round(batch[0].numel() / (median * 1e-3)), tflops=round(tflops, 1),
+        max_ms=round(max(times), 2), loop_ms=round(loop, 2), tokens_per_s=round(batch[0].numel() / (median * 1e-3)),
+        tflops=round(tflops, 1),
         mfu="" if peak is None else round(tflops / peak, 4),
         peak_gib="" if peak_bytes is None else round(peak_bytes / 2**30, 1),
         first_step_s=round(first_step, 1), error="",
     )
-    print(f"  {size} {name}: {median:.2f} ms, {row['tflops']} TFLOP/s, MFU {row['mfu']}, peak {row['peak_gib']} GiB "
-          f"(first step {first_step:.1f} s)", file=sys.stderr, flush=True)
+    print(f"  {size} {name}: {median:.2f} ms (back to back {loop:.2f} ms), {row['tflops']} TFLOP/s, MFU {row['mfu']}, "
+          f"peak {row['peak_gib']} GiB (first step {first_step:.1f} s)", file=sys.stderr, flush=True)
     return row
 
 
@@ -310,7 +323,7 @@ def run_group(size: str, names: list[str], args, device: torch.device, on_row) -
                 torch.cuda.reset_peak_memory_stats(device)
             times, first_step = time_steps(step, batch, args.warmup, args.steps)
             peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-            row = _row(size, name, times, first_step, work, peak, batch, peak_bytes)
+            row = _row(size, name, times, loop_ms(step, batch, args.steps), first_step, work, peak, batch, peak_bytes)
             _look_closer(size, name, step, batch, row, args, device)
         except Exception as error:
             row = _error_row(size, name, error)
@@ -346,7 +359,7 @@ def run_interleaved(size: str, groups: list[list[str]], args, device: torch.devi
                 step, optimizer = _make_step(name, model, args)
                 _, first_step = time_steps(step, batch, args.warmup, 1)
                 entries.append(dict(name=name, model=model, step=step, optimizer=optimizer, batch=batch, work=work,
-                                    peak=peak, first_step=first_step, times=[], peak_bytes=None))
+                                    peak=peak, first_step=first_step, times=[], loops=[], peak_bytes=None))
             except Exception as error:
                 rows[name] = _error_row(size, name, error)
             model.zero_grad(set_to_none=True)
@@ -361,6 +374,7 @@ def run_interleaved(size: str, groups: list[list[str]], args, device: torch.devi
                     held = torch.cuda.memory_allocated(device)
                     torch.cuda.reset_peak_memory_stats(device)
                 entry["times"] += [s * 1e3 for s in sweep.time_steps(backend, lambda: step(*batch), 0, args.steps)]
+                entry["loops"].append(loop_ms(step, batch, args.steps))
                 if device.type == "cuda" and round_index == 0:
                     entry["peak_bytes"] = (torch.cuda.max_memory_allocated(device) - held
                                            + _resident_bytes(entry["model"], entry["optimizer"]))
@@ -370,8 +384,9 @@ def run_interleaved(size: str, groups: list[list[str]], args, device: torch.devi
     for entry in entries:
         name = entry["name"]
         if name not in rows:
-            row = rows[name] = _row(size, name, entry["times"], entry["first_step"], entry["work"], entry["peak"],
-                                    entry["batch"], entry["peak_bytes"])
+            row = rows[name] = _row(size, name, entry["times"], statistics.median(entry["loops"]),
+                                    entry["first_step"], entry["work"], entry["peak"], entry["batch"],
+                                    entry["peak_bytes"])
             try:
                 _look_closer(size, name, entry["step"], entry["batch"], row, args, device)
             except Exception as error:
@@ -388,7 +403,8 @@ def markdown(rows: list[dict]) -> str:
     """The rows as a markdown table, MFU as a percentage."""
     shown = pd.DataFrame([{
         "size": r["size"], "variant": r["variant"], "median ms": f"{r['median_ms']:.2f}",
-        "min-max ms": f"{r['min_ms']:.2f}-{r['max_ms']:.2f}", "tokens/s": f"{r['tokens_per_s']:,}",
+        "min-max ms": f"{r['min_ms']:.2f}-{r['max_ms']:.2f}", "loop ms": f"{r['loop_ms']:.2f}",
+        "tokens/s": f"{r['tokens_per_s']:,}",
         "TFLOP/s": f"{r['tflops']:.1f}",
         "MFU": "" if r["mfu"] == "" else f"{r['mfu']:.1%}", "peak GiB": r["peak_gib"],
         "first step s": f"{r['first_step_s']:.1f}",
@@ -436,6 +452,7 @@ def beside_reference(rows: list[dict]) -> str:
             "size": r["size"], "ours": r["variant"], "plain PyTorch": reference["variant"],
             "plain ms": f"{reference['median_ms']:.2f}", "ours ms": f"{r['median_ms']:.2f}",
             "ours / plain": f"{r['median_ms'] / reference['median_ms']:.3f}",
+            "plain loop ms": f"{reference['loop_ms']:.2f}", "ours loop ms": f"{r['loop_ms']:.2f}",
             "plain tokens/s": f"{reference['tokens_per_s']:,}", "ours tokens/s": f"{r['tokens_per_s']:,}",
             "plain MFU": mfu(reference), "ours MFU": mfu(r),
         })

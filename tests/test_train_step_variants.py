@@ -5,6 +5,7 @@ autograd, as inductor would); the others check the script's bookkeeping and comp
 import csv
 import pathlib
 import runpy
+import types
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ def test_writes_a_row_per_variant(tmp_path, capsys, seed):
           "--steps", "2", "--batch", "1", "--context", "16", "--compile-backend", "aot_eager", "--top", "3"])
     rows = list(csv.DictReader(out.open()))
     assert [(r["size"], r["variant"]) for r in rows] == [("tiny", "ours-torch-adamw"), ("tiny", "ours")]
-    assert all(float(r["median_ms"]) > 0 for r in rows)
+    assert all(float(r["median_ms"]) > 0 and float(r["loop_ms"]) > 0 for r in rows)
     printed = capsys.readouterr().out
     assert "| tiny | ours | " in printed
     assert printed.count("one step's top 3 operators") == 2
@@ -34,7 +35,7 @@ def test_interleaved_rounds_and_ours_beside_plain(tmp_path, capsys, seed):
           "--steps", "1", "--rounds", "2", "--batch", "1", "--context", "16", "--compile-backend", "eager"])
     rows = list(csv.DictReader(out.open()))
     assert [r["variant"] for r in rows] == ["reference", "ours", "ours-unplanned"]
-    assert all(float(r["median_ms"]) > 0 and float(r["tokens_per_s"]) > 0 for r in rows)
+    assert all(float(r["median_ms"]) > 0 and float(r["tokens_per_s"]) > 0 and float(r["loop_ms"]) > 0 for r in rows)
     printed = capsys.readouterr().out
     assert "in each of 2 interleaved rounds" in printed
     assert "| tiny | ours | reference |" in printed and "| tiny | ours-unplanned | reference |" in printed
@@ -53,6 +54,21 @@ def test_fused_loss_and_bf16_weights_variants_run_beside_ours(tmp_path, capsys, 
     printed = capsys.readouterr().out
     for name in variants[1:]:
         assert f"| tiny | {name} | reference |" in printed
+
+
+def test_loop_time_is_per_step_of_steps_issued_back_to_back(monkeypatch):
+    """loop_ms times the `steps` steps as one call of the gate's clock and divides by them."""
+    loop_ms = runpy.run_path(str(SCRIPT))["loop_ms"]
+    calls = []
+
+    class Clock:
+        def time_call(self, call):
+            call()
+            return 0.5  # seconds, for the whole call
+
+    monkeypatch.setitem(loop_ms.__globals__, "sweep", types.SimpleNamespace(backend=Clock))
+    assert loop_ms(calls.append, (7,), 5) == 100.0
+    assert calls == [7] * 5
 
 
 def test_each_cuda_graph_variant_gets_a_model_of_its_own(tmp_path):
@@ -121,8 +137,8 @@ def test_max_autotune_variants_are_printed_beside_the_max_autotune_reference():
     names = ["reference-cuda-graphs", "reference-max-autotune-cuda-graphs", "ours-bf16-weights-cuda-graphs",
              "ours-bf16-weights-max-autotune-cuda-graphs", "ours-bf16-weights-fused-loss-max-autotune-cuda-graphs"]
     assert all(module["VARIANTS"][name].options.get("cuda_graphs") for name in names)
-    rows = [dict(size="2.7B", variant=name, median_ms=100.0 + index, tokens_per_s=1000, mfu=0.4, error="")
-            for index, name in enumerate(names)]
+    rows = [dict(size="2.7B", variant=name, median_ms=100.0 + index, loop_ms=99.0 + index, tokens_per_s=1000,
+                 mfu=0.4, error="") for index, name in enumerate(names)]
     printed = module["beside_reference"](rows)
     assert "| 2.7B | ours-bf16-weights-cuda-graphs | reference-cuda-graphs | 100.00 | 102.00 |" in printed
     for name in names[3:]:
