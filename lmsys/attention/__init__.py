@@ -5,11 +5,8 @@ Every implementation takes q of shape (B, H, T_q, D) or (B, T_q, D), k and v of 
 `ATTENTION` maps a backend name to its function, for the model's `attention` setting and the perf tests.
 """
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lmsys.attention.flash_torch import FlashAttentionTorch
 from lmsys.attention.flash_triton import FlashAttentionTriton
@@ -23,18 +20,6 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     """PyTorch's `scaled_dot_product_attention` (it picks its own backend), as a reference and a baseline."""
     check_causal(is_causal, impl="sdpa")
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
-
-
-def sdpa_with(backend: SDPBackend) -> Callable:
-    """SDPA restricted to one backend, for (B, H, T, D) or (B, T, D) inputs."""
-
-    def attend(q, k, v, is_causal):
-        with sdpa_kernel(backend):
-            if q.dim() == 3:  # SDPA's fused backends want (B, H, T, D): add a heads dim of 1 (a view).
-                return sdpa_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), is_causal).squeeze(1)
-            return sdpa_attention(q, k, v, is_causal)
-
-    return attend
 
 
 def flash_attention(
@@ -68,5 +53,4 @@ __all__ = [
     "flash_attention",
     "naive_attention",
     "sdpa_attention",
-    "sdpa_with",
 ]

@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import torch
 from torch._functorch import config as functorch_config
-from torch.nn.attention import SDPBackend
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lmsys.attention import ATTENTION, sdpa_with
+from lmsys.attention import ATTENTION, sdpa_attention
 
 SDPA_BACKENDS = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
@@ -31,6 +31,18 @@ NEEDS_CUDA = {
     "flash_triton": "needs CUDA (the Triton interpreter is for tests, not timing)",
     "sdpa_cudnn": "needs CUDA (SDPA's cuDNN backend)",
 }
+
+
+def sdpa_with(backend: SDPBackend) -> Callable:
+    """SDPA restricted to one backend, for (B, H, T, D) or (B, T, D) inputs."""
+
+    def attend(q, k, v, is_causal):
+        with sdpa_kernel(backend):
+            if q.dim() == 3:  # SDPA's fused backends want (B, H, T, D): add a heads dim of 1 (a view).
+                return sdpa_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), is_causal).squeeze(1)
+            return sdpa_attention(q, k, v, is_causal)
+
+    return attend
 
 
 def attention_function(provider: str, compile: bool = False) -> Callable:
