@@ -46,14 +46,19 @@ def _guard_on(monkeypatch):
     monkeypatch.setattr(flash_triton, "GUARD_MASKED", True)
 
 
-def _reference(q, k, v, do, is_causal):
-    """Output and (dq, dk, dv) of softmax(q k^T / sqrt(d)) v in float64, written out here."""
-    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+def _probabilities(q, k, is_causal):
+    """softmax(q k^T / sqrt(d)), query i seeing keys j <= i only when causal, in q's dtype."""
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     if is_causal:
         hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(hidden, float("-inf"))
-    o = torch.softmax(scores, dim=-1) @ v
+    return torch.softmax(scores, dim=-1)
+
+
+def _reference(q, k, v, do, is_causal):
+    """Output and (dq, dk, dv) of softmax(q k^T / sqrt(d)) v in float64, written out here."""
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    o = _probabilities(q, k, is_causal) @ v
     return (o.detach(), *torch.autograd.grad(o, (q, k, v), do.double()))
 
 
@@ -141,11 +146,7 @@ def _shift_from_rounded_output(q, k, v, do, is_causal, dtype):
     `dtype`, as the flash kernels take it from the output they saved."""
     q, k, v, do = (x.detach().double() for x in (q, k, v, do))
     scale = 1 / math.sqrt(q.shape[-1])
-    scores = q @ k.transpose(-2, -1) * scale
-    if is_causal:
-        hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(hidden, float("-inf"))
-    p = torch.softmax(scores, dim=-1)
+    p = _probabilities(q, k, is_causal)
     o = p @ v
     dp = do @ v.transpose(-2, -1)
     grads = []
