@@ -1,18 +1,20 @@
-"""The cost of flash_triton's guard against masked NaN and inf (flash_triton.GUARD_MASKED), on and off in one process.
+"""What flash_triton's guard against masked NaN and inf (flash_triton.GUARD_MASKED: marks and a fix-up launch) costs,
+on and off in one process, and a check on the GPU that it works.
 
-First a check on the GPU that the guard compiles and works: for each shape, on the Triton kernels, a NaN and then an
-inf planted in v[j] and then in k[j], for a j inside a diagonal tile, must leave the output and dQ rows before j as on
-clean inputs with the guard on (with it off they may not: printed, not checked). Then causal bf16 attention at each
-shape, forward alone and forward + backward, timed with triton.testing.do_bench (the median, ms) with the guard on and
-off, --repeats times in turns (on first on even repeats, off first on odd ones), both on the Triton kernels alone
-(flash_triton.HOPPER_FORWARD and HOPPER_BACKWARD off: the kernels the guard is in) and on the default dispatch (on
-Hopper the Gluon kernels take some of these shapes, and they have no guard). Prints one table: per shape, path and
-mode, the median over the repeats of each setting's time, their range, and off -> on in percent.
+The check: for each shape, on the Triton kernels alone and on the default dispatch (on Hopper the Gluon kernels take
+some shapes), a NaN and then an inf planted in v[j] and then in k[j], for a j inside a diagonal tile, must leave the
+output and dQ rows before j as on clean inputs with the guard on (with it off they may not: printed, not checked), and
+row j, which sees it, must not be finite. Then causal bf16 attention at each shape, forward alone and forward +
+backward, on both paths, timed with the guard on and off, --repeats times in turns (on first on even repeats): with
+triton.testing.do_bench (eager: launches from the CPU, as a training loop without CUDA graphs makes them) and with
+do_bench_cudagraph (the calls captured in a CUDA graph: the device's time alone). Prints one table: per shape, path,
+mode and timer, the median over the repeats of each setting's time (ms), their range, and off -> on in percent.
 
     PYTHONPATH=. python scripts/masked_guard_timing.py                 (from the repository root)
     PYTHONPATH=. python scripts/masked_guard_timing.py --repeats 9 --shapes 1x1x4096x64
+    PYTHONPATH=. python scripts/masked_guard_timing.py --repeats 0     (the check alone)
 
-Needs a CUDA device: elsewhere it says so and exits with status 2.
+Needs a CUDA device: elsewhere it says so and exits with status 2. Exits with status 1 when the check fails.
 """
 
 import argparse
@@ -25,9 +27,13 @@ import triton.testing
 from lmsys.attention import flash_triton
 from lmsys.attention.flash_triton import FlashAttentionTriton
 
-SHAPES = ("1x1x4096x64", "16x32x1024x64", "4x16x4096x128")
+SHAPES = ("1x1x4096x64", "16x32x1024x64", "4x16x4096x128", "4x32x512x80", "2x16x4096x96")
 PATHS = ("triton", "default")
 MODES = ("fwd", "fwd_bwd")
+TIMERS = {
+    "eager": lambda fn: triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median"),
+    "graph": lambda fn: triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median"),
+}
 
 
 def _settings(guard: bool, path: str) -> None:
@@ -48,14 +54,15 @@ def _attend(q, k, v, do):
     return o, dq
 
 
-def check(shape) -> bool:
-    """Whether, with the guard on, rows before a planted NaN or inf in v or k stay as on clean inputs (printed)."""
+def check(shape, path) -> bool:
+    """Whether, with the guard on, rows before a planted NaN or inf in v or k stay as on clean inputs and row j does
+    not come out finite (printed, with the guard off too)."""
     q, k, v, do = _inputs(shape)
     n = shape[2]
     j = n // 2 + 37  # inside a diagonal tile of every tile size, not first in it
     ok = True
     for guard in (True, False):
-        _settings(guard, "triton")
+        _settings(guard, path)
         clean_o, clean_dq = _attend(q, k, v, do)
         for tensor in ("v", "k"):
             for value in (float("nan"), float("inf")):
@@ -65,8 +72,8 @@ def check(shape) -> bool:
                 same = all(torch.allclose(a[..., :j, :], b[..., :j, :], rtol=1e-2, atol=1e-2)
                            for a, b in ((o, clean_o), (dq, clean_dq)))
                 row_j = not torch.isfinite(o[..., j, :]).all().item()
-                print(f"check {'x'.join(map(str, shape))} guard {'on ' if guard else 'off'} {value} in {tensor}[{j}]: "
-                      f"rows before j as on clean inputs: {same}; row j not finite: {row_j}")
+                print(f"check {'x'.join(map(str, shape))} {path} guard {'on ' if guard else 'off'} {value} in "
+                      f"{tensor}[{j}]: rows before j as on clean inputs: {same}; row j not finite: {row_j}")
                 if guard:
                     ok = ok and same and row_j
     return ok
@@ -88,33 +95,36 @@ def _timed(shape, mode):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), help="BxHxTxD, default: %(default)s")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="timings per setting; 0: the check alone")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
     print(torch.cuda.get_device_name(), "| bf16, causal")
-    checked = all([check(shape) for shape in shapes])
-    print("guard check:", "passed" if checked else "FAILED")
+    checked = all([check(shape, path) for shape in shapes for path in PATHS])
+    print("guard check:", "passed" if checked else "FAILED", flush=True)
     rows = []
-    for shape in shapes:
+    for shape in shapes if args.repeats > 0 else ():
         for path in PATHS:
             for mode in MODES:
-                times = {True: [], False: []}
-                for repeat in range(args.repeats):
-                    for guard in (True, False) if repeat % 2 == 0 else (False, True):
-                        _settings(guard, path)
-                        fn = _timed(shape, mode)
-                        fn()  # compiles (and tunes) outside the timing
-                        times[guard].append(triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median"))
-                off, on = statistics.median(times[False]), statistics.median(times[True])
-                rows.append(("x".join(map(str, shape)), path, mode, off, min(times[False]), max(times[False]), on,
-                             min(times[True]), max(times[True]), 100 * (on / off - 1)))
-    print(f"{'shape':<15} {'path':<8} {'mode':<8} {'off ms':>9} {'(range)':>19} {'on ms':>9} {'(range)':>19} "
-          f"{'on/off':>8}")
-    for shape, path, mode, off, off_lo, off_hi, on, on_lo, on_hi, pct in rows:
-        print(f"{shape:<15} {path:<8} {mode:<8} {off:9.4f} {f'{off_lo:.4f}-{off_hi:.4f}':>19} {on:9.4f} "
+                for timer, bench in TIMERS.items():
+                    times = {True: [], False: []}
+                    for repeat in range(args.repeats):
+                        for guard in (True, False) if repeat % 2 == 0 else (False, True):
+                            _settings(guard, path)
+                            fn = _timed(shape, mode)
+                            fn()  # compiles (and tunes) outside the timing
+                            times[guard].append(bench(fn))
+                    off, on = statistics.median(times[False]), statistics.median(times[True])
+                    rows.append(("x".join(map(str, shape)), path, mode, timer, off, min(times[False]),
+                                 max(times[False]), on, min(times[True]), max(times[True]), 100 * (on / off - 1)))
+                    print(*rows[-1], flush=True)  # progress
+    if rows:
+        print(f"{'shape':<15} {'path':<8} {'mode':<8} {'timer':<6} {'off ms':>9} {'(range)':>19} {'on ms':>9} "
+              f"{'(range)':>19} {'on/off':>8}")
+    for shape, path, mode, timer, off, off_lo, off_hi, on, on_lo, on_hi, pct in rows:
+        print(f"{shape:<15} {path:<8} {mode:<8} {timer:<6} {off:9.4f} {f'{off_lo:.4f}-{off_hi:.4f}':>19} {on:9.4f} "
               f"{f'{on_lo:.4f}-{on_hi:.4f}':>19} {pct:+7.1f}%")
     _settings(True, "default")
     return 0 if checked else 1

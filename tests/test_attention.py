@@ -653,7 +653,7 @@ for build in sys.argv[2:]:
         return f"tensordesc<bf16[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
     constexprs = dict(HEAD_DIM=d, CAUSAL=mask == "causal", BLOCK_N=fh.BLOCK_N, NUM_STAGES=fh.NUM_STAGES,
                       CONSUMER_REGS=fh.CONSUMER_REGS_3 if consumers == 3 else fh.CONSUMER_REGS,
-                      PRODUCER_REGS=fh.PRODUCER_REGS, CONSUMERS=consumers)
+                      PRODUCER_REGS=fh.PRODUCER_REGS, CONSUMERS=consumers, MARK=mask == "causal")
     types = {"q_desc": descriptor(fh.WARPGROUP_ROWS), "k_desc": descriptor(fh.BLOCK_N),
              "v_desc": descriptor(fh.BLOCK_N), "o_desc": descriptor(fh.WARPGROUP_ROWS), "LSE": "*fp32",
              "qk_scale": "fp32", **dict.fromkeys(constexprs, "constexpr")}
@@ -712,6 +712,8 @@ for causal, d, variant in builds:
                  "do_desc": descriptor(half), "dq_desc": descriptor(half)}
     constexprs = dict(HEAD_DIM=d, CAUSAL=causal, NUM_STAGES=hb.NUM_STAGES, CONSUMER_REGS=hb.CONSUMER_REGS,
                       PRODUCER_REGS=hb.PRODUCER_REGS, GROUPED=hb.GROUPED_ORDER != (variant == "other-order"))
+    if which == "dq":
+        constexprs["MARK"] = causal
     if which == "dkdv":
         constexprs["PREFETCH"] = ((causal, d) in hb.PREFETCH_STATS) != (variant == "other-prefetch")
         constexprs["FUSED"] = variant.startswith("fused")
@@ -728,7 +730,7 @@ for causal, d, variant in builds:
             descs["kc_desc"] = f"tensordesc<bf16[{hb.BLOCK_KEYS}, {dq_cols}],{layout!r}>"
         else:
             constexprs["kc_desc"] = None
-    types = {**descs, "LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
+    types = {**descs, "LSE": "*fp32", "DELTA": "*fp32", "MARKS": "*i8", "qk_scale": "fp32", "sm_scale": "fp32",
              **dict.fromkeys(constexprs, "constexpr")}
     names = kernel.arg_names
     source = GluonASTSource(kernel, {n: types.get(n, "i32") for n in names},
@@ -1532,7 +1534,7 @@ def _causal_entry_points():
     calls |= {f"{name}.backward": backward(IMPLS[name]) for name in IMPLS}
     # The Gluon kernels check the flag before they look at the plan or the device.
     calls["flash_hopper.forward"] = lambda q, c: flash_hopper.forward(q, q, q, c, None)
-    calls["flash_hopper_bwd.backward"] = lambda q, c: flash_hopper_bwd.backward(q, q, q, q, q, q, q, q, None, c, None)
+    calls["flash_hopper_bwd.backward"] = lambda q, c: flash_hopper_bwd.backward(q, q, q, q, q, q, q, q, None, None, c, None)
     return calls
 
 

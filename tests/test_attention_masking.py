@@ -9,10 +9,11 @@ that are not finite are those of naive attention (lmsys.attention.masking's sema
 scores past fp16's range: the result, in range, must still be right. The reference is plain float64 arithmetic on the
 clean inputs, independent of the implementations under test.
 
-flash_triton keeps a masked non-finite value out through its guard of the diagonal tiles, which is off by default and
-switched on here (flash_triton.GUARD_MASKED; with it off these tests fail). The Gluon kernels (flash_hopper,
-flash_hopper_bwd: Hopper GPUs only) have no guard and are not held to these tests: like SDPA's FlashAttention-2 and
-cuDNN backends, a NaN or inf in a masked key or value of a diagonal tile reaches that tile's rows there
+flash_triton keeps a masked non-finite value out by default (flash_triton.GUARD_MASKED; with it off the flash_triton
+cases fail): each pass marks the rows whose result is not finite, and a fix-up launch recomputes their blocks with
+guarded products in the diagonal tiles. On a Hopper GPU the Gluon kernels (flash_hopper, flash_hopper_bwd) mark the
+rows of their results too, which the last test checks. SDPA is PyTorch's and not held to these tests: its
+FlashAttention-2 and cuDNN backends let a NaN or inf in a masked key or value of a diagonal tile reach that tile's rows
 (docs/attention.md, "Masked NaN and inf").
 """
 
@@ -21,7 +22,8 @@ import math
 import pytest
 import torch
 
-from lmsys.attention import FlashAttentionTorch, FlashAttentionTriton, flash_triton, naive_attention
+from lmsys.attention import FlashAttentionTorch, FlashAttentionTriton, flash_hopper, flash_hopper_bwd, flash_triton
+from lmsys.attention import naive_attention
 
 HAS_CUDA = torch.cuda.is_available()
 # The Triton kernels run interpreted without CUDA (tests/conftest.py): small shapes there.
@@ -33,17 +35,12 @@ ATTEND = {
 }
 # The implementations whose masked positions take no part even when non-finite.
 GUARDED = ("naive", "flash_torch", "flash_triton")
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 5e-3}
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 # 72 positions, d = 16: two key tiles of flash_torch (64 wide), several query and key tiles of the Triton kernels
 # (32 x 16 under the interpreter). The planted positions sit in the first tile, inside a later diagonal tile, and in
 # flash_torch's second tile, never first in their tile, so some rows of the same diagonal tile cannot see them.
 SHAPE = (1, 2, 72, 16)
 POSITIONS = (5, 40, 66)
-
-
-@pytest.fixture(autouse=True)
-def _guard_on(monkeypatch):
-    monkeypatch.setattr(flash_triton, "GUARD_MASKED", True)
 
 
 def _probabilities(q, k, is_causal):
@@ -183,3 +180,42 @@ def test_fp16_scores_past_fp16_range_give_the_right_result(impl, is_causal, seed
     actual = _attend(impl, q, k, v, do, is_causal)
     for name, a, e in zip(("output", "dq", "dk", "dv"), actual, expected, strict=True):
         _assert_matches(a, e, dtype, f"{impl} {name}", looser=1.0 if name == "output" else scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tensor,value", [("v", float("nan")), ("v", float("inf")), ("k", float("nan"))],
+                         ids=["v-nan", "v-inf", "k-nan"])
+@pytest.mark.parametrize("backward", ["two-kernels", "fused-dq"])
+@pytest.mark.parametrize("head_dim,consumers", [(64, 2), (64, 3), (128, 2)])
+def test_the_gluon_kernels_keep_a_masked_non_finite_value_out_gpu(gpu, head_dim, consumers, backward, tensor, value,
+                                                                 monkeypatch, seed):
+    """On Hopper, the Gluon forward (two or three consumer warpgroups) and the Gluon backward (its two kernels, or dQ
+    accumulated by the dK/dV kernel) mark the rows whose result is not finite, and flash_triton's fix-up keeps a NaN or
+    inf planted inside a diagonal tile of 128 rows out of that tile's earlier rows."""
+    if torch.cuda.get_device_capability(gpu) != (9, 0):
+        pytest.skip("the Gluon kernels are for Hopper (compute capability 9.0)")
+    for module in (flash_hopper, flash_hopper_bwd):
+        monkeypatch.setattr(module, "MEASURED", False)  # the thresholds below decide, not the table
+        monkeypatch.setattr(module, "MIN_PROGRAMS_PER_SM", 0)
+    monkeypatch.setattr(flash_hopper, "FORWARD_64_MIN_KEYS", 0)
+    monkeypatch.setattr(flash_hopper, "FORWARD_64_BELOW_PROGRAMS_PER_SM", math.inf)
+    monkeypatch.setattr(flash_hopper, "FORWARD_64_WIDE_MIN_KEYS", 0)
+    monkeypatch.setattr(flash_hopper, "FORWARD_64_WIDE_MIN_PROGRAMS_PER_SM", 0 if consumers == 3 else math.inf)
+    monkeypatch.setattr(flash_hopper_bwd, "MIN_PROGRAMS_PER_SM_CONCURRENT", 0)
+    monkeypatch.setattr(flash_hopper_bwd, "FUSED_DQ", backward == "fused-dq")
+    monkeypatch.setattr(flash_hopper_bwd, "FUSED_SPLIT", head_dim == 128)
+    ran = []
+    hopper_forward, hopper_backward = flash_hopper.forward, flash_hopper_bwd.backward
+    monkeypatch.setattr(flash_hopper, "forward", lambda *a: ran.append(("forward", a[-1].consumers))
+                        or hopper_forward(*a))
+    monkeypatch.setattr(flash_hopper_bwd, "backward", lambda *a: ran.append(("backward", a[-1].fused_dq))
+                        or hopper_backward(*a))
+    dtype, j = torch.bfloat16, 256 + 37  # inside the diagonal tile of rows 256 to 383, not first in it
+    q, k, v, do = _inputs((1, 2, 512, head_dim), dtype, gpu)
+    expected_o, expected_dq, _, expected_dv = _reference(q, k, v, do, True)
+    planted = {"k": k.clone(), "v": v.clone()}
+    planted[tensor][..., j, :] = value
+    _assert_only_later_rows_see_it("flash_triton", q, planted, do, (expected_o, expected_dq, expected_dv), tensor, j,
+                                   dtype, f"Gluon d={head_dim} {consumers} warpgroups, {backward}: {value} in "
+                                   f"{tensor}[{j}]")
+    assert set(ran) == {("forward", consumers), ("backward", backward == "fused-dq")}

@@ -89,6 +89,8 @@ def _run(name, causal=True):
 def _key(name, causal=True):
     """The key record of the test shape's launch of `name` (fp32)."""
     dtypes = ["torch.float32"] * (5 if name == "_flash_fwd_kernel" else 9)
+    if name == "_flash_bwd_kernel" and causal:
+        dtypes.append("torch.int8")  # the rows' marks (flash_triton.GUARD_MASKED)
     return {"N_BUCKET": SHAPE[2], "HEAD_DIM": SHAPE[3], "HEAD_DIM1": 0, "CAUSAL": causal, "dtypes": dtypes}
 
 

@@ -166,14 +166,16 @@ def blocks_per_sm(q, rows: int = BLOCK_M) -> float:
 
 class ForwardPlan:
     """What `forward` needs beyond the tensors for inputs that this kernel takes: `views` (what `views()` found), the
-    consumer warpgroups a program has (`plan`) and, once it has launched, the launch (`launcher.Launch`) and its
+    consumer warpgroups a program has (`plan`), whether rows whose output is not finite are marked (`mark`, set by
+    flash_triton before the first launch) and, once it has launched, the launch (`launcher.Launch`) and its
     arguments that are not tensors. A caller keeps it for later inputs of the same signature (shapes, strides, dtype,
     device, alignment): lmsys.attention.plans."""
 
-    __slots__ = ("views", "consumers", "is_causal", "launch", "scalars")
+    __slots__ = ("views", "consumers", "mark", "is_causal", "launch", "scalars")
 
     def __init__(self, views, consumers):
-        self.views, self.consumers, self.is_causal, self.launch, self.scalars = views, consumers, None, None, None
+        self.views, self.consumers, self.mark = views, consumers, False
+        self.is_causal = self.launch = self.scalars = None
 
 
 def forward_views(q, k, v, is_causal: bool) -> ForwardPlan | None:
@@ -271,9 +273,11 @@ def _consumer_loop(o, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_ready, k_emp
 @gluon.jit
 def _consumer(q_all, WG: gl.constexpr, o_desc, lse_ptr, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
               o_block, lse_block, block0, n_full, n_tiles, qk_scale, N_Q,
-              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+              MARK: gl.constexpr):
     """Consumer warpgroup WG of a program whose rows start at block0 (output row o_block, log-sum-exp lse_block): the
-    WG-th 64 of them, their Q tile in q_all.index(WG)."""
+    WG-th 64 of them, their Q tile in q_all.index(WG). With MARK a row whose output is not finite gets a NaN
+    log-sum-exp, for flash_triton's fix-up (GUARD_MASKED)."""
     q_smem = q_all.index(WG)
     rows_per_wg: gl.constexpr = q_smem.shape[0]
     o_row = o_block + WG * rows_per_wg
@@ -325,7 +329,11 @@ def _consumer(q_all, WG: gl.constexpr, o_desc, lse_ptr, k_smem, v_smem, q_bar, k
     # With three warpgroups, this one's rows may fall past the queries (then in the next head's rows, or none).
     if row0 < N_Q:
         o = o / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
-        gl.store(lse_ptr + lse_row + gl.arange(0, rows_per_wg, layout=row_layout), (m_i + gl.log2(l_i)) * LN2)
+        lse = (m_i + gl.log2(l_i)) * LN2
+        if MARK:
+            bad = gl.convert_layout(gl.max((o * 0.0 != 0.0).to(gl.int32), 1), row_layout)
+            lse = gl.where(bad > 0, float("nan"), lse)
+        gl.store(lse_ptr + lse_row + gl.arange(0, rows_per_wg, layout=row_layout), lse)
         q_smem.store(o.to(o_desc.dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [o_row, 0], q_smem)
@@ -350,7 +358,7 @@ def _flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, N_Q, N_K, H, B
                              Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH,
                              HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
                              NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                             CONSUMERS: gl.constexpr):
+                             CONSUMERS: gl.constexpr, MARK: gl.constexpr):
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]  # rows per consumer warpgroup
     BLOCK_M: gl.constexpr = CONSUMERS * HALF_M
     dtype: gl.constexpr = q_desc.dtype
@@ -381,20 +389,20 @@ def _flash_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, N_Q, N_K, H, B
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (q_smem, 0, o_desc, LSE, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_row,
-                         lse_row, row0, n_full, n_tiles, qk_scale, N_Q, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+                         lse_row, row0, n_full, n_tiles, qk_scale, N_Q, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES, MARK)),
             (_consumer, (q_smem, 1, o_desc, LSE, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_row,
-                         lse_row, row0, n_full, n_tiles, qk_scale, N_Q, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+                         lse_row, row0, n_full, n_tiles, qk_scale, N_Q, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES, MARK)),
             (_consumer, (q_smem, 2, o_desc, LSE, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_row,
-                         lse_row, row0, n_full, n_tiles, qk_scale, N_Q, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+                         lse_row, row0, n_full, n_tiles, qk_scale, N_Q, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES, MARK)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                          q_row, q_col, k_row, k_col, v_row, v_col, n_tiles, BLOCK_N, NUM_STAGES, HALF_M)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:  # the same without the third consumer
         gl.warp_specialize([
             (_consumer, (q_smem, 0, o_desc, LSE, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_row,
-                         lse_row, row0, n_full, n_tiles, qk_scale, N_Q, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+                         lse_row, row0, n_full, n_tiles, qk_scale, N_Q, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES, MARK)),
             (_consumer, (q_smem, 1, o_desc, LSE, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_row,
-                         lse_row, row0, n_full, n_tiles, qk_scale, N_Q, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+                         lse_row, row0, n_full, n_tiles, qk_scale, N_Q, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES, MARK)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                          q_row, q_col, k_row, k_col, v_row, v_col, n_tiles, BLOCK_N, NUM_STAGES, HALF_M)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -430,7 +438,8 @@ def _descriptor(x, view, rows):
 
 def forward(q, k, v, is_causal, forward_plan: ForwardPlan):
     """(o, lse) for inputs that this kernel takes, `forward_plan` being what `forward_views()` returned for inputs of
-    their signature: output in q's dtype, contiguous, natural-log log-sum-exp in fp32 of q's shape without d."""
+    their signature: output in q's dtype, contiguous, natural-log log-sum-exp in fp32 of q's shape without d. With the
+    plan's `mark` (causal) a row whose output is not finite gets a NaN log-sum-exp (flash_triton's fix-up reads it)."""
     check_causal(is_causal, impl="hopper")
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
@@ -455,7 +464,7 @@ def forward(q, k, v, is_causal, forward_plan: ForwardPlan):
         (q.device, q.dtype, q.shape, n_k, *found),
         HEAD_DIM=d, CAUSAL=is_causal, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES,
         CONSUMER_REGS=CONSUMER_REGS_3 if consumers == 3 else CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        CONSUMERS=consumers, num_warps=4,
+        CONSUMERS=consumers, MARK=forward_plan.mark and is_causal, num_warps=4,
     )
     forward_plan.is_causal, forward_plan.scalars = is_causal, scalars
     return o, lse

@@ -39,6 +39,8 @@ import functools
 import math
 
 import torch
+import triton
+import triton.language as tl
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -199,12 +201,12 @@ class BackwardPlan:
     dtype, device, alignment, capture state): lmsys.attention.plans."""
 
     __slots__ = ("qv", "kv", "vv", "dov", "ds_smem", "fused_dq", "concurrent", "is_causal", "split", "dkdv", "dq",
-                 "dkdv_scalars", "dq_scalars")
+                 "cast", "dkdv_scalars", "dq_scalars")
 
     def __init__(self, qv, kv, vv, dov, ds_smem, fused_dq, concurrent):
         self.qv, self.kv, self.vv, self.dov = qv, kv, vv, dov
         self.ds_smem, self.fused_dq, self.concurrent = ds_smem, fused_dq, concurrent
-        self.is_causal = self.split = self.dkdv = self.dq = self.dkdv_scalars = self.dq_scalars = None
+        self.is_causal = self.split = self.dkdv = self.dq = self.cast = self.dkdv_scalars = self.dq_scalars = None
 
 
 def views(q, k, v, do, is_causal) -> BackwardPlan | None:
@@ -550,9 +552,11 @@ def _dq_loop(dq, q_w, do_w, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, 
 
 
 @gluon.jit
-def _dq_consumer(dq_desc, LSE, DELTA, q_w, do_w, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+def _dq_consumer(dq_desc, LSE, DELTA, MARKS, q_w, do_w, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                  out_row, row0, stat_row, n_full, n_tiles, qk_scale, sm_scale,
-                 CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr):
+                 CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+                 MARK: gl.constexpr):
+    """With MARK, MARKS[row] (int8) says whether the row's dQ is not finite, for flash_triton's fix-up."""
     half: gl.constexpr = q_w.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     acc_layout: gl.constexpr = _mma_layout(HEAD_DIM)
@@ -572,6 +576,9 @@ def _dq_consumer(dq_desc, LSE, DELTA, q_w, do_w, k_smem, v_smem, q_bar, k_ready,
     else:
         dq = _dq_loop(dq, q_w, do_w, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, lse2, delta, rows, 0,
                       n_tiles, qk_scale, BLOCK_N, NUM_STAGES, False, s_layout, a_layout)
+    if MARK:
+        bad = gl.convert_layout(gl.max((dq * 0.0 != 0.0).to(gl.int32), 1), row_layout)
+        gl.store(MARKS + stat_row + rows, bad.to(gl.int8))
     q_w.store((dq * sm_scale).to(dq_desc.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(dq_desc, [out_row, 0], q_w)
@@ -579,10 +586,10 @@ def _dq_consumer(dq_desc, LSE, DELTA, q_w, do_w, k_smem, v_smem, q_bar, k_ready,
 
 
 @gluon.jit
-def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, N_Q, N_K, H, BH, GROUP_HEADS, qk_scale, sm_scale,
-               Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH, DO_RB, DO_RH, DO_CB, DO_CH,
-               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, GROUPED: gl.constexpr):
+def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, MARKS, N_Q, N_K, H, BH, GROUP_HEADS, qk_scale,
+               sm_scale, Q_RB, Q_RH, Q_CB, Q_CH, K_RB, K_RH, K_CB, K_CH, V_RB, V_RH, V_CB, V_CH, DO_RB, DO_RH, DO_CB,
+               DO_CH, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, GROUPED: gl.constexpr, MARK: gl.constexpr):
     HALF: gl.constexpr = q_desc.block_type.shape[0]  # query rows per consumer warpgroup
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
@@ -614,12 +621,12 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, N_Q, N_K, H
     stat_row = off_bh * N_Q
     out_row = off_bh * N_Q + row0  # dQ is contiguous: a (B*H*N_Q, D) view
     gl.warp_specialize([
-        (_dq_consumer, (dq_desc, LSE, DELTA, q_smem.index(0), do_smem.index(0), k_smem, v_smem, q_bar, k_ready,
-                        k_empty, v_ready, v_empty, out_row, row0, stat_row, n_full, n_tiles, qk_scale, sm_scale,
-                        CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
-        (_dq_consumer, (dq_desc, LSE, DELTA, q_smem.index(1), do_smem.index(1), k_smem, v_smem, q_bar, k_ready,
-                        k_empty, v_ready, v_empty, out_row + HALF, row0 + HALF, stat_row, n_full, n_tiles, qk_scale,
-                        sm_scale, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES)),
+        (_dq_consumer, (dq_desc, LSE, DELTA, MARKS, q_smem.index(0), do_smem.index(0), k_smem, v_smem, q_bar,
+                        k_ready, k_empty, v_ready, v_empty, out_row, row0, stat_row, n_full, n_tiles, qk_scale,
+                        sm_scale, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES, MARK)),
+        (_dq_consumer, (dq_desc, LSE, DELTA, MARKS, q_smem.index(1), do_smem.index(1), k_smem, v_smem, q_bar,
+                        k_ready, k_empty, v_ready, v_empty, out_row + HALF, row0 + HALF, stat_row, n_full, n_tiles,
+                        qk_scale, sm_scale, CAUSAL, BLOCK_N, HEAD_DIM, NUM_STAGES, MARK)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
                         v_ready, v_empty, b * Q_RB + h * Q_RH + row0, b * Q_CB + h * Q_CH,
                         b * DO_RB + h * DO_RH + row0, b * DO_CB + h * DO_CH, b * K_RB + h * K_RH,
@@ -628,16 +635,32 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, N_Q, N_K, H
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+CAST_ROWS = 64  # rows per program of the cast of a fused dQ (a length is a multiple of 128)
+
+
+@triton.jit
+def _cast_dq_kernel(DQ_ACC, DQ, MARKS, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, MARK: tl.constexpr):
+    """dQ in its dtype from the fp32 accumulator of FUSED_DQ (rows of HEAD_DIM, a program per BLOCK_ROWS), and with
+    MARK each row's mark (int8: whether it is not finite) for flash_triton's fix-up."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    offsets = rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    dq = tl.load(DQ_ACC + offsets)
+    tl.store(DQ + offsets, dq.to(DQ.dtype.element_ty))
+    if MARK:
+        tl.store(MARKS + rows, tl.max((dq * 0.0 != 0.0).to(tl.int8), 1))
+
+
 # ------------------------------------------------------------------------------------------------ wrapper
 
 
-def backward(q, k, v, do, lse, delta, dk, dv, dq_acc, is_causal, backward_plan: BackwardPlan) -> torch.Tensor:
+def backward(q, k, v, do, lse, delta, dk, dv, dq_acc, marks, is_causal, backward_plan: BackwardPlan) -> torch.Tensor:
     """Writes dK and dV into dk, dv (new, contiguous, of q's dtype) and returns dQ (new, contiguous) for inputs these
     kernels take (`backward_plan`: what `views()` returned for inputs of this signature, under the same capture
     state), given the forward's natural-log log-sum-exp and delta = rowsum(dO * O), both fp32 and contiguous, one row
     per head, and with `fused_dq` the fp32 buffer in which the dK/dV kernel accumulates dQ, (rows of q, d), zeroed
-    (else None). dQ is allocated after the dK/dV kernel's launch: the device may be waiting for it, and an allocation
-    costs the CPU tens of microseconds.
+    (else None). With `marks` (int8, a row per query row; causal) each row's mark says whether its dQ is not finite,
+    for flash_triton's fix-up; a plan keeps whether its first call had marks. dQ is allocated after the dK/dV kernel's
+    launch: the device may be waiting for it, and an allocation costs the CPU tens of microseconds.
     The first call for a plan works out its launches' arguments that are not tensors and launches through triton;
     later ones pass the tensors to the kept launches (`launcher.Launch`: in the descriptors' places, the first launch's
     descriptors over them)."""
@@ -645,7 +668,7 @@ def backward(q, k, v, do, lse, delta, dk, dv, dq_acc, is_causal, backward_plan: 
     p = backward_plan
     first = p.is_causal != is_causal
     if first:
-        dkdv, dq_launch = _launches(q, k, v, do, dk, dv, dq_acc, is_causal, p)
+        dkdv, dq_launch = _launches(q, k, v, do, dk, dv, dq_acc, marks, is_causal, p)
     if p.concurrent:
         current, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
         side.wait_stream(current)  # the inputs, delta included, are ready on it
@@ -654,14 +677,15 @@ def backward(q, k, v, do, lse, delta, dk, dv, dq_acc, is_causal, backward_plan: 
     else:  # with FUSED_SPLIT, K's halves are the eighth descriptor, over k
         p.dkdv((q, k, v, do, dk, dv, dq_acc, k if p.split else None, lse, delta, *p.dkdv_scalars))
     if p.fused_dq:
-        dq = dq_acc.to(q.dtype).view(q.shape)
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        p.cast = p.cast((dq_acc, dq, marks))
     else:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         with torch.cuda.stream(side) if p.concurrent else contextlib.nullcontext():
             if first:
-                p.dq = dq_launch(dq, lse, delta)
+                p.dq = dq_launch(dq, lse, delta, marks)
             else:
-                p.dq((q, k, v, do, dq, lse, delta, *p.dq_scalars))
+                p.dq((q, k, v, do, dq, lse, delta, marks, *p.dq_scalars))
         if p.concurrent:
             # dq, allocated on the current stream, is written on the side one: the current stream waits for it
             # before anything there (a free by the caching allocator included) can touch it.
@@ -672,10 +696,11 @@ def backward(q, k, v, do, lse, delta, dk, dv, dq_acc, is_causal, backward_plan: 
     return dq
 
 
-def _launches(q, k, v, do, dk, dv, dq_acc, is_causal, p: BackwardPlan):
-    """Works out the launches of plan `p` for these inputs, storing their arguments that are not tensors in `p`;
-    returns functions that make them through `launcher.launch`, with descriptors: dkdv(lse, delta) and
-    dq(dq, lse, delta), each returning the `launcher.Launch` for later calls (None when there is none)."""
+def _launches(q, k, v, do, dk, dv, dq_acc, marks, is_causal, p: BackwardPlan):
+    """Works out the launches of plan `p` for these inputs, storing their arguments that are not tensors in `p`, and
+    with `fused_dq` the cast of dQ (`p.cast`, a `launcher.Pending`); returns functions that make the others through
+    `launcher.launch`, with descriptors: dkdv(lse, delta) and dq(dq, lse, delta, marks), each returning the
+    `launcher.Launch` for later calls (None when there is none)."""
     d, n_q, n_k = q.shape[-1], q.shape[-2], k.shape[-2]
     bh = q.numel() // (n_q * d)
     heads = q.shape[1] if q.dim() == 4 else 1
@@ -706,6 +731,9 @@ def _launches(q, k, v, do, dk, dv, dq_acc, is_causal, p: BackwardPlan):
         layout = flash_hopper._smem_layout(BLOCK_KEYS, d // 2, flash_hopper._gl_dtype(k.dtype))
         kc_desc = flash_hopper.tma_descriptor(k, [n_rows, n_cols], [stride, 1], [BLOCK_KEYS, d // 2], layout)
     p.split = split
+    if fused_dq:
+        p.cast = launcher.Pending(_cast_dq_kernel, (bh * n_q // CAST_ROWS,), (q.device, q.dtype, q.shape),
+                                  HEAD_DIM=d, BLOCK_ROWS=CAST_ROWS, MARK=marks is not None)
     p.dkdv_scalars = (n_q, n_k, heads, bh, groups[0], qk_scale, sm_scale, *strides)
     p.dq_scalars = (n_q, n_k, heads, bh, groups[1], qk_scale, sm_scale, *strides)
 
@@ -719,13 +747,13 @@ def _launches(q, k, v, do, dk, dv, dq_acc, is_causal, p: BackwardPlan):
             DS_SMEM=p.ds_smem, K_REGS=fused_dq and K_IN_REGISTERS and d == 64, **common,
         )
 
-    def dq_launch(dq, lse, delta):
+    def dq_launch(dq, lse, delta, marks):
         rows = BLOCK_ROWS // 2
         return launcher.launch(
             _dq_kernel, (n_q // BLOCK_ROWS * bh,) if GROUPED_ORDER else (n_q // BLOCK_ROWS, bh),
             (desc(q, qv, rows), desc(k, kv, block_n), desc(v, vv, block_n), desc(do, dov, rows),
-             desc(dq, flash_hopper._view(dq), rows), lse, delta, *p.dq_scalars),
-            ("dq", *key), **common,
+             desc(dq, flash_hopper._view(dq), rows), lse, delta, marks, *p.dq_scalars),
+            ("dq", *key), MARK=marks is not None, **common,
         )
 
     return dkdv, dq_launch

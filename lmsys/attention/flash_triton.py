@@ -65,11 +65,16 @@ MASKED = tl.constexpr(-1.0e6)
 
 _INTERPRET = triton.knobs.runtime.interpret
 # GUARD_MASKED: with a causal mask, a NaN or inf in a key or value that a query cannot see stays out of that query's
-# output and dQ row in the Triton-language kernels, as in lmsys.attention.masking (docs/attention.md, "Masked NaN and
-# inf"): in each diagonal tile the product with V (forward) or K (dQ) takes their finite entries, and NaN goes to the
-# columns of the rows that see a non-finite entry (`_seen_dot`). Off by default for what it costs on the H200 (that
-# section has the numbers). The Gluon kernels (flash_hopper, flash_hopper_bwd) have no such guard.
-GUARD_MASKED = False
+# output and dQ row, as in lmsys.attention.masking (docs/attention.md, "Masked NaN and inf"). Each pass marks the rows
+# whose result is not finite (the forward by a NaN log-sum-exp, the dQ pass in an int8 row of marks), and a fix-up
+# launch of the same kernel (FIXUP) recomputes the blocks of marked rows with guarded products in the diagonal tiles
+# (`_seen_dot`); a block without a mark costs the fix-up one load. False: no marks, no fix-up.
+GUARD_MASKED = True
+# The fix-up launches' tiles (fit fp32 up to d=128), and their warps and stages.
+_FIXUP_FWD = {"BLOCK_M": 32, "BLOCK_N": 16} if _INTERPRET else {"BLOCK_M": 64, "BLOCK_N": 32}
+_FIXUP_BWD = ({"BLOCK_BIG": 32, "BLOCK_M1": 16, "BLOCK_N2": 16} if _INTERPRET
+              else {"BLOCK_BIG": 64, "BLOCK_M1": 32, "BLOCK_N2": 32})
+_FIXUP_LAUNCH = {"num_warps": 4, "num_stages": 2}
 # Inputs that lmsys.attention.flash_hopper takes (Hopper, 16-bit, d=128, or d=64 on long sequences:
 # `flash_hopper.plan`; lengths multiples of 128) go to its Gluon forward, measured faster there than the forward
 # below; False sends everything to the Triton-language kernels.
@@ -228,6 +233,13 @@ def _seen_dot(a, b, cols, rows, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _not_finite_rows(x):
+    """Per row of the fp32 tile x, whether an entry is NaN or inf: then the row's sum is (times 0, NaN). A sum past
+    fp32's range marks a finite row too, which costs the fix-up time, not correctness."""
+    return tl.sum(x, 1) * 0.0 != 0.0
+
+
+@triton.jit
 def _pv(p, v, v1, acc, acc1, HEAD_DIM1: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc + p @ v, and acc1 + p @ v1 for the head dim's second chunk (HEAD_DIM1 > 0; else acc1 as it is)."""
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -306,9 +318,11 @@ def _flash_fwd_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM1: tl.constexpr, BLOCK_D1: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_OK: tl.constexpr, GUARD: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_OK: tl.constexpr, MARK: tl.constexpr, FIXUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):
+    """With MARK (causal) the rows whose output is not finite get a NaN log-sum-exp. FIXUP (causal) makes this launch
+    the fix-up (GUARD_MASKED): only the blocks with a marked row run, their diagonal tiles with guarded products."""
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
     TMA: tl.constexpr = USE_TMA and TMA_OK
     off_bh, start_m = launch_order.program_position(N_Q, BH, GROUP_HEADS, BLOCK_M, CAUSAL)
@@ -321,6 +335,10 @@ def _flash_fwd_kernel(
     LSE += off_bh.to(tl.int64) * N_Q
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if FIXUP:
+        marks = tl.load(LSE + offs_m, mask=offs_m < N_Q, other=0.0)
+        if tl.max((marks != marks).to(tl.int32), 0) == 0:
+            return
     offs_d = tl.arange(0, BLOCK_D)
     # The head dim's second chunk (columns HEAD_DIM to HEAD_DIM + HEAD_DIM1) when it is split; else placeholders that
     # nothing reads.
@@ -357,7 +375,7 @@ def _flash_fwd_kernel(
         acc, acc1, l_i, m_i = _fwd_inner(
             acc, acc1, l_i, m_i, q, q1, K, V, K1, V1, stride_kn, stride_vn,
             offs_m, offs_d, offs_d1, diag, tl.minimum(diag + BLOCK_M, N_K), N_K, qk_scale,
-            HEAD_DIM, HEAD_DIM1, BLOCK_N, True, not EVEN_N, DOT_PRECISION, TMA, GUARD,
+            HEAD_DIM, HEAD_DIM1, BLOCK_N, True, not EVEN_N, DOT_PRECISION, TMA, FIXUP,
         )
     else:
         n_full = (N_K // BLOCK_N) * BLOCK_N
@@ -375,6 +393,11 @@ def _flash_fwd_kernel(
 
     acc = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * LN2  # back from base 2 to the natural log
+    if MARK:
+        bad = _not_finite_rows(acc)
+        if HEAD_DIM1 > 0:
+            bad = bad | _not_finite_rows(acc1)
+        lse = tl.where(bad, float("nan"), lse)
     if EVEN_M:
         tl.store(LSE + offs_m, lse)
     else:
@@ -538,7 +561,7 @@ def _bwd_dq_inner(
 @triton.heuristics(_even_flags("BLOCK_BIG", "BLOCK_BIG"))
 @triton.jit
 def _flash_bwd_kernel(
-    Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
+    Q, K, V, DO, DQ, DK, DV, LSE, DELTA, MARKS,
     N_Q, N_K, H, N_BUCKET, qk_scale, sm_scale,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -548,9 +571,12 @@ def _flash_bwd_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM1: tl.constexpr, BLOCK_D1: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, GUARD: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, MARK: tl.constexpr, FIXUP: tl.constexpr,
     BLOCK_BIG: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):
+    """With MARK (causal) MARKS[row] (int8, one row per head) says whether the row's dQ is not finite. FIXUP (causal)
+    makes this launch the dQ pass's fix-up (GUARD_MASKED): no dK/dV, and only the query blocks with a marked row run,
+    their diagonal tiles with guarded products."""
     # dK/dV: a key tile of BLOCK_BIG rows visits query tiles of BLOCK_M1 rows.
     # dQ: a query tile of BLOCK_BIG rows visits key tiles of BLOCK_N2 rows.
     # A split head dim (HEAD_DIM1 > 0): every tile along it is two, columns [0, HEAD_DIM) and [HEAD_DIM, HEAD_DIM +
@@ -573,7 +599,7 @@ def _flash_bwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_d1 = tl.arange(0, BLOCK_D1)
 
-    start_n = pid * BLOCK_BIG
+    start_n = N_K if FIXUP else pid * BLOCK_BIG
     if start_n < N_K:
         offs_n = start_n + tl.arange(0, BLOCK_BIG)
         k = _load_rows(K, start_n, tl.arange(0, BLOCK_BIG), offs_d, stride_kn, N_K, HEAD_DIM, not EVEN_N, False)
@@ -613,6 +639,11 @@ def _flash_bwd_kernel(
     start_m = pid * BLOCK_BIG
     if start_m < N_Q:
         offs_m = start_m + tl.arange(0, BLOCK_BIG)
+        if MARK or FIXUP:
+            MARKS += off_bh.to(tl.int64) * N_Q
+        if FIXUP:
+            if tl.max(tl.load(MARKS + offs_m, mask=offs_m < N_Q, other=0), 0) == 0:
+                return
         q = _load_rows(Q, start_m, tl.arange(0, BLOCK_BIG), offs_d, stride_qm, N_Q, HEAD_DIM, not EVEN_M, False)
         do = _load_rows(DO, start_m, tl.arange(0, BLOCK_BIG), offs_d, stride_dom, N_Q, HEAD_DIM, not EVEN_M, False)
         dq1 = tl.zeros([BLOCK_BIG, BLOCK_D1], dtype=tl.float32)
@@ -641,7 +672,7 @@ def _flash_bwd_kernel(
             dq, dq1 = _bwd_dq_inner(
                 dq, dq1, q, q1, do, do1, lse2, delta, K, V, stride_kn, stride_vn,
                 offs_m, offs_d, offs_d1, start_m, tl.minimum(start_m + BLOCK_BIG, N_K), N_K, qk_scale,
-                HEAD_DIM, HEAD_DIM1, BLOCK_N2, True, not EVEN_N, DOT_PRECISION, GUARD,
+                HEAD_DIM, HEAD_DIM1, BLOCK_N2, True, not EVEN_N, DOT_PRECISION, FIXUP,
             )
         else:
             dq, dq1 = _bwd_dq_inner(
@@ -649,6 +680,11 @@ def _flash_bwd_kernel(
                 offs_m, offs_d, offs_d1, 0, N_K, N_K, qk_scale,
                 HEAD_DIM, HEAD_DIM1, BLOCK_N2, False, not EVEN_N, DOT_PRECISION, False,
             )
+        if MARK:
+            bad = _not_finite_rows(dq)
+            if HEAD_DIM1 > 0:
+                bad = bad | _not_finite_rows(dq1)
+            tl.store(MARKS + offs_m, bad.to(tl.int8), mask=offs_m < N_Q)
         _store_rows(DQ, dq * sm_scale, offs_m, offs_d, stride_dqm, N_Q, HEAD_DIM, not EVEN_M)
         if HEAD_DIM1 > 0:
             _store_rows(DQ + HEAD_DIM, dq1 * sm_scale, offs_m, offs_d1, stride_dqm, N_Q, HEAD_DIM1, not EVEN_M)
@@ -721,10 +757,11 @@ _BACKWARD_PLANS = plans.cache()
 
 class _ForwardPlan:
     """How _fwd_impl runs inputs of one signature: on the Gluon forward (`hopper`, its `flash_hopper.ForwardPlan`),
-    or on the Triton kernel with these arguments after the tensors (`launch`: a `launcher.Pending`, then the
-    `launcher.Launch` it made)."""
+    or on the Triton kernel with these arguments after the tensors (`launch`), then, causal with GUARD_MASKED, the
+    Triton kernel's fix-up (`fixup`, with the same arguments; else None). Each launch is a `launcher.Pending`, then the
+    `launcher.Launch` it made."""
 
-    __slots__ = ("hopper", "tma", "scalars", "launch")
+    __slots__ = ("hopper", "tma", "scalars", "launch", "fixup")
 
     def __init__(self, q, k, v, is_causal):
         self.hopper = flash_hopper.forward_views(q, k, v, is_causal) if HOPPER_FORWARD else None
@@ -738,13 +775,20 @@ class _ForwardPlan:
         self.scalars = (n_q, n_k, heads, batch * heads, launch_order.group_heads(k, batch * heads),
                         _autotune_key(n_q, n_k), LOG2E.value / math.sqrt(head_dim), *q_strides, *k_strides, *v_strides,
                         *_new_strides(q.shape))
+        # o and lse are new (aligned, contiguous): the rest of a launch follows from these.
+        key = (q.device, q.dtype, q.shape, n_k, q_strides, k_strides, v_strides, launcher.aligned(q, k, v))
+        common = dict(**_chunk_constexprs(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype))
+        mark = is_causal and GUARD_MASKED
         self.launch = launcher.Pending(
-            _flash_fwd_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * batch * heads,),
-            # o and lse are new (aligned, contiguous): the rest of the launch follows from these.
-            (q.device, q.dtype, q.shape, n_k, q_strides, k_strides, v_strides, launcher.aligned(q, k, v)),
-            **_chunk_constexprs(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype), TMA_OK=self.tma,
-            GUARD=GUARD_MASKED,
+            _flash_fwd_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * batch * heads,), key,
+            **common, TMA_OK=self.tma, MARK=mark, FIXUP=False,
         )
+        self.fixup = launcher.Pending(
+            _flash_fwd_kernel.fn, (triton.cdiv(n_q, _FIXUP_FWD["BLOCK_M"]) * batch * heads,), key,
+            **common, TMA_OK=False, MARK=False, FIXUP=True, **_FIXUP_FWD, USE_TMA=False, **_FIXUP_LAUNCH,
+        ) if mark else None
+        if self.hopper is not None:
+            self.hopper.mark = mark
 
 
 def _fwd_impl(q, k, v, is_causal):
@@ -756,12 +800,15 @@ def _fwd_impl(q, k, v, is_causal):
             return _fwd_impl(_unit_stride(q), _unit_stride(k), _unit_stride(v), is_causal)
         plan = plans.keep(_FORWARD_PLANS, signature, _ForwardPlan(q, k, v, is_causal))
     if plan.hopper is not None:
-        return flash_hopper.forward(q, k, v, is_causal, plan.hopper)
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    if plan.tma and q.is_cuda:
-        triton.set_allocator(_scratch)
-    plan.launch = plan.launch((q, k, v, o, lse, *plan.scalars))
+        o, lse = flash_hopper.forward(q, k, v, is_causal, plan.hopper)
+    else:
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        if plan.tma and q.is_cuda:
+            triton.set_allocator(_scratch)
+        plan.launch = plan.launch((q, k, v, o, lse, *plan.scalars))
+    if plan.fixup is not None:
+        plan.fixup = plan.fixup((q, k, v, o, lse, *plan.scalars))
     return o, lse
 
 
@@ -774,10 +821,11 @@ def _fwd_fake(q, k, v, is_causal):
 class _BackwardPlan:
     """How _bwd_impl runs inputs of one signature: the preprocess kernel (`preprocess`, with its arguments after the
     tensors), then the Gluon backward (`hopper`, its `flash_hopper_bwd.BackwardPlan`, with `dq_acc`, the shape of its
-    fp32 dQ buffer when it accumulates dQ) or the Triton kernel (`launch`, with its). Each launch is a
+    fp32 dQ buffer when it accumulates dQ) or the Triton kernel (`launch`, with `scalars`), then, causal with
+    GUARD_MASKED (`mark`), the Triton kernel's dQ fix-up (`fixup`, with `scalars`; else None). Each launch is a
     `launcher.Pending`, then the `launcher.Launch` it made."""
 
-    __slots__ = ("hopper", "dq_acc", "pre_scalars", "preprocess", "scalars", "launch")
+    __slots__ = ("hopper", "dq_acc", "pre_scalars", "preprocess", "mark", "scalars", "launch", "fixup")
 
     def __init__(self, q, k, v, o, lse, do, is_causal):
         self.hopper = flash_hopper_bwd.views(q, k, v, do, is_causal) if HOPPER_BACKWARD else None
@@ -793,21 +841,23 @@ class _BackwardPlan:
             (q.device, q.dtype, o.shape, o_strides, do_strides, aligned),  # delta and dq_acc are new
             HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=pre_block, ZERO_DQ=fused,
         )
-        self.scalars = self.launch = None
-        if self.hopper is not None:
-            return
         q_strides, k_strides, v_strides = _dims(q)[1], _dims(k)[1], _dims(v)[1]
         n_k = k.shape[-2]
         sm_scale = 1.0 / math.sqrt(head_dim)
         self.scalars = (n_q, n_k, heads, _autotune_key(n_q, n_k), sm_scale * LOG2E.value, sm_scale, *q_strides,
                         *k_strides, *v_strides, *do_strides, *_new_strides(q.shape), *_new_strides(k.shape),
                         *_new_strides(k.shape))
-        self.launch = launcher.Pending(
-            _flash_bwd_kernel, lambda meta: (triton.cdiv(max(n_q, n_k), meta["BLOCK_BIG"]), batch * heads),
-            # dq, dk, dv and delta are new; lse is contiguous, one row per head.
-            (q.device, q.dtype, q.shape, k.shape, q_strides, k_strides, v_strides, do_strides, aligned),
-            **_chunk_constexprs(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype),
-            GUARD=GUARD_MASKED,
+        # dq, dk, dv, delta and the marks are new; lse is contiguous, one row per head.
+        key = (q.device, q.dtype, q.shape, k.shape, q_strides, k_strides, v_strides, do_strides, aligned)
+        common = dict(**_chunk_constexprs(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype))
+        self.mark = is_causal and GUARD_MASKED
+        self.fixup = launcher.Pending(
+            _flash_bwd_kernel.fn, (triton.cdiv(n_q, _FIXUP_BWD["BLOCK_BIG"]), batch * heads), key,
+            **common, MARK=False, FIXUP=True, **_FIXUP_BWD, **_FIXUP_LAUNCH,
+        ) if self.mark else None
+        self.launch = None if self.hopper is not None else launcher.Pending(
+            _flash_bwd_kernel, lambda meta: (triton.cdiv(max(n_q, n_k), meta["BLOCK_BIG"]), batch * heads), key,
+            **common, MARK=self.mark, FIXUP=False,
         )
 
 
@@ -829,11 +879,16 @@ def _bwd_impl(q, k, v, o, lse, do, is_causal):
     delta = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
     # The fused Gluon backward's fp32 dQ accumulator, zeroed by the preprocess kernel.
     dq_acc = None if plan.dq_acc is None else torch.empty(plan.dq_acc, dtype=torch.float32, device=q.device)
+    # Per row, whether its dQ is not finite (written by the dQ pass, read by the fix-up).
+    marks = torch.empty(lse.shape, dtype=torch.int8, device=q.device) if plan.mark else None
     plan.preprocess = plan.preprocess((o, do, delta, dq_acc, *plan.pre_scalars))
     if plan.hopper is not None:
-        return flash_hopper_bwd.backward(q, k, v, do, lse, delta, dk, dv, dq_acc, is_causal, plan.hopper), dk, dv
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    plan.launch = plan.launch((q, k, v, do, dq, dk, dv, lse, delta, *plan.scalars))
+        dq = flash_hopper_bwd.backward(q, k, v, do, lse, delta, dk, dv, dq_acc, marks, is_causal, plan.hopper)
+    else:
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        plan.launch = plan.launch((q, k, v, do, dq, dk, dv, lse, delta, marks, *plan.scalars))
+    if plan.fixup is not None:
+        plan.fixup = plan.fixup((q, k, v, do, dq, dk, dv, lse, delta, marks, *plan.scalars))
     return dq, dk, dv
 
 

@@ -339,7 +339,7 @@ def _pass_modules(part: str):
     if part == "forward":
         return (flash_triton._flash_fwd_kernel, flash_hopper._flash_fwd_hopper_kernel), flash_hopper
     return (flash_triton._flash_bwd_kernel, flash_triton._flash_bwd_preprocess_kernel, flash_hopper_bwd._dkdv_kernel,
-            flash_hopper_bwd._dq_kernel), flash_hopper_bwd
+            flash_hopper_bwd._dq_kernel, flash_hopper_bwd._cast_dq_kernel), flash_hopper_bwd
 
 
 @functools.cache
