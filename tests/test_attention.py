@@ -769,6 +769,43 @@ def test_hopper_backward_compiles_with_the_softmax_under_an_mma(kernel, tmp_path
         _assert_compiled_well(folder, spill_bytes=spill_bytes if folder.name == "fused-split" else 0)
 
 
+# Compiles flash_triton's two fix-up kernels (GUARD_MASKED) for sm_90 (no GPU needed) in bf16, causal, at head dims 64,
+# 80 (split) and 128, with their launch's tiles, warps and stages, into argv[1]/<fwd|bwd>-<d>.
+_COMPILE_FIXUP = _COMPILE.replace('options={"num_warps": 4}', "options=options").replace(
+    "def compile_into(out, source):", "def compile_into(out, source, options):") + """
+import sys
+from triton.compiler import ASTSource
+from lmsys.attention import flash_triton as ft
+
+pointers = {**dict.fromkeys(("Q", "K", "V", "O", "DO", "DQ"), "*bf16"), "LSE": "*fp32", "DELTA": "*fp32", "MARKS": "*i8"}
+for kind, heuristics, tiles in (("fwd", ft._flash_fwd_fixup_kernel, ft._FIXUP_FWD),
+                                ("bwd", ft._flash_bwd_fixup_kernel, ft._FIXUP_BWD)):
+    kernel = heuristics.fn
+    for d in (64, 80, 128):
+        constexprs = dict(**ft._chunk_constexprs(d), CAUSAL=True, DOT_PRECISION="tf32", **tiles, EVEN_M=True,
+                          EVEN_N=True)
+        names = kernel.arg_names
+        types = {n: "constexpr" if n in constexprs else "fp32" if n.endswith("_scale")
+                 else pointers.get(n, "i32") for n in names}
+        source = ASTSource(kernel, types, {(names.index(n),): value for n, value in constexprs.items()})
+        compile_into(pathlib.Path(sys.argv[1]) / f"{kind}-{d}", source, dict(ft._FIXUP_LAUNCH))
+"""
+
+
+def test_the_fix_up_kernels_compile_for_sm_90(tmp_path):
+    """On any machine: flash_triton's fix-up kernels, which the interpreter runs on the CPU and no test there compiles,
+    compile for sm_90 with the installed triton at head dims 64, 80 and 128, fit shared memory, and spill little (the
+    dQ fix-up at d=128 28 bytes, at d=80 4, when built on 2026-12-02)."""
+    result = subprocess.run([sys.executable, "-c", _COMPILE_FIXUP, str(tmp_path)],
+                            env=_compile_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    for kind in ("fwd", "bwd"):
+        for d in (64, 80, 128):
+            folder = tmp_path / f"{kind}-{d}"
+            assert int((folder / "shared").read_text()) <= 227 * 1024, folder.name
+            _assert_compiled_well(folder, spill_bytes=32 if kind == "bwd" else 0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dq", ["two-kernels", "fused-dq", "fused-split"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -67,13 +67,15 @@ _INTERPRET = triton.knobs.runtime.interpret
 # GUARD_MASKED: with a causal mask, a NaN or inf in a key or value that a query cannot see stays out of that query's
 # output and dQ row, as in lmsys.attention.masking (docs/attention.md, "Masked NaN and inf"). Each pass marks the rows
 # whose result is not finite (the forward by a NaN log-sum-exp, the dQ pass in an int8 row of marks), and a fix-up
-# launch of the same kernel (FIXUP) recomputes the blocks of marked rows with guarded products in the diagonal tiles
-# (`_seen_dot`); a block without a mark costs the fix-up one load. False: no marks, no fix-up.
+# launch (`_flash_fwd_fixup_kernel`, `_flash_bwd_fixup_kernel`) recomputes the blocks of marked rows with guarded
+# products in the diagonal tiles (`_seen_dot`). False: no marks, no fix-up.
 GUARD_MASKED = True
-# The fix-up launches' tiles (fit fp32 up to d=128), and their warps and stages.
-_FIXUP_FWD = {"BLOCK_M": 32, "BLOCK_N": 16} if _INTERPRET else {"BLOCK_M": 64, "BLOCK_N": 32}
-_FIXUP_BWD = ({"BLOCK_BIG": 32, "BLOCK_M1": 16, "BLOCK_N2": 16} if _INTERPRET
-              else {"BLOCK_BIG": 64, "BLOCK_M1": 32, "BLOCK_N2": 32})
+# The fix-up launches' tiles (fit fp32 up to d=128), the query blocks each program checks (CHUNK: one program per
+# block cost up to 10.6 us a launch on the H200 with every block clean, docs/attention.md), and their warps and stages.
+_FIXUP_FWD = ({"BLOCK_M": 32, "BLOCK_N": 16, "CHUNK": 4} if _INTERPRET
+              else {"BLOCK_M": 64, "BLOCK_N": 32, "CHUNK": 32})
+_FIXUP_BWD = ({"BLOCK_M": 32, "BLOCK_N2": 16, "CHUNK": 4} if _INTERPRET
+              else {"BLOCK_M": 64, "BLOCK_N2": 32, "CHUNK": 32})
 _FIXUP_LAUNCH = {"num_warps": 4, "num_stages": 2}
 # Inputs that lmsys.attention.flash_hopper takes (Hopper, 16-bit, d=128, or d=64 on long sequences:
 # `flash_hopper.plan`; lengths multiples of 128) go to its Gluon forward, measured faster there than the forward
@@ -301,31 +303,19 @@ def _fwd_inner(
     return acc, acc1, l_i, m_i
 
 
-@triton.autotune(
-    configs=_fwd_configs(),
-    key=["N_BUCKET", "HEAD_DIM", "HEAD_DIM1", "CAUSAL"],
-    prune_configs_by={"early_config_prune": functools.partial(_prune_configs, rows="BLOCK_M", tiles=_FWD_CONFIGS,
-                                                              kernel="_flash_fwd_kernel")},
-    cache_results=True,
-)
-@triton.heuristics(_even_flags("BLOCK_M", "BLOCK_N"))
 @triton.jit
-def _flash_fwd_kernel(
-    Q, K, V, O, LSE,
-    N_Q, N_K, H, BH, GROUP_HEADS, N_BUCKET, qk_scale,
+def _fwd_block(
+    Q, K, V, O, LSE, off_bh, start_m, N_Q, N_K, H, qk_scale,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM1: tl.constexpr, BLOCK_D1: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_OK: tl.constexpr, MARK: tl.constexpr, FIXUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, MARK: tl.constexpr, GUARD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """With MARK (causal) the rows whose output is not finite get a NaN log-sum-exp. FIXUP (causal) makes this launch
-    the fix-up (GUARD_MASKED): only the blocks with a marked row run, their diagonal tiles with guarded products."""
-    tl.static_assert(BLOCK_M % BLOCK_N == 0)
-    TMA: tl.constexpr = USE_TMA and TMA_OK
-    off_bh, start_m = launch_order.program_position(N_Q, BH, GROUP_HEADS, BLOCK_M, CAUSAL)
+    """Output and log-sum-exp of query block start_m (BLOCK_M rows) of batch * head off_bh. With MARK (causal) a row
+    whose output is not finite gets a NaN log-sum-exp; with GUARD (causal) the diagonal tiles take guarded products."""
     off_b = (off_bh // H).to(tl.int64)
     off_h = (off_bh % H).to(tl.int64)
     Q += off_b * stride_qb + off_h * stride_qh
@@ -335,10 +325,6 @@ def _flash_fwd_kernel(
     LSE += off_bh.to(tl.int64) * N_Q
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    if FIXUP:
-        marks = tl.load(LSE + offs_m, mask=offs_m < N_Q, other=0.0)
-        if tl.max((marks != marks).to(tl.int32), 0) == 0:
-            return
     offs_d = tl.arange(0, BLOCK_D)
     # The head dim's second chunk (columns HEAD_DIM to HEAD_DIM + HEAD_DIM1) when it is split; else placeholders that
     # nothing reads.
@@ -375,7 +361,7 @@ def _flash_fwd_kernel(
         acc, acc1, l_i, m_i = _fwd_inner(
             acc, acc1, l_i, m_i, q, q1, K, V, K1, V1, stride_kn, stride_vn,
             offs_m, offs_d, offs_d1, diag, tl.minimum(diag + BLOCK_M, N_K), N_K, qk_scale,
-            HEAD_DIM, HEAD_DIM1, BLOCK_N, True, not EVEN_N, DOT_PRECISION, TMA, FIXUP,
+            HEAD_DIM, HEAD_DIM1, BLOCK_N, True, not EVEN_N, DOT_PRECISION, TMA, GUARD,
         )
     else:
         n_full = (N_K // BLOCK_N) * BLOCK_N
@@ -405,6 +391,90 @@ def _flash_fwd_kernel(
     _store_rows(O, acc, offs_m, offs_d, stride_om, N_Q, HEAD_DIM, not EVEN_M)
     if HEAD_DIM1 > 0:
         _store_rows(O + HEAD_DIM, acc1 / l_i[:, None], offs_m, offs_d1, stride_om, N_Q, HEAD_DIM1, not EVEN_M)
+
+
+@triton.autotune(
+    configs=_fwd_configs(),
+    key=["N_BUCKET", "HEAD_DIM", "HEAD_DIM1", "CAUSAL"],
+    prune_configs_by={"early_config_prune": functools.partial(_prune_configs, rows="BLOCK_M", tiles=_FWD_CONFIGS,
+                                                              kernel="_flash_fwd_kernel")},
+    cache_results=True,
+)
+@triton.heuristics(_even_flags("BLOCK_M", "BLOCK_N"))
+@triton.jit
+def _flash_fwd_kernel(
+    Q, K, V, O, LSE,
+    N_Q, N_K, H, BH, GROUP_HEADS, N_BUCKET, qk_scale,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM1: tl.constexpr, BLOCK_D1: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_OK: tl.constexpr, MARK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """One program per query block (`launch_order.program_position`); with MARK (causal) the rows whose output is not
+    finite get a NaN log-sum-exp, for `_flash_fwd_fixup_kernel`."""
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    off_bh, start_m = launch_order.program_position(N_Q, BH, GROUP_HEADS, BLOCK_M, CAUSAL)
+    _fwd_block(
+        Q, K, V, O, LSE, off_bh, start_m, N_Q, N_K, H, qk_scale,
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+        HEAD_DIM, BLOCK_D, HEAD_DIM1, BLOCK_D1, CAUSAL, DOT_PRECISION, MARK, False,
+        BLOCK_M, BLOCK_N, USE_TMA and TMA_OK, EVEN_M, EVEN_N,
+    )
+
+
+@triton.jit
+def _marked_blocks(MARKS, n_rows, n_blocks, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, NAN: tl.constexpr):
+    """This program's CHUNK blocks of the marks (rows of n_rows per head, blocks of BLOCK_M rows, n_blocks in all,
+    numbered head by head): their numbers, and per block 1 where a row of it is marked (NAN: a NaN log-sum-exp; else
+    a non-zero int8 mark), with each marked block's rank among them (1, 2, ...), from one load of the whole chunk."""
+    per_head = tl.cdiv(n_rows, BLOCK_M)
+    blocks = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    rows = (blocks % per_head)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    ptrs = MARKS + (blocks // per_head).to(tl.int64)[:, None] * n_rows + rows
+    marks = tl.load(ptrs, mask=(blocks < n_blocks)[:, None] & (rows < n_rows), other=0)
+    if NAN:
+        marked = tl.max((marks != marks).to(tl.int32), 1)
+    else:
+        marked = tl.max((marks != 0).to(tl.int32), 1)
+    return blocks, marked, tl.cumsum(marked, 0)
+
+
+@triton.jit
+def _nth_marked(blocks, marked, rank, i):
+    """The number of the (i+1)-th marked block of `_marked_blocks`' chunk."""
+    return tl.sum(tl.where((marked != 0) & (rank == i + 1), blocks, 0), 0)
+
+
+@triton.heuristics(_even_flags("BLOCK_M", "BLOCK_N"))
+@triton.jit
+def _flash_fwd_fixup_kernel(
+    Q, K, V, O, LSE,
+    N_Q, N_K, H, BH, qk_scale,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM1: tl.constexpr, BLOCK_D1: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """GUARD_MASKED's forward fix-up (causal): each program checks the log-sum-exps of CHUNK query blocks in one load
+    and recomputes the blocks with a NaN among them, with guarded diagonal products. Few programs, so that a launch
+    whose blocks are all clean costs about one wave of loads."""
+    blocks, marked, rank = _marked_blocks(LSE, N_Q, BH * tl.cdiv(N_Q, BLOCK_M), BLOCK_M, CHUNK, True)
+    for i in range(tl.sum(marked, 0)):
+        block = _nth_marked(blocks, marked, rank, i)
+        _fwd_block(
+            Q, K, V, O, LSE, block // tl.cdiv(N_Q, BLOCK_M), block % tl.cdiv(N_Q, BLOCK_M), N_Q, N_K, H, qk_scale,
+            stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+            stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+            HEAD_DIM, BLOCK_D, HEAD_DIM1, BLOCK_D1, CAUSAL, DOT_PRECISION, False, True,
+            BLOCK_M, BLOCK_N, False, EVEN_M, EVEN_N,
+        )
 
 
 # ------------------------------------------------------------------------------------------------ backward
@@ -551,6 +621,66 @@ def _bwd_dq_inner(
     return dq, dq1
 
 
+@triton.jit
+def _dq_block(
+    Q, K, V, DO, DQ, LSE, DELTA, MARKS, start_m, N_Q, N_K, qk_scale, sm_scale,
+    stride_qm, stride_kn, stride_vn, stride_dom, stride_dqm,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM1: tl.constexpr, BLOCK_D1: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, MARK: tl.constexpr, GUARD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """dQ of the BLOCK_M query rows from start_m of one head (every pointer at that head's rows): key tiles of BLOCK_N2
+    rows. With MARK (causal) MARKS[row] (int8) says whether the row's dQ is not finite; with GUARD (causal) the diagonal
+    tiles take guarded products."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_d1 = tl.arange(0, BLOCK_D1)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = _load_rows(Q, start_m, tl.arange(0, BLOCK_M), offs_d, stride_qm, N_Q, HEAD_DIM, not EVEN_M, False)
+    do = _load_rows(DO, start_m, tl.arange(0, BLOCK_M), offs_d, stride_dom, N_Q, HEAD_DIM, not EVEN_M, False)
+    dq1 = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
+    if HEAD_DIM1 > 0:
+        q1 = _load_rows(Q + HEAD_DIM, start_m, tl.arange(0, BLOCK_M), offs_d1, stride_qm, N_Q, HEAD_DIM1,
+                        not EVEN_M, False)
+        do1 = _load_rows(DO + HEAD_DIM, start_m, tl.arange(0, BLOCK_M), offs_d1, stride_dom, N_Q, HEAD_DIM1,
+                         not EVEN_M, False)
+    else:
+        q1 = dq1.to(Q.dtype.element_ty)
+        do1 = q1
+    if EVEN_M:
+        lse2 = tl.load(LSE + offs_m) * LOG2E
+        delta = tl.load(DELTA + offs_m)
+    else:
+        rows = offs_m < N_Q
+        lse2 = tl.load(LSE + offs_m, mask=rows, other=float("inf")) * LOG2E
+        delta = tl.load(DELTA + offs_m, mask=rows, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if CAUSAL:
+        dq, dq1 = _bwd_dq_inner(
+            dq, dq1, q, q1, do, do1, lse2, delta, K, V, stride_kn, stride_vn,
+            offs_m, offs_d, offs_d1, 0, start_m, N_K, qk_scale,
+            HEAD_DIM, HEAD_DIM1, BLOCK_N2, False, False, DOT_PRECISION, False,
+        )
+        dq, dq1 = _bwd_dq_inner(
+            dq, dq1, q, q1, do, do1, lse2, delta, K, V, stride_kn, stride_vn,
+            offs_m, offs_d, offs_d1, start_m, tl.minimum(start_m + BLOCK_M, N_K), N_K, qk_scale,
+            HEAD_DIM, HEAD_DIM1, BLOCK_N2, True, not EVEN_N, DOT_PRECISION, GUARD,
+        )
+    else:
+        dq, dq1 = _bwd_dq_inner(
+            dq, dq1, q, q1, do, do1, lse2, delta, K, V, stride_kn, stride_vn,
+            offs_m, offs_d, offs_d1, 0, N_K, N_K, qk_scale,
+            HEAD_DIM, HEAD_DIM1, BLOCK_N2, False, not EVEN_N, DOT_PRECISION, False,
+        )
+    if MARK:
+        bad = _not_finite_rows(dq)
+        if HEAD_DIM1 > 0:
+            bad = bad | _not_finite_rows(dq1)
+        tl.store(MARKS + offs_m, bad.to(tl.int8), mask=offs_m < N_Q)
+    _store_rows(DQ, dq * sm_scale, offs_m, offs_d, stride_dqm, N_Q, HEAD_DIM, not EVEN_M)
+    if HEAD_DIM1 > 0:
+        _store_rows(DQ + HEAD_DIM, dq1 * sm_scale, offs_m, offs_d1, stride_dqm, N_Q, HEAD_DIM1, not EVEN_M)
+
+
 @triton.autotune(
     configs=_bwd_configs(),
     key=["N_BUCKET", "HEAD_DIM", "HEAD_DIM1", "CAUSAL"],
@@ -571,12 +701,11 @@ def _flash_bwd_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM1: tl.constexpr, BLOCK_D1: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, MARK: tl.constexpr, FIXUP: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, MARK: tl.constexpr,
     BLOCK_BIG: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """With MARK (causal) MARKS[row] (int8, one row per head) says whether the row's dQ is not finite. FIXUP (causal)
-    makes this launch the dQ pass's fix-up (GUARD_MASKED): no dK/dV, and only the query blocks with a marked row run,
-    their diagonal tiles with guarded products."""
+    """With MARK (causal) MARKS[row] (int8, one row per head) says whether the row's dQ is not finite, for
+    `_flash_bwd_fixup_kernel`."""
     # dK/dV: a key tile of BLOCK_BIG rows visits query tiles of BLOCK_M1 rows.
     # dQ: a query tile of BLOCK_BIG rows visits key tiles of BLOCK_N2 rows.
     # A split head dim (HEAD_DIM1 > 0): every tile along it is two, columns [0, HEAD_DIM) and [HEAD_DIM, HEAD_DIM +
@@ -599,7 +728,7 @@ def _flash_bwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_d1 = tl.arange(0, BLOCK_D1)
 
-    start_n = N_K if FIXUP else pid * BLOCK_BIG
+    start_n = pid * BLOCK_BIG
     if start_n < N_K:
         offs_n = start_n + tl.arange(0, BLOCK_BIG)
         k = _load_rows(K, start_n, tl.arange(0, BLOCK_BIG), offs_d, stride_kn, N_K, HEAD_DIM, not EVEN_N, False)
@@ -638,56 +767,49 @@ def _flash_bwd_kernel(
 
     start_m = pid * BLOCK_BIG
     if start_m < N_Q:
-        offs_m = start_m + tl.arange(0, BLOCK_BIG)
-        if MARK or FIXUP:
-            MARKS += off_bh.to(tl.int64) * N_Q
-        if FIXUP:
-            if tl.max(tl.load(MARKS + offs_m, mask=offs_m < N_Q, other=0), 0) == 0:
-                return
-        q = _load_rows(Q, start_m, tl.arange(0, BLOCK_BIG), offs_d, stride_qm, N_Q, HEAD_DIM, not EVEN_M, False)
-        do = _load_rows(DO, start_m, tl.arange(0, BLOCK_BIG), offs_d, stride_dom, N_Q, HEAD_DIM, not EVEN_M, False)
-        dq1 = tl.zeros([BLOCK_BIG, BLOCK_D1], dtype=tl.float32)
-        if HEAD_DIM1 > 0:
-            q1 = _load_rows(Q + HEAD_DIM, start_m, tl.arange(0, BLOCK_BIG), offs_d1, stride_qm, N_Q, HEAD_DIM1,
-                            not EVEN_M, False)
-            do1 = _load_rows(DO + HEAD_DIM, start_m, tl.arange(0, BLOCK_BIG), offs_d1, stride_dom, N_Q, HEAD_DIM1,
-                             not EVEN_M, False)
-        else:
-            q1 = dq1.to(Q.dtype.element_ty)
-            do1 = q1
-        if EVEN_M:
-            lse2 = tl.load(LSE + offs_m) * LOG2E
-            delta = tl.load(DELTA + offs_m)
-        else:
-            rows = offs_m < N_Q
-            lse2 = tl.load(LSE + offs_m, mask=rows, other=float("inf")) * LOG2E
-            delta = tl.load(DELTA + offs_m, mask=rows, other=0.0)
-        dq = tl.zeros([BLOCK_BIG, BLOCK_D], dtype=tl.float32)
-        if CAUSAL:
-            dq, dq1 = _bwd_dq_inner(
-                dq, dq1, q, q1, do, do1, lse2, delta, K, V, stride_kn, stride_vn,
-                offs_m, offs_d, offs_d1, 0, start_m, N_K, qk_scale,
-                HEAD_DIM, HEAD_DIM1, BLOCK_N2, False, False, DOT_PRECISION, False,
-            )
-            dq, dq1 = _bwd_dq_inner(
-                dq, dq1, q, q1, do, do1, lse2, delta, K, V, stride_kn, stride_vn,
-                offs_m, offs_d, offs_d1, start_m, tl.minimum(start_m + BLOCK_BIG, N_K), N_K, qk_scale,
-                HEAD_DIM, HEAD_DIM1, BLOCK_N2, True, not EVEN_N, DOT_PRECISION, FIXUP,
-            )
-        else:
-            dq, dq1 = _bwd_dq_inner(
-                dq, dq1, q, q1, do, do1, lse2, delta, K, V, stride_kn, stride_vn,
-                offs_m, offs_d, offs_d1, 0, N_K, N_K, qk_scale,
-                HEAD_DIM, HEAD_DIM1, BLOCK_N2, False, not EVEN_N, DOT_PRECISION, False,
-            )
         if MARK:
-            bad = _not_finite_rows(dq)
-            if HEAD_DIM1 > 0:
-                bad = bad | _not_finite_rows(dq1)
-            tl.store(MARKS + offs_m, bad.to(tl.int8), mask=offs_m < N_Q)
-        _store_rows(DQ, dq * sm_scale, offs_m, offs_d, stride_dqm, N_Q, HEAD_DIM, not EVEN_M)
-        if HEAD_DIM1 > 0:
-            _store_rows(DQ + HEAD_DIM, dq1 * sm_scale, offs_m, offs_d1, stride_dqm, N_Q, HEAD_DIM1, not EVEN_M)
+            MARKS += off_bh.to(tl.int64) * N_Q
+        _dq_block(
+            Q, K, V, DO, DQ, LSE, DELTA, MARKS, start_m, N_Q, N_K, qk_scale, sm_scale,
+            stride_qm, stride_kn, stride_vn, stride_dom, stride_dqm,
+            HEAD_DIM, BLOCK_D, HEAD_DIM1, BLOCK_D1, CAUSAL, DOT_PRECISION, MARK, False,
+            BLOCK_BIG, BLOCK_N2, EVEN_M, EVEN_N,
+        )
+
+
+@triton.heuristics(_even_flags("BLOCK_M", "BLOCK_M"))
+@triton.jit
+def _flash_bwd_fixup_kernel(
+    Q, K, V, DO, DQ, LSE, DELTA, MARKS,
+    N_Q, N_K, H, BH, qk_scale, sm_scale,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dqb, stride_dqh, stride_dqm,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM1: tl.constexpr, BLOCK_D1: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N2: tl.constexpr, CHUNK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """GUARD_MASKED's dQ fix-up (causal): each program checks the marks of CHUNK query blocks in one load and
+    recomputes the dQ of the blocks with a mark among them, with guarded diagonal products."""
+    tl.static_assert(BLOCK_M % BLOCK_N2 == 0)
+    per_head = tl.cdiv(N_Q, BLOCK_M)
+    blocks, marked, rank = _marked_blocks(MARKS, N_Q, BH * per_head, BLOCK_M, CHUNK, False)
+    for i in range(tl.sum(marked, 0)):
+        block = _nth_marked(blocks, marked, rank, i)
+        off_bh = block // per_head
+        off_b = (off_bh // H).to(tl.int64)
+        off_h = (off_bh % H).to(tl.int64)
+        _dq_block(
+            Q + off_b * stride_qb + off_h * stride_qh, K + off_b * stride_kb + off_h * stride_kh,
+            V + off_b * stride_vb + off_h * stride_vh, DO + off_b * stride_dob + off_h * stride_doh,
+            DQ + off_b * stride_dqb + off_h * stride_dqh, LSE + off_bh.to(tl.int64) * N_Q,
+            DELTA + off_bh.to(tl.int64) * N_Q, MARKS, (block % per_head) * BLOCK_M, N_Q, N_K, qk_scale, sm_scale,
+            stride_qm, stride_kn, stride_vn, stride_dom, stride_dqm,
+            HEAD_DIM, BLOCK_D, HEAD_DIM1, BLOCK_D1, CAUSAL, DOT_PRECISION, False, True,
+            BLOCK_M, BLOCK_N2, EVEN_M, EVEN_N,
+        )
 
 
 # ------------------------------------------------------------------------------------------------ wrappers
@@ -758,10 +880,10 @@ _BACKWARD_PLANS = plans.cache()
 class _ForwardPlan:
     """How _fwd_impl runs inputs of one signature: on the Gluon forward (`hopper`, its `flash_hopper.ForwardPlan`),
     or on the Triton kernel with these arguments after the tensors (`launch`), then, causal with GUARD_MASKED, the
-    Triton kernel's fix-up (`fixup`, with the same arguments; else None). Each launch is a `launcher.Pending`, then the
-    `launcher.Launch` it made."""
+    fix-up (`fixup`, with `fixup_scalars`; else None). Each launch is a `launcher.Pending`, then the `launcher.Launch`
+    it made."""
 
-    __slots__ = ("hopper", "tma", "scalars", "launch", "fixup")
+    __slots__ = ("hopper", "tma", "scalars", "fixup_scalars", "launch", "fixup")
 
     def __init__(self, q, k, v, is_causal):
         self.hopper = flash_hopper.forward_views(q, k, v, is_causal) if HOPPER_FORWARD else None
@@ -772,20 +894,23 @@ class _ForwardPlan:
         # a config with USE_TMA; its own config has none.
         # A split head dim reads its second chunk through pointers: descriptors only without one.
         self.tma = (q.is_cuda or _INTERPRET) and _tma_ok(q, k, v) and _head_chunks(head_dim)[2] == 0
+        qk_scale = LOG2E.value / math.sqrt(head_dim)
+        strides = (*q_strides, *k_strides, *v_strides, *_new_strides(q.shape))
         self.scalars = (n_q, n_k, heads, batch * heads, launch_order.group_heads(k, batch * heads),
-                        _autotune_key(n_q, n_k), LOG2E.value / math.sqrt(head_dim), *q_strides, *k_strides, *v_strides,
-                        *_new_strides(q.shape))
+                        _autotune_key(n_q, n_k), qk_scale, *strides)
+        self.fixup_scalars = (n_q, n_k, heads, batch * heads, qk_scale, *strides)
         # o and lse are new (aligned, contiguous): the rest of a launch follows from these.
         key = (q.device, q.dtype, q.shape, n_k, q_strides, k_strides, v_strides, launcher.aligned(q, k, v))
         common = dict(**_chunk_constexprs(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype))
         mark = is_causal and GUARD_MASKED
         self.launch = launcher.Pending(
             _flash_fwd_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * batch * heads,), key,
-            **common, TMA_OK=self.tma, MARK=mark, FIXUP=False,
+            **common, TMA_OK=self.tma, MARK=mark,
         )
+        blocks = triton.cdiv(n_q, _FIXUP_FWD["BLOCK_M"]) * batch * heads
         self.fixup = launcher.Pending(
-            _flash_fwd_kernel.fn, (triton.cdiv(n_q, _FIXUP_FWD["BLOCK_M"]) * batch * heads,), key,
-            **common, TMA_OK=False, MARK=False, FIXUP=True, **_FIXUP_FWD, USE_TMA=False, **_FIXUP_LAUNCH,
+            _flash_fwd_fixup_kernel, (triton.cdiv(blocks, _FIXUP_FWD["CHUNK"]),), key,
+            **common, **_FIXUP_FWD, **_FIXUP_LAUNCH,
         ) if mark else None
         if self.hopper is not None:
             self.hopper.mark = mark
@@ -808,7 +933,7 @@ def _fwd_impl(q, k, v, is_causal):
             triton.set_allocator(_scratch)
         plan.launch = plan.launch((q, k, v, o, lse, *plan.scalars))
     if plan.fixup is not None:
-        plan.fixup = plan.fixup((q, k, v, o, lse, *plan.scalars))
+        plan.fixup = plan.fixup((q, k, v, o, lse, *plan.fixup_scalars))
     return o, lse
 
 
@@ -822,10 +947,11 @@ class _BackwardPlan:
     """How _bwd_impl runs inputs of one signature: the preprocess kernel (`preprocess`, with its arguments after the
     tensors), then the Gluon backward (`hopper`, its `flash_hopper_bwd.BackwardPlan`, with `dq_acc`, the shape of its
     fp32 dQ buffer when it accumulates dQ) or the Triton kernel (`launch`, with `scalars`), then, causal with
-    GUARD_MASKED (`mark`), the Triton kernel's dQ fix-up (`fixup`, with `scalars`; else None). Each launch is a
+    GUARD_MASKED (`mark`), the dQ fix-up (`fixup`, with `fixup_scalars`; else None). Each launch is a
     `launcher.Pending`, then the `launcher.Launch` it made."""
 
-    __slots__ = ("hopper", "dq_acc", "pre_scalars", "preprocess", "mark", "scalars", "launch", "fixup")
+    __slots__ = ("hopper", "dq_acc", "pre_scalars", "preprocess", "mark", "scalars", "fixup_scalars", "launch",
+                 "fixup")
 
     def __init__(self, q, k, v, o, lse, do, is_causal):
         self.hopper = flash_hopper_bwd.views(q, k, v, do, is_causal) if HOPPER_BACKWARD else None
@@ -851,13 +977,16 @@ class _BackwardPlan:
         key = (q.device, q.dtype, q.shape, k.shape, q_strides, k_strides, v_strides, do_strides, aligned)
         common = dict(**_chunk_constexprs(head_dim), CAUSAL=is_causal, DOT_PRECISION=_dot_precision(q.dtype))
         self.mark = is_causal and GUARD_MASKED
+        self.fixup_scalars = (n_q, n_k, heads, batch * heads, sm_scale * LOG2E.value, sm_scale, *q_strides,
+                              *k_strides, *v_strides, *do_strides, *_new_strides(q.shape))
+        blocks = triton.cdiv(n_q, _FIXUP_BWD["BLOCK_M"]) * batch * heads
         self.fixup = launcher.Pending(
-            _flash_bwd_kernel.fn, (triton.cdiv(n_q, _FIXUP_BWD["BLOCK_BIG"]), batch * heads), key,
-            **common, MARK=False, FIXUP=True, **_FIXUP_BWD, **_FIXUP_LAUNCH,
+            _flash_bwd_fixup_kernel, (triton.cdiv(blocks, _FIXUP_BWD["CHUNK"]),), key,
+            **common, **_FIXUP_BWD, **_FIXUP_LAUNCH,
         ) if self.mark else None
         self.launch = None if self.hopper is not None else launcher.Pending(
             _flash_bwd_kernel, lambda meta: (triton.cdiv(max(n_q, n_k), meta["BLOCK_BIG"]), batch * heads), key,
-            **common, MARK=self.mark, FIXUP=False,
+            **common, MARK=self.mark,
         )
 
 
@@ -888,7 +1017,7 @@ def _bwd_impl(q, k, v, o, lse, do, is_causal):
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         plan.launch = plan.launch((q, k, v, do, dq, dk, dv, lse, delta, marks, *plan.scalars))
     if plan.fixup is not None:
-        plan.fixup = plan.fixup((q, k, v, do, dq, dk, dv, lse, delta, marks, *plan.scalars))
+        plan.fixup = plan.fixup((q, k, v, do, dq, lse, delta, marks, *plan.fixup_scalars))
     return dq, dk, dv
 
 
