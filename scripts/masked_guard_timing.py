@@ -9,10 +9,14 @@ backward, on both paths, timed with the guard on and off, --repeats times in tur
 triton.testing.do_bench (eager: launches from the CPU, as a training loop without CUDA graphs makes them) and with
 do_bench_cudagraph (the calls captured in a CUDA graph: the device's time alone). Prints one table: per shape, path,
 mode and timer, the median over the repeats of each setting's time (ms), their range, and off -> on in percent.
+With --parts the timing is per pass instead, graph-timed: flash_triton's forward and backward launches (`_fwd_impl`,
+`_bwd_impl`) with the guard off and on, and each pass's fix-up launch alone on clean inputs (where it recomputes
+nothing), two of each in turns.
 
     PYTHONPATH=. python scripts/masked_guard_timing.py                 (from the repository root)
     PYTHONPATH=. python scripts/masked_guard_timing.py --repeats 9 --shapes 1x1x4096x64
     PYTHONPATH=. python scripts/masked_guard_timing.py --repeats 0     (the check alone)
+    PYTHONPATH=. python scripts/masked_guard_timing.py --parts --shapes 16x32x1024x64 4x32x512x80
 
 Needs a CUDA device: elsewhere it says so and exits with status 2. Exits with status 1 when the check fails.
 """
@@ -92,10 +96,41 @@ def _timed(shape, mode):
     return fwd_bwd
 
 
+def time_parts(shape, path) -> None:
+    """Prints, per pass, its launches' graph-timed medians with the guard off and on and its fix-up's alone (us)."""
+    q, k, v, do = _inputs(shape)
+    times = {}
+    for repeat in range(2):
+        for guard in (True, False) if repeat == 0 else (False, True):
+            _settings(guard, path)
+            o, lse = flash_triton._fwd_impl(q, k, v, True)
+            flash_triton._bwd_impl(q, k, v, o, lse, do, True)  # compiles (and tunes) outside the timing
+            calls = {"fwd": lambda: flash_triton._fwd_impl(q, k, v, True),
+                     "bwd": lambda: flash_triton._bwd_impl(q, k, v, o, lse, do, True)}
+            if guard:  # the plans of these inputs, made by the calls above
+                fwd_plan = next(iter(flash_triton._FORWARD_PLANS.values()))
+                bwd_plan = next(iter(flash_triton._BACKWARD_PLANS.values()))
+                marks = torch.zeros(lse.shape, dtype=torch.int8, device=q.device)
+                fwd_args = (q, k, v, o, lse, *fwd_plan.fixup_scalars)
+                bwd_args = (q, k, v, do, torch.empty_like(q), lse, torch.empty_like(lse), marks,
+                            *bwd_plan.fixup_scalars)
+                calls["fwd fix-up"] = lambda: fwd_plan.fixup(fwd_args)
+                calls["bwd fix-up"] = lambda: bwd_plan.fixup(bwd_args)
+            for part, fn in calls.items():
+                times.setdefault((part, guard), []).append(1e3 * TIMERS["graph"](fn))
+    name = "x".join(map(str, shape))
+    for part in ("fwd", "bwd"):
+        off, on = (statistics.median(times[(part, guard)]) for guard in (False, True))
+        alone = statistics.median(times[(f"{part} fix-up", True)])
+        print(f"{name:<15} {path:<8} {part}: off {off:8.1f} us, on {on:8.1f} us ({100 * (on / off - 1):+5.1f}%), "
+              f"fix-up alone {alone:6.1f} us", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), help="BxHxTxD, default: %(default)s")
     parser.add_argument("--repeats", type=int, default=5, help="timings per setting; 0: the check alone")
+    parser.add_argument("--parts", action="store_true", help="time each pass's launches and fix-up instead")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -105,7 +140,10 @@ def main() -> int:
     checked = all([check(shape, path) for shape in shapes for path in PATHS])
     print("guard check:", "passed" if checked else "FAILED", flush=True)
     rows = []
-    for shape in shapes if args.repeats > 0 else ():
+    for shape in shapes if args.parts and args.repeats > 0 else ():
+        for path in PATHS:
+            time_parts(shape, path)
+    for shape in shapes if args.repeats > 0 and not args.parts else ():
         for path in PATHS:
             for mode in MODES:
                 for timer, bench in TIMERS.items():
