@@ -70,8 +70,9 @@ _INTERPRET = triton.knobs.runtime.interpret
 # launch (`_flash_fwd_fixup_kernel`, `_flash_bwd_fixup_kernel`) recomputes the blocks of marked rows with guarded
 # products in the diagonal tiles (`_seen_dot`). False: no marks, no fix-up.
 GUARD_MASKED = True
-# The fix-up launches' tiles (fit fp32 up to d=128), the query blocks each program checks (CHUNK: one program per
-# block cost up to 10.6 us a launch on the H200 with every block clean, docs/attention.md), and their warps and stages.
+# The fix-up launches' tiles (fit fp32 up to d=128), the query blocks each program checks (CHUNK: few programs, so
+# that a launch over clean blocks, the usual case, costs about one wave of loads; docs/attention.md), and their warps
+# and stages.
 _FIXUP_FWD = ({"BLOCK_M": 32, "BLOCK_N": 16, "CHUNK": 4} if _INTERPRET
               else {"BLOCK_M": 64, "BLOCK_N": 32, "CHUNK": 32})
 _FIXUP_BWD = ({"BLOCK_M": 32, "BLOCK_N2": 16, "CHUNK": 4} if _INTERPRET
