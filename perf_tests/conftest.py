@@ -1,9 +1,20 @@
-"""Fixtures shared by the perf tests."""
+"""Fixtures shared by the perf tests, and a clear stop when the plugin that runs them is not loaded."""
 
 import sys
 
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    """Every perf test takes the plugin's `gpu_benchmark` fixture: without the plugin (lmsys not installed, or
+    `-p no:lmsys_perf`) each would error on its own, thousands of times."""
+    plugin = sys.modules.get("lmsys.perf.plugin")
+    if plugin is None or not config.pluginmanager.is_registered(plugin):
+        raise pytest.UsageError(
+            "perf_tests need lmsys's pytest plugin, which this run has not loaded: install lmsys (bash .ci/setup, or "
+            "pip install -e .) or pass -p lmsys.perf.plugin"
+        )
 
 
 @pytest.fixture

@@ -364,3 +364,22 @@ def test_benchmark_json_refuses_a_baseline_file(pytester):
     assert result.ret == USAGE_ERROR
     result.stderr.fnmatch_lines(["*--benchmark-json*is named like a baseline file (NNNN_name.json)*--benchmark-save*"])
     assert baseline.read_text() == before
+
+
+def test_the_perf_suite_stops_at_once_without_its_plugin():
+    """`pytest perf_tests` with the plugin not loaded (lmsys not installed, `-p no:lmsys_perf`) stops before any test
+    with one usage error that says how to load it, rather than an error per test; with `-p lmsys.perf.plugin` it
+    collects."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "pytest", "perf_tests", "--collect-only", "-q", "-p", "no:cacheprovider",
+               "-p", "no:lmsys_perf"]
+    stopped = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300)
+    assert stopped.returncode == USAGE_ERROR, stopped.stdout + stopped.stderr
+    assert "pass -p lmsys.perf.plugin" in stopped.stderr
+    loaded = subprocess.run([*command, "-p", "lmsys.perf.plugin"], cwd=root, capture_output=True, text=True,
+                            timeout=300)
+    assert loaded.returncode == 0, loaded.stdout + loaded.stderr
