@@ -224,6 +224,23 @@ def _store_rows(dst, value, rows, offs_d, stride_row, n_rows, HEAD_DIM: tl.const
 
 
 @triton.jit
+def _load_pair(A, B, start, stride_a, stride_b, n_rows, offs_d, offs_d1, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+               HEAD_DIM1: tl.constexpr, BOUNDS_MASK: tl.constexpr):
+    """Rows [start, start + ROWS) of two matrices (`_load_rows`) and, for a split head dim (HEAD_DIM1 > 0), of their
+    second chunks, columns from HEAD_DIM on; without one the chunks are zero placeholders that nothing reads."""
+    rows = tl.arange(0, ROWS)
+    a = _load_rows(A, start, rows, offs_d, stride_a, n_rows, HEAD_DIM, BOUNDS_MASK, False)
+    b = _load_rows(B, start, rows, offs_d, stride_b, n_rows, HEAD_DIM, BOUNDS_MASK, False)
+    if HEAD_DIM1 > 0:
+        a1 = _load_rows(A + HEAD_DIM, start, rows, offs_d1, stride_a, n_rows, HEAD_DIM1, BOUNDS_MASK, False)
+        b1 = _load_rows(B + HEAD_DIM, start, rows, offs_d1, stride_b, n_rows, HEAD_DIM1, BOUNDS_MASK, False)
+    else:
+        a1 = tl.zeros([ROWS, offs_d1.shape[0]], dtype=A.dtype.element_ty)
+        b1 = a1
+    return a, b, a1, b1
+
+
+@triton.jit
 def _seen_dot(a, b, cols, rows, acc, DOT_PRECISION: tl.constexpr):
     """acc + a @ b in a diagonal tile, for an `a` that is zero where row i cannot see position j (j > i, causal), with a
     non-finite b[j, c] reaching only the rows that see j: the product takes b's finite entries, and column c of each
@@ -636,17 +653,9 @@ def _dq_block(
     offs_d = tl.arange(0, BLOCK_D)
     offs_d1 = tl.arange(0, BLOCK_D1)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = _load_rows(Q, start_m, tl.arange(0, BLOCK_M), offs_d, stride_qm, N_Q, HEAD_DIM, not EVEN_M, False)
-    do = _load_rows(DO, start_m, tl.arange(0, BLOCK_M), offs_d, stride_dom, N_Q, HEAD_DIM, not EVEN_M, False)
+    q, do, q1, do1 = _load_pair(Q, DO, start_m, stride_qm, stride_dom, N_Q, offs_d, offs_d1, BLOCK_M, HEAD_DIM,
+                                HEAD_DIM1, not EVEN_M)
     dq1 = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
-    if HEAD_DIM1 > 0:
-        q1 = _load_rows(Q + HEAD_DIM, start_m, tl.arange(0, BLOCK_M), offs_d1, stride_qm, N_Q, HEAD_DIM1,
-                        not EVEN_M, False)
-        do1 = _load_rows(DO + HEAD_DIM, start_m, tl.arange(0, BLOCK_M), offs_d1, stride_dom, N_Q, HEAD_DIM1,
-                         not EVEN_M, False)
-    else:
-        q1 = dq1.to(Q.dtype.element_ty)
-        do1 = q1
     if EVEN_M:
         lse2 = tl.load(LSE + offs_m) * LOG2E
         delta = tl.load(DELTA + offs_m)
@@ -732,20 +741,12 @@ def _flash_bwd_kernel(
     start_n = pid * BLOCK_BIG
     if start_n < N_K:
         offs_n = start_n + tl.arange(0, BLOCK_BIG)
-        k = _load_rows(K, start_n, tl.arange(0, BLOCK_BIG), offs_d, stride_kn, N_K, HEAD_DIM, not EVEN_N, False)
-        v = _load_rows(V, start_n, tl.arange(0, BLOCK_BIG), offs_d, stride_vn, N_K, HEAD_DIM, not EVEN_N, False)
+        k, v, k1, v1 = _load_pair(K, V, start_n, stride_kn, stride_vn, N_K, offs_d, offs_d1, BLOCK_BIG, HEAD_DIM,
+                                  HEAD_DIM1, not EVEN_N)
         dk = tl.zeros([BLOCK_BIG, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_BIG, BLOCK_D], dtype=tl.float32)
         dk1 = tl.zeros([BLOCK_BIG, BLOCK_D1], dtype=tl.float32)
         dv1 = tl.zeros([BLOCK_BIG, BLOCK_D1], dtype=tl.float32)
-        if HEAD_DIM1 > 0:
-            k1 = _load_rows(K + HEAD_DIM, start_n, tl.arange(0, BLOCK_BIG), offs_d1, stride_kn, N_K, HEAD_DIM1,
-                            not EVEN_N, False)
-            v1 = _load_rows(V + HEAD_DIM, start_n, tl.arange(0, BLOCK_BIG), offs_d1, stride_vn, N_K, HEAD_DIM1,
-                            not EVEN_N, False)
-        else:
-            k1 = dk1.to(K.dtype.element_ty)
-            v1 = k1
         lo = 0
         if CAUSAL:
             # Query tiles on the diagonal need the mask; those above it (earlier queries) are skipped entirely.
