@@ -445,15 +445,14 @@ def _flash_fwd_kernel(
 
 
 @triton.jit
-def _marked_blocks(MARKS, n_rows, n_blocks, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, NAN: tl.constexpr):
-    """This program's CHUNK blocks of the marks (rows of n_rows per head, blocks of BLOCK_M rows, n_blocks in all,
+def _marked_blocks(MARKS, n_rows, BH, per_head, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, NAN: tl.constexpr):
+    """This program's CHUNK blocks of the marks (BH heads of n_rows rows, per_head blocks of BLOCK_M rows each,
     numbered head by head): their numbers, and per block 1 where a row of it is marked (NAN: a NaN log-sum-exp; else
     a non-zero int8 mark), with each marked block's rank among them (1, 2, ...), from one load of the whole chunk."""
-    per_head = tl.cdiv(n_rows, BLOCK_M)
     blocks = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     rows = (blocks % per_head)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
     ptrs = MARKS + (blocks // per_head).to(tl.int64)[:, None] * n_rows + rows
-    marks = tl.load(ptrs, mask=(blocks < n_blocks)[:, None] & (rows < n_rows), other=0)
+    marks = tl.load(ptrs, mask=(blocks < BH * per_head)[:, None] & (rows < n_rows), other=0)
     if NAN:
         marked = tl.max((marks != marks).to(tl.int32), 1)
     else:
@@ -483,11 +482,12 @@ def _flash_fwd_fixup_kernel(
     """GUARD_MASKED's forward fix-up (causal): each program checks the log-sum-exps of CHUNK query blocks in one load
     and recomputes the blocks with a NaN among them, with guarded diagonal products. Few programs, so that a launch
     whose blocks are all clean costs about one wave of loads."""
-    blocks, marked, rank = _marked_blocks(LSE, N_Q, BH * tl.cdiv(N_Q, BLOCK_M), BLOCK_M, CHUNK, True)
+    per_head = tl.cdiv(N_Q, BLOCK_M)
+    blocks, marked, rank = _marked_blocks(LSE, N_Q, BH, per_head, BLOCK_M, CHUNK, True)
     for i in range(tl.sum(marked, 0)):
         block = _nth_marked(blocks, marked, rank, i)
         _fwd_block(
-            Q, K, V, O, LSE, block // tl.cdiv(N_Q, BLOCK_M), block % tl.cdiv(N_Q, BLOCK_M), N_Q, N_K, H, qk_scale,
+            Q, K, V, O, LSE, block // per_head, block % per_head, N_Q, N_K, H, qk_scale,
             stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
             stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
             HEAD_DIM, BLOCK_D, HEAD_DIM1, BLOCK_D1, CAUSAL, DOT_PRECISION, False, True,
@@ -797,7 +797,7 @@ def _flash_bwd_fixup_kernel(
     recomputes the dQ of the blocks with a mark among them, with guarded diagonal products."""
     tl.static_assert(BLOCK_M % BLOCK_N2 == 0)
     per_head = tl.cdiv(N_Q, BLOCK_M)
-    blocks, marked, rank = _marked_blocks(MARKS, N_Q, BH * per_head, BLOCK_M, CHUNK, False)
+    blocks, marked, rank = _marked_blocks(MARKS, N_Q, BH, per_head, BLOCK_M, CHUNK, False)
     for i in range(tl.sum(marked, 0)):
         block = _nth_marked(blocks, marked, rank, i)
         off_bh = block // per_head
@@ -879,6 +879,11 @@ _FORWARD_PLANS = plans.cache()
 _BACKWARD_PLANS = plans.cache()
 
 
+def _fixup_grid(n_q, bh, tiles) -> tuple:
+    """A fix-up's grid: a program per CHUNK of the query blocks of `tiles`' BLOCK_M rows, over `bh` heads."""
+    return (triton.cdiv(triton.cdiv(n_q, tiles["BLOCK_M"]) * bh, tiles["CHUNK"]),)
+
+
 class _ForwardPlan:
     """How _fwd_impl runs inputs of one signature: on the Gluon forward (`hopper`, its `flash_hopper.ForwardPlan`),
     or on the Triton kernel with these arguments after the tensors (`launch`), then, causal with GUARD_MASKED, the
@@ -909,9 +914,8 @@ class _ForwardPlan:
             _flash_fwd_kernel, lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]) * batch * heads,), key,
             **common, TMA_OK=self.tma, MARK=mark,
         )
-        blocks = triton.cdiv(n_q, _FIXUP_FWD["BLOCK_M"]) * batch * heads
         self.fixup = launcher.Pending(
-            _flash_fwd_fixup_kernel, (triton.cdiv(blocks, _FIXUP_FWD["CHUNK"]),), key,
+            _flash_fwd_fixup_kernel, _fixup_grid(n_q, batch * heads, _FIXUP_FWD), key,
             **common, **_FIXUP_FWD, **_FIXUP_LAUNCH,
         ) if mark else None
         if self.hopper is not None:
@@ -981,9 +985,8 @@ class _BackwardPlan:
         self.mark = is_causal and GUARD_MASKED
         self.fixup_scalars = (n_q, n_k, heads, batch * heads, sm_scale * LOG2E.value, sm_scale, *q_strides,
                               *k_strides, *v_strides, *do_strides, *_new_strides(q.shape))
-        blocks = triton.cdiv(n_q, _FIXUP_BWD["BLOCK_M"]) * batch * heads
         self.fixup = launcher.Pending(
-            _flash_bwd_fixup_kernel, (triton.cdiv(blocks, _FIXUP_BWD["CHUNK"]),), key,
+            _flash_bwd_fixup_kernel, _fixup_grid(n_q, batch * heads, _FIXUP_BWD), key,
             **common, **_FIXUP_BWD, **_FIXUP_LAUNCH,
         ) if self.mark else None
         self.launch = None if self.hopper is not None else launcher.Pending(
